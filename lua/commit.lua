@@ -1,0 +1,137 @@
+--[[ commit
+Applies entry writes, deletions and store metadata changes of one store as one step:
+the bytes, the registry and the layout version change together or not at all.
+
+KEYS[1]   meta hash of the store
+KEYS[2]   registry hash (entry path -> JSON metadata)
+KEYS[3..] data keys and tmp keys, referred to by their index in the ops
+
+ARGV[1]   expected layout version: a decimal string; "" skips the check; "new" creates
+          the store and requires that it does not exist
+ARGV[2]   "1" bumps the layout version (any change of keys, shapes, dtypes or sizes)
+ARGV[3]   "1" refuses the change when the store is locked
+ARGV[4]   JSON object of meta hash fields to set (string values), or ""
+ARGV[5]   JSON array of ops, applied in order, each an object with string fields:
+            {"op":"put",  "f":path, "m":meta, "src":i, "dst":j}  rename tmp KEYS[i] to KEYS[j]
+            {"op":"zero", "f":path, "m":meta, "dst":j, "n":bytes} zero-filled string
+            {"op":"del",  "f":path, "dst":j}     remove an entry ("dst" absent for a node)
+            {"op":"node", "f":path, "m":meta}    register a nested tensordict (no bytes)
+            {"op":"move", "f":old, "t":new, "m":meta, "src":i, "dst":j}  rename an entry
+ARGV[6]   the format version written into a new store
+
+Returns: the layout version after the change (integer)
+
+Errors:
+  TDS_NOSTORE  the store does not exist (and ARGV[1] is not "new")
+  TDS_EXISTS   ARGV[1] is "new" and the store exists
+  TDS_STALE    the layout version differs from ARGV[1]
+  TDS_LOCKED   ARGV[3] is "1" and the store is locked
+  TDS_PARTIAL  a tmp key of a "put" is missing (its SET was refused); every tmp key is deleted
+  TDS_BADARG   an op is malformed
+]]
+--@include lib/common.lua
+
+local meta_key, reg_key = KEYS[1], KEYS[2]
+local expected, bump, check_lock = ARGV[1], ARGV[2], ARGV[3]
+local meta_updates = {}
+if ARGV[4] ~= '' then meta_updates = cjson.decode(ARGV[4]) end
+local ops = cjson.decode(ARGV[5])
+
+local function key_at(op, name)
+  local idx = tonumber(op[name])
+  if idx == nil or idx < 3 or idx > #KEYS then return nil end
+  return KEYS[idx]
+end
+
+local function drop_tmps()
+  for _, op in ipairs(ops) do
+    if op.op == 'put' then
+      local src = key_at(op, 'src')
+      if src then rcall('DEL', src) end
+    end
+  end
+end
+
+-- validate everything before the first write
+local valid_ops = {put = true, zero = true, del = true, node = true, move = true}
+for _, op in ipairs(ops) do
+  if not valid_ops[op.op] or type(op.f) ~= 'string' then
+    drop_tmps()
+    return fail('TDS_BADARG', 'malformed op ' .. cjson.encode(op))
+  end
+  if (op.op == 'put' or op.op == 'move') and not (key_at(op, 'src') and key_at(op, 'dst')) then
+    drop_tmps()
+    return fail('TDS_BADARG', 'op ' .. op.op .. ' on ' .. op.f .. ' needs src and dst keys')
+  end
+  if op.op == 'zero' and not (key_at(op, 'dst') and tonumber(op.n)) then
+    drop_tmps()
+    return fail('TDS_BADARG', 'op zero on ' .. op.f .. ' needs dst and n')
+  end
+end
+
+if expected == 'new' then
+  if rcall('EXISTS', meta_key) == 1 then
+    drop_tmps()
+    return fail('TDS_EXISTS', 'a store already exists at ' .. meta_key)
+  end
+else
+  local err = check_layout(meta_key, expected)
+  if err then
+    drop_tmps()
+    return err
+  end
+  if check_lock == '1' and rcall('HGET', meta_key, 'lock') == '1' then
+    drop_tmps()
+    return fail('TDS_LOCKED', 'the store at ' .. meta_key .. ' is locked')
+  end
+end
+
+for _, op in ipairs(ops) do
+  if op.op == 'put' and rcall('EXISTS', key_at(op, 'src')) == 0 then
+    drop_tmps()
+    return fail('TDS_PARTIAL', 'the bytes of ' .. op.f .. ' did not reach the server')
+  end
+end
+
+-- apply
+if expected == 'new' then
+  rcall('HSET', meta_key, 'lv', '0', 'fmt', ARGV[6], 'lock', '0')
+end
+for field, value in pairs(meta_updates) do
+  rcall('HSET', meta_key, field, value)
+end
+for _, op in ipairs(ops) do
+  local kind = op.op
+  if kind == 'put' then
+    local dst = key_at(op, 'dst')
+    rcall('RENAME', key_at(op, 'src'), dst)
+    -- tmp keys carry a TTL so that an abandoned one expires; the entry must not
+    rcall('PERSIST', dst)
+    rcall('HSET', reg_key, op.f, op.m)
+  elseif kind == 'zero' then
+    local dst = key_at(op, 'dst')
+    local n = tonumber(op.n)
+    rcall('DEL', dst)
+    if n > 0 then
+      rcall('SETRANGE', dst, int_str(n - 1), '\0')
+    else
+      rcall('SET', dst, '')
+    end
+    rcall('HSET', reg_key, op.f, op.m)
+  elseif kind == 'del' then
+    rcall('HDEL', reg_key, op.f)
+    local dst = key_at(op, 'dst')
+    if dst then rcall('DEL', dst) end
+  elseif kind == 'node' then
+    rcall('HSET', reg_key, op.f, op.m)
+  elseif kind == 'move' then
+    local src, dst = key_at(op, 'src'), key_at(op, 'dst')
+    if rcall('EXISTS', src) == 1 then rcall('RENAME', src, dst) end
+    rcall('HDEL', reg_key, op.f)
+    rcall('HSET', reg_key, op.t, op.m)
+  end
+end
+if bump == '1' then
+  return rcall('HINCRBY', meta_key, 'lv', 1)
+end
+return tonumber(rcall('HGET', meta_key, 'lv'))

@@ -1,0 +1,29 @@
+--[[ lib/common
+Helpers shared by the scripts; _scripts.py inlines this file where a script says
+"--@include lib/common.lua". Valid on Lua 5.1 (Redis, Valkey, KeyDB) and 5.4 (Dragonfly).
+]]
+local rcall = redis.call
+local unpack = unpack or table.unpack
+
+-- Integers are formatted with %d: tostring() would give "3.0" on Lua 5.4 and "%.14g"
+-- rounding on Lua 5.1, and both would corrupt a SETRANGE offset.
+local function int_str(x)
+  return string.format('%d', x)
+end
+
+local function fail(code, msg)
+  return redis.error_reply(code .. ' ' .. msg)
+end
+
+-- Returns nil when the store's layout matches what the client assumed, an error reply
+-- otherwise. expected: a decimal layout version, or '' to skip the check.
+local function check_layout(meta_key, expected)
+  local meta = rcall('HMGET', meta_key, 'lv', 'fmt')
+  if not meta[1] then
+    return fail('TDS_NOSTORE', 'no store at ' .. meta_key)
+  end
+  if expected ~= '' and meta[1] ~= expected then
+    return fail('TDS_STALE', 'layout version is ' .. meta[1] .. ', client assumed ' .. expected)
+  end
+  return nil
+end

@@ -1,0 +1,55 @@
+"""tdstore: share PyTorch TensorDicts between processes and machines through a Redis-wire server.
+
+Examples:
+    >>> import torch
+    >>> from tdstore import TensorDictStore
+    >>> store = TensorDictStore(batch_size=[4])
+    >>> store["x"] = torch.arange(4)
+    >>> store[1:3]["x"]
+    tensor([1, 2])
+    >>> store.clear_redis()
+    >>> store.close()
+"""
+
+from __future__ import annotations
+
+from tdstore.errors import (
+    ClientConfigError,
+    CorruptMetadataError,
+    EntryNotFoundError,
+    EntryTooLargeError,
+    EventLoopError,
+    FormatVersionError,
+    PartialWriteError,
+    SchemaError,
+    StaleLayoutError,
+    StoreClosedError,
+    StoreExistsError,
+    StoreLockedError,
+    StoreNotFoundError,
+    TDStoreError,
+    UnsupportedOperationError,
+)
+from tdstore.store import TensorDictStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TensorDictStore",
+    "TDStoreError",
+    "StoreNotFoundError",
+    "StoreExistsError",
+    "StoreClosedError",
+    "StoreLockedError",
+    "EntryNotFoundError",
+    "EntryTooLargeError",
+    "SchemaError",
+    "StaleLayoutError",
+    "PartialWriteError",
+    "CorruptMetadataError",
+    "FormatVersionError",
+    "UnsupportedOperationError",
+    "ClientConfigError",
+    "EventLoopError",
+    "__version__",
+]

@@ -1,0 +1,303 @@
+"""Every server operation of tdstore, as async functions. No TensorDict logic lives here.
+
+The functions take a ``redis.asyncio`` client, the store's :class:`~tdstore._keys.StoreKeys`
+and, for scripts, a :class:`~tdstore._scripts.ScriptRunner`. Reads that must be consistent
+(entry metadata with its bytes, several entries with each other) run in one MULTI/EXEC, so
+the server executes them without interleaving another client's write. Writes that change
+the layout go through the ``commit`` script; the bytes they carry travel in the same
+MULTI as short-lived tmp keys, which the script renames into place (no byte passes
+through Lua, and a refused write leaves nothing behind).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import redis.exceptions
+
+from tdstore._keys import StoreKeys, decode_path, encode_path
+from tdstore._scripts import ScriptRunner
+from tdstore.errors import PartialWriteError, translate_response_error
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Layout",
+    "Op",
+    "fetch_layout",
+    "read_layout_version",
+    "read_entries",
+    "read_runs",
+    "commit",
+    "write_runs",
+    "clear",
+    "list_stores",
+]
+
+#: Version of the on-server format; written into every new store's meta hash.
+FORMAT_VERSION = "1"
+
+#: Seconds a tmp key lives if its MULTI never reaches the commit script.
+TMP_TTL_MS = 600_000
+
+
+@dataclass
+class Layout:
+    """A consistent snapshot of a store's metadata, at layout version ``lv``."""
+
+    lv: int
+    meta: dict[str, str]
+    entries: dict[tuple[str, ...], dict[str, Any]]
+
+
+def _s(value: bytes | str | None) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_layout(meta_raw: dict[Any, Any], reg_raw: dict[Any, Any]) -> Layout | None:
+    """Builds a :class:`Layout` from the raw HGETALL replies of meta and registry."""
+    if not meta_raw:
+        return None
+    meta = {_s(k): _s(v) for k, v in meta_raw.items()}
+    entries = {decode_path(k): json.loads(v) for k, v in reg_raw.items()}
+    return Layout(int(meta.get("lv", 0)), meta, entries)  # type: ignore[arg-type]
+
+
+async def _exec(pipe: Any) -> list[Any]:
+    try:
+        return await pipe.execute(raise_on_error=False)
+    except redis.exceptions.ResponseError as err:
+        exc = translate_response_error(err)
+        if exc is err:
+            raise
+        raise exc from err
+
+
+async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
+    """The store's metadata and registry in one snapshot; None if there is no store."""
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hgetall(keys.meta)
+        pipe.hgetall(keys.reg)
+        meta_raw, reg_raw = await _exec(pipe)
+    return parse_layout(meta_raw, reg_raw)
+
+
+async def read_layout_version(client: Any, keys: StoreKeys) -> int | None:
+    value = await client.hget(keys.meta, "lv")
+    return None if value is None else int(value)
+
+
+async def read_entries(
+    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False
+) -> tuple[int | None, list[Any], list[Any], Layout | None]:
+    """Reads entries whole, with their metadata, in one snapshot.
+
+    Returns:
+        (layout version, raw registry metadata per path (None when absent), bytes per
+        path (None when absent), the full layout when ``with_layout``).
+    """
+    async with client.pipeline(transaction=True) as pipe:
+        if with_layout:
+            pipe.hgetall(keys.meta)
+            pipe.hgetall(keys.reg)
+        else:
+            pipe.hget(keys.meta, "lv")
+            if paths:
+                pipe.hmget(keys.reg, [encode_path(p) for p in paths])
+        for path in paths:
+            pipe.get(keys.data(path))
+        replies = await _exec(pipe)
+    _raise_first_error(replies)
+    if with_layout:
+        layout = parse_layout(replies[0], replies[1])
+        lv = None if layout is None else layout.lv
+        metas = [None if layout is None else layout.entries.get(p) for p in paths]
+        return lv, metas, replies[2:], layout
+    lv = None if replies[0] is None else int(replies[0])
+    metas = [json.loads(m) if m is not None else None for m in replies[1]] if paths else []
+    return lv, metas, replies[2:], None
+
+
+async def read_runs(
+    client: Any,
+    keys: StoreKeys,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]]]],
+) -> tuple[int | None, list[Any], list[list[bytes]]]:
+    """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
+
+    Returns:
+        (layout version, raw registry metadata per entry, list of run bytes per entry).
+    """
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hget(keys.meta, "lv")
+        pipe.hmget(keys.reg, [encode_path(p) for p, _ in plans])
+        for path, runs in plans:
+            data_key = keys.data(path)
+            for offset, length in runs:
+                # length None reads the whole string (non-tensor entries)
+                pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
+        replies = await _exec(pipe)
+    _raise_first_error(replies)
+    lv = None if replies[0] is None else int(replies[0])
+    metas = [json.loads(m) if m is not None else None for m in replies[1]]
+    out: list[list[bytes]] = []
+    pos = 2
+    for _, runs in plans:
+        out.append(replies[pos : pos + len(runs)])
+        pos += len(runs)
+    return lv, metas, out
+
+
+def _raise_first_error(replies: list[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, redis.exceptions.ResponseError):
+            exc = translate_response_error(reply)
+            raise exc from (reply if exc is not reply else None)
+        if isinstance(reply, Exception):
+            raise reply
+
+
+@dataclass
+class Op:
+    """One change applied by the commit script (see lua/commit.lua)."""
+
+    op: str
+    path: tuple[str, ...]
+    meta: dict[str, Any] | None = None
+    payload: Any = None  # bytes-like for "put"
+    nbytes: int | None = None  # for "zero"
+    new_path: tuple[str, ...] | None = None  # for "move"
+    has_data: bool = True  # "del"/"move": whether the entry has a data key
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def commit(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    ops: Sequence[Op],
+    *,
+    expected: str,
+    bump: bool,
+    check_lock: bool,
+    meta_updates: dict[str, str] | None = None,
+) -> int:
+    """Applies ``ops`` in one atomic step; returns the new layout version.
+
+    The bytes of "put" ops are SET into tmp keys (with a TTL, in case the MULTI is cut
+    short) inside the same MULTI as the script that renames them into place.
+    """
+    key_list: list[str] = [keys.meta, keys.reg]
+    tmp_payloads: list[tuple[str, Any]] = []
+    wire_ops: list[dict[str, str]] = []
+
+    def index_of(key: str) -> str:
+        key_list.append(key)
+        return str(len(key_list))
+
+    for op in ops:
+        field_name = encode_path(op.path)
+        wire: dict[str, str] = {"op": op.op, "f": field_name}
+        if op.meta is not None:
+            wire["m"] = json.dumps(op.meta, separators=(",", ":"))
+        if op.op == "put":
+            tmp = keys.tmp()
+            tmp_payloads.append((tmp, op.payload))
+            wire["src"] = index_of(tmp)
+            wire["dst"] = index_of(keys.data(op.path))
+        elif op.op == "zero":
+            wire["dst"] = index_of(keys.data(op.path))
+            wire["n"] = str(op.nbytes)
+        elif op.op == "del":
+            if op.has_data:
+                wire["dst"] = index_of(keys.data(op.path))
+        elif op.op == "move":
+            assert op.new_path is not None
+            wire["t"] = encode_path(op.new_path)
+            wire["src"] = index_of(keys.data(op.path))
+            wire["dst"] = index_of(keys.data(op.new_path))
+        wire_ops.append(wire)
+    args = [
+        expected,
+        "1" if bump else "0",
+        "1" if check_lock else "0",
+        json.dumps(meta_updates, separators=(",", ":")) if meta_updates else "",
+        json.dumps(wire_ops, separators=(",", ":")),
+        FORMAT_VERSION,
+    ]
+    if not tmp_payloads:
+        return int(await runner.call(client, "commit", key_list, args))
+    for attempt in range(2):
+        async with client.pipeline(transaction=True) as pipe:
+            for tmp, payload in tmp_payloads:
+                pipe.set(tmp, payload, px=TMP_TTL_MS)
+            runner.queue(pipe, "commit", key_list, args)
+            replies = await _exec(pipe)
+        result = replies[-1]
+        if isinstance(result, redis.exceptions.NoScriptError) and attempt == 0:
+            # the SETs ran: remove the tmp keys now rather than wait for their TTL
+            await client.delete(*[tmp for tmp, _ in tmp_payloads])
+            await runner.load_all(client)
+            continue
+        for reply in replies[:-1]:
+            if isinstance(reply, Exception) and not isinstance(result, Exception):
+                raise PartialWriteError(f"a SET of the commit failed: {reply}")
+        if isinstance(result, Exception):
+            if isinstance(result, redis.exceptions.ResponseError):
+                exc = translate_response_error(result)
+                if exc is not result:
+                    # say why a tmp key went missing, e.g. the server is out of memory
+                    set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
+                    if set_errors and isinstance(exc, PartialWriteError):
+                        exc = PartialWriteError(f"{exc}: {set_errors[0]}")
+                    raise exc from result
+            raise result
+        return int(result)
+    raise AssertionError("unreachable")
+
+
+async def write_runs(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]],
+    *,
+    expected: str,
+) -> int:
+    """Writes ``(path, runs, payload)`` groups in one atomic script call."""
+    key_list: list[str] = [keys.meta]
+    args: list[Any] = [expected]
+    for path, runs, payload in groups:
+        key_list.append(keys.data(path))
+        args.append(str(len(runs)))
+        for offset, length in runs:
+            args.append(str(offset))
+            args.append(str(length))
+        args.append(payload)
+    return int(await runner.call(client, "write_runs", key_list, args))
+
+
+async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout) -> int:
+    """Deletes every key of the store at layout version ``layout.lv``."""
+    data_keys = [keys.data(p) for p, e in layout.entries.items() if e.get("k") != "td"]
+    return int(
+        await runner.call(
+            client,
+            "clear",
+            [keys.meta, keys.reg, *data_keys],
+            [str(layout.lv), str(len(layout.entries))],
+        )
+    )
+
+
+async def list_stores(client: Any, prefix: str, count: int = 1000) -> list[str]:
+    """The td_ids of every store under ``prefix`` (SCAN; no blocking KEYS)."""
+    out = []
+    async for key in client.scan_iter(match=StoreKeys.meta_pattern(prefix), count=count):
+        text = _s(key) or ""
+        start, end = text.find("{"), text.rfind("}")
+        out.append(text[start + 1 : end])
+    return sorted(out)

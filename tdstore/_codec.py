@@ -1,0 +1,158 @@
+"""Tensor <-> bytes, dtype names and non-tensor encoding. Pure functions, no I/O.
+
+Tensors travel as their contiguous CPU bytes in native (little-endian) order. Writes hand
+redis-py a ``memoryview`` of the tensor's own memory, so no ``bytes`` copy is made; reads
+wrap the reply's buffer without copying it when this process owns the reply exclusively
+(see :func:`tensor_from_reply`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DTYPE_BY_NAME",
+    "dtype_name",
+    "dtype_from_name",
+    "tensor_nbytes",
+    "tensor_view",
+    "tensor_from_reply",
+    "encode_non_tensor",
+    "decode_non_tensor",
+    "is_json_faithful",
+]
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("tdstore stores tensors in little-endian order and needs a little-endian host")
+
+_DTYPE_NAMES = [
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+]  # fmt: skip
+
+#: Every torch dtype tdstore can store, by its canonical name (the one written on the server).
+DTYPE_BY_NAME: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_NAME_BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
+
+# torch.frombuffer warns that a bytes reply is read-only; tdstore only wraps replies
+# that nothing else references (tensor_from_reply), so writing through them is safe.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name under which ``dtype`` is written on the server."""
+    try:
+        return _NAME_BY_DTYPE[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} cannot be stored: tdstore stores {', '.join(DTYPE_BY_NAME)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; raises ``ValueError`` for an unknown name."""
+    try:
+        return DTYPE_BY_NAME[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {name!r} in the store's metadata (this torch knows {', '.join(DTYPE_BY_NAME)})"
+        ) from None
+
+
+def tensor_nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
+    return math.prod(shape) * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+    """The contiguous CPU tensor and a byte ``memoryview`` of its memory, without a copy.
+
+    The returned tensor must be kept alive as long as the view is used; the view itself
+    holds a reference, so passing it to redis-py is enough.
+    """
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.is_conj():
+        flat = flat.resolve_conj()
+    if flat.is_neg():
+        flat = flat.resolve_neg()
+    flat = flat.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return flat, memoryview(b"")
+    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    return flat, memoryview(raw.numpy())
+
+
+def tensor_from_reply(
+    data: bytes | bytearray | memoryview,
+    dtype: torch.dtype,
+    shape: tuple[int, ...] | torch.Size,
+    *,
+    owned: bool,
+) -> torch.Tensor:
+    """Wraps reply bytes as a tensor of ``dtype`` and ``shape``.
+
+    Args:
+        data: the bytes read from the server.
+        dtype, shape: what the bytes hold; their size must match exactly.
+        owned: True when nothing but the caller references ``data`` (a reply parsed from
+            a socket). The tensor then shares the reply's memory. Otherwise (an in-process
+            server, such as fakeredis, may hand out its own stored object) it is copied.
+    """
+    expected = tensor_nbytes(shape, dtype)
+    if len(data) != expected:
+        raise ValueError(f"expected {expected} bytes for {dtype} {list(shape)}, got {len(data)}")
+    if expected == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    if not owned or len(data) <= 1 or isinstance(data, memoryview):
+        # bytes of length <= 1 are interned singletons; never write through those
+        data = bytearray(data)
+    flat = torch.frombuffer(data, dtype=torch.uint8)
+    if dtype != torch.uint8:
+        flat = flat.view(dtype)
+    return flat.reshape(tuple(shape))
+
+
+def is_json_faithful(value: Any) -> bool:
+    """Whether ``json.loads(json.dumps(value))`` gives back an equal value of the same types."""
+    if value is None or isinstance(value, (bool, str)):
+        return True
+    if type(value) is int:
+        return True
+    if type(value) is float:
+        return math.isfinite(value)
+    if type(value) is list:
+        return all(is_json_faithful(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and is_json_faithful(v) for k, v in value.items())
+    return False
+
+
+def encode_non_tensor(value: Any) -> tuple[str, bytes]:
+    """Encodes a non-tensor value: JSON when it round-trips exactly, pickle otherwise."""
+    if is_json_faithful(value):
+        return "json", json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    return "pickle", pickle.dumps(value, protocol=5)
+
+
+def decode_non_tensor(encoding: str, payload: bytes) -> Any:
+    """Inverse of :func:`encode_non_tensor`."""
+    if encoding == "json":
+        return json.loads(payload)
+    if encoding == "pickle":
+        return pickle.loads(payload)
+    raise ValueError(f"unknown non-tensor encoding {encoding!r}")

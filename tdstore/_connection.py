@@ -1,0 +1,217 @@
+"""The connection a store and its nested sub-stores share: client, keys, scripts, metadata cache.
+
+The redis client belongs to the process's IO loop (:mod:`tdstore._io`). After a ``fork()``
+the loop is replaced, and the connection builds a new client from the same settings on
+first use, so a store inherited by a forked DataLoader worker keeps working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio
+import redis.exceptions
+
+from tdstore import _backend, _io
+from tdstore._keys import StoreKeys
+from tdstore._scripts import ScriptRunner, probe_shebang
+from tdstore.errors import ClientConfigError, StoreClosedError
+
+__all__ = ["Connection", "DEFAULT_MAX_BULK"]
+
+T = TypeVar("T")
+
+#: Redis's default proto-max-bulk-len, assumed when the server does not tell (CONFIG off).
+DEFAULT_MAX_BULK = 512 * 1024 * 1024
+
+# connection_kwargs that describe where and how to connect (kept when pickling)
+_SECRET_KWARGS = ("password", "username", "credential_provider")
+
+
+def _check_decode(kwargs: dict[str, Any], where: str) -> None:
+    if kwargs.get("decode_responses"):
+        raise ClientConfigError(
+            f"{where} has decode_responses=True: tdstore reads raw bytes from the server, "
+            "and a client that decodes replies to str would corrupt every tensor. "
+            "Pass a client created with decode_responses=False (the default)."
+        )
+
+
+class Connection:
+    """Settings and live client of one store (shared by its nested sub-stores)."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        db: int,
+        unix_socket_path: str | None,
+        client: Any,
+        prefix: str,
+        td_id: str,
+        timeout: float,
+        redis_kwargs: dict[str, Any],
+    ) -> None:
+        self.keys = StoreKeys(prefix, td_id)
+        self.timeout = timeout
+        self.closed = False
+        self.layout: _backend.Layout | None = None
+        self._client: Any = None
+        self._generation = -1
+        self._runner: ScriptRunner | None = None
+        self.max_bulk = DEFAULT_MAX_BULK
+        if client is not None:
+            if not isinstance(client, redis.asyncio.Redis):
+                raise ClientConfigError(
+                    f"client must be a redis.asyncio.Redis instance, got {type(client).__name__}"
+                )
+            pool = client.connection_pool
+            kwargs = dict(pool.connection_kwargs)
+            _check_decode(kwargs, "the client passed to TensorDictStore")
+            self._client_class = type(client)
+            self._pool_class = type(pool)
+            self._connection_class = pool.connection_class
+            self._conn_kwargs = kwargs
+        else:
+            _check_decode(redis_kwargs, "redis_kwargs")
+            kwargs = dict(redis_kwargs)
+            kwargs.setdefault("socket_timeout", timeout)
+            kwargs.setdefault("socket_connect_timeout", min(timeout, 10.0))
+            kwargs["db"] = db
+            if unix_socket_path is not None:
+                kwargs["path"] = unix_socket_path
+                connection_class: type = redis.asyncio.UnixDomainSocketConnection
+            else:
+                kwargs["host"] = host
+                kwargs["port"] = port
+                connection_class = (
+                    redis.asyncio.SSLConnection if kwargs.pop("ssl", False) else redis.asyncio.Connection
+                )
+            self._client_class = redis.asyncio.Redis
+            self._pool_class = redis.asyncio.ConnectionPool
+            self._connection_class = connection_class
+            self._conn_kwargs = kwargs
+        # Replies parsed from a socket are fresh bytes objects that only tdstore holds;
+        # an in-process server (fakeredis) may hand out its own stored objects.
+        self.owned_replies = self._connection_class.__module__.startswith("redis.")
+
+    # -- description -------------------------------------------------------------------
+    def describe(self) -> str:
+        kw = self._conn_kwargs
+        if "path" in kw:
+            where = f"unix://{kw['path']}"
+        elif "host" in kw:
+            where = f"{kw['host']}:{kw['port']}"
+        else:
+            where = self._connection_class.__name__
+        return f"{where} db={kw.get('db', 0)}"
+
+    def pickle_state(self) -> dict[str, Any]:
+        kwargs = dict(self._conn_kwargs)
+        if kwargs.get("server") is not None or not self.owned_replies:
+            raise TypeError(
+                "a TensorDictStore on an in-process server (fakeredis) cannot be pickled: "
+                "another process cannot reach that server"
+            )
+        return {
+            "client_class": self._client_class,
+            "pool_class": self._pool_class,
+            "connection_class": self._connection_class,
+            "conn_kwargs": kwargs,
+            "prefix": self.keys.prefix,
+            "td_id": self.keys.td_id,
+            "timeout": self.timeout,
+        }
+
+    @classmethod
+    def from_pickle_state(cls, state: dict[str, Any]) -> Connection:
+        self = cls.__new__(cls)
+        self.keys = StoreKeys(state["prefix"], state["td_id"])
+        self.timeout = state["timeout"]
+        self.closed = False
+        self.layout = None
+        self._client = None
+        self._generation = -1
+        self._runner = None
+        self.max_bulk = DEFAULT_MAX_BULK
+        self._client_class = state["client_class"]
+        self._pool_class = state["pool_class"]
+        self._connection_class = state["connection_class"]
+        self._conn_kwargs = state["conn_kwargs"]
+        self.owned_replies = self._connection_class.__module__.startswith("redis.")
+        return self
+
+    def sibling(self, td_id: str) -> Connection:
+        """A connection with the same settings to another store of the same server."""
+        state = {
+            "client_class": self._client_class,
+            "pool_class": self._pool_class,
+            "connection_class": self._connection_class,
+            "conn_kwargs": self._conn_kwargs,
+            "prefix": self.keys.prefix,
+            "td_id": td_id,
+            "timeout": self.timeout,
+        }
+        return Connection.from_pickle_state(state)
+
+    # -- running -----------------------------------------------------------------------
+    def _build_client(self) -> Any:
+        pool = self._pool_class(connection_class=self._connection_class, **self._conn_kwargs)
+        return self._client_class(connection_pool=pool)
+
+    def closed_error(self) -> StoreClosedError:
+        return StoreClosedError(
+            f"TensorDictStore(td_id={self.keys.td_id!r}, prefix={self.keys.prefix!r}) is closed; "
+            f"its data is still on the server: reconnect with "
+            f"TensorDictStore.from_store(td_id={self.keys.td_id!r}, ...)"
+        )
+
+    def run(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None = None) -> T:
+        """Runs ``fn(client)`` on the IO loop and returns its result."""
+        if self.closed:
+            raise self.closed_error()
+        generation = _io.loop_generation()
+        if self._client is None or self._generation != generation:
+            self._client = self._build_client()
+            self._generation = generation
+            self._runner = None
+        client = self._client
+
+        async def call() -> T:
+            if self._runner is None:
+                await self._setup(client)
+            return await fn(client)
+
+        return _io.sync(call(), self.timeout if timeout is None else timeout)
+
+    @property
+    def runner(self) -> ScriptRunner:
+        assert self._runner is not None, "runner is set up by run()"
+        return self._runner
+
+    async def _setup(self, client: Any) -> None:
+        shebang = await probe_shebang(client)
+        try:
+            reply = await client.config_get("proto-max-bulk-len")
+            value = reply.get(b"proto-max-bulk-len") or reply.get("proto-max-bulk-len")
+            if value is not None:
+                self.max_bulk = int(value)
+        except (redis.exceptions.ResponseError, ValueError):
+            self.max_bulk = DEFAULT_MAX_BULK
+        runner = ScriptRunner(shebang)
+        await runner.load_all(client)
+        self._runner = runner
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        client, self._client = self._client, None
+        if client is not None and self._generation == _io.loop_generation():
+            try:
+                _io.sync(client.aclose(), 5.0)
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort
+                pass

@@ -1,0 +1,81 @@
+"""Index math: any TensorDict batch index -> result shape and coalesced byte runs. No I/O.
+
+An index over the batch dims selects rows: the elements of the flattened batch, each
+followed in an entry's bytes by its feature block (``prod(shape[batch_dims:]) * itemsize``
+bytes). :func:`select_rows` resolves the index exactly as torch indexes a tensor of the
+batch shape (same result shape, same placement of advanced indices, same errors), and
+:func:`row_runs` turns the selected rows, in result order, into ``(offset, length)`` runs,
+merging consecutive rows into one run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["normalize_index", "select_rows", "row_runs", "is_full_index"]
+
+
+def normalize_index(index: Any) -> Any:
+    """Converts lists, ranges and numpy arrays in an index to tensors, as TensorDict does."""
+    if isinstance(index, tuple):
+        return tuple(_normalize_one(i) for i in index)
+    return _normalize_one(index)
+
+
+def _normalize_one(index: Any) -> Any:
+    if isinstance(index, (list, range)):
+        return torch.as_tensor(list(index)) if len(index) else torch.zeros(0, dtype=torch.long)
+    if isinstance(index, np.ndarray):
+        return torch.from_numpy(index)
+    if isinstance(index, np.integer):
+        return int(index)
+    if isinstance(index, np.bool_):
+        return bool(index)
+    if isinstance(index, torch.Tensor) and index.device.type != "cpu":
+        return index.cpu()
+    return index
+
+
+def is_full_index(index: Any, ndim: int) -> bool:
+    """Whether ``index`` selects the whole batch in order (``...``, ``:``, ``()``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) > ndim + (1 if any(i is Ellipsis for i in items) else 0):
+        return False
+    return all(i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in items)
+
+
+def select_rows(index: Any, batch_shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """Flat row numbers selected by ``index``, shaped like the indexed batch.
+
+    Raises:
+        IndexError, TypeError, ValueError: as torch raises them for the same index on a
+            tensor of shape ``batch_shape``.
+    """
+    numel = math.prod(batch_shape)
+    rows = torch.arange(numel, dtype=torch.long).reshape(tuple(batch_shape))
+    return rows[normalize_index(index)]
+
+
+def row_runs(rows: torch.Tensor, row_bytes: int) -> list[tuple[int, int]]:
+    """Coalesces flat row numbers (in result order) into ``(byte offset, byte length)`` runs.
+
+    Consecutive ascending rows form one run; a repeated or backward row starts a new one,
+    so reading the runs in order and concatenating them gives the rows in result order.
+    """
+    flat = rows.reshape(-1)
+    n = flat.numel()
+    if n == 0 or row_bytes == 0:
+        return []
+    if n == 1:
+        return [(int(flat[0]) * row_bytes, row_bytes)]
+    breaks = torch.nonzero(flat[1:] - flat[:-1] != 1).reshape(-1) + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+    ends = torch.cat([breaks, torch.tensor([n])])
+    first_rows = flat[starts]
+    offsets = (first_rows * row_bytes).tolist()
+    lengths = ((ends - starts) * row_bytes).tolist()
+    return list(zip(offsets, lengths))

@@ -1,0 +1,120 @@
+"""The one IO event loop of the process, and :func:`sync` to run coroutines on it.
+
+Every store of the process shares one daemon thread that runs an asyncio loop; blocking
+methods submit coroutines to it and wait with a timeout. The loop is created lazily,
+forgotten in a child after ``fork()`` (the thread does not survive a fork; the child builds
+a new loop on first use), and stopped at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from tdstore.errors import EventLoopError
+
+__all__ = ["get_loop", "sync", "loop_generation", "DEFAULT_TIMEOUT"]
+
+T = TypeVar("T")
+
+#: Seconds a blocking call waits for the server before it raises ``TimeoutError``.
+DEFAULT_TIMEOUT = 120.0
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+_generation = 0
+
+
+def _run(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """The process's IO loop, started on first use."""
+    global _loop, _thread
+    loop = _loop
+    if loop is not None:
+        return loop
+    with _lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=_run, args=(loop,), name="tdstore-io", daemon=True)
+            thread.start()
+            _loop, _thread = loop, thread
+        return _loop
+
+
+def loop_generation() -> int:
+    """A number that changes whenever the IO loop is replaced (after a fork).
+
+    Clients are bound to the loop that created them; a store rebuilds its client when the
+    generation it recorded differs from this one.
+    """
+    return _generation
+
+
+def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) -> T:
+    """Runs ``coro`` on the IO loop and returns its result, waiting at most ``timeout`` s.
+
+    Raises:
+        EventLoopError: when called from the IO loop's own thread (a callback of the loop
+            calling a blocking store method would wait for itself forever).
+        TimeoutError: when the coroutine did not finish in time; it is cancelled.
+    """
+    loop = get_loop()
+    if threading.current_thread() is _thread:
+        coro.close()
+        raise EventLoopError(
+            "a blocking tdstore method was called from inside tdstore's IO loop; "
+            "call it from another thread"
+        )
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(
+            f"the server did not answer within {timeout} s (set timeout= on the store to wait longer)"
+        ) from None
+
+
+def _after_fork_in_child() -> None:
+    global _loop, _thread, _lock, _generation
+    # The IO thread does not exist in the child; its loop object must not be touched.
+    _loop = None
+    _thread = None
+    _lock = threading.Lock()
+    _generation += 1
+
+
+def _shutdown() -> None:
+    global _loop, _thread
+    loop, thread = _loop, _thread
+    if loop is None or thread is None:
+        return
+    _loop = _thread = None
+
+    async def _cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(2)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(2)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_shutdown)

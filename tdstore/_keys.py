@@ -1,0 +1,100 @@
+"""The only place where server key names are built.
+
+Every key of one store shares the hash tag ``{td_id}``, so that all of them live in one
+Redis Cluster slot and every script and transaction over them stays legal::
+
+    <prefix>:{<td_id>}:meta          hash: batch size, device, names, layout version, lock ...
+    <prefix>:{<td_id>}:reg           hash: one field per entry path -> JSON entry metadata
+    <prefix>:{<td_id>}:d:<path>      string: the raw bytes of one entry
+    <prefix>:{<td_id>}:tmp:<nonce>   string: bytes in flight inside one MULTI (never outlives it)
+
+An entry path is the tuple of its nested keys. Each component is escaped (``%`` and ``.``
+percent-encoded) and the components are joined with ``.``, so ``("a.b",)`` and
+``("a", "b")`` never collide, and ``redis-cli`` still shows readable names.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+__all__ = ["StoreKeys", "encode_path", "decode_path", "validate_prefix", "validate_td_id"]
+
+_TD_ID_RE = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
+
+
+def _escape(component: str) -> str:
+    return component.replace("%", "%25").replace(".", "%2E")
+
+
+def _unescape(component: str) -> str:
+    return component.replace("%2E", ".").replace("%25", "%")
+
+
+def encode_path(path: tuple[str, ...]) -> str:
+    """Encodes a nested key (a tuple of str) as one registry field name."""
+    return ".".join(_escape(part) for part in path)
+
+
+def decode_path(field: str | bytes) -> tuple[str, ...]:
+    """Inverse of :func:`encode_path`."""
+    if isinstance(field, bytes):
+        field = field.decode()
+    return tuple(_unescape(part) for part in field.split("."))
+
+
+def validate_prefix(prefix: str) -> str:
+    """Checks that a key prefix keeps the store's hash tag the first one in every key."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    if "{" in prefix or "}" in prefix:
+        raise ValueError(
+            f"prefix {prefix!r} contains a brace: tdstore puts the td_id in braces as the "
+            "Redis Cluster hash tag, and a brace in the prefix would take its place. "
+            "Use a prefix without '{' and '}'."
+        )
+    return prefix
+
+
+def validate_td_id(td_id: str) -> str:
+    """Checks that a td_id is a non-empty string of safe characters."""
+    if not isinstance(td_id, str) or not _TD_ID_RE.match(td_id):
+        raise ValueError(
+            f"td_id must be 1-200 characters among letters, digits, '_', '-', '.' and ':', "
+            f"got {td_id!r}"
+        )
+    return td_id
+
+
+def new_td_id() -> str:
+    return str(uuid.uuid4())
+
+
+class StoreKeys:
+    """Builds the server keys of one store."""
+
+    __slots__ = ("prefix", "td_id", "base", "meta", "reg")
+
+    def __init__(self, prefix: str, td_id: str) -> None:
+        self.prefix = validate_prefix(prefix)
+        self.td_id = validate_td_id(td_id)
+        self.base = f"{prefix}:{{{td_id}}}"
+        self.meta = f"{self.base}:meta"
+        self.reg = f"{self.base}:reg"
+
+    def data(self, path: tuple[str, ...]) -> str:
+        return f"{self.base}:d:{encode_path(path)}"
+
+    def tmp(self) -> str:
+        return f"{self.base}:tmp:{uuid.uuid4().hex}"
+
+    def pattern(self) -> str:
+        """A SCAN pattern matching every key of this store (glob characters escaped)."""
+        escaped = re.sub(r"([*?\[\]\\])", r"\\\1", self.base)
+        return f"{escaped}:*"
+
+    @staticmethod
+    def meta_pattern(prefix: str) -> str:
+        """A SCAN pattern matching the meta key of every store under ``prefix``."""
+        escaped = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
+        return escaped + ":{*}:meta"

@@ -1,0 +1,156 @@
+"""Loads the Lua scripts of ``lua/``, checks their contract headers, and calls them by EVALSHA.
+
+Each script is one file named after its handle (``commit.lua`` -> ``"commit"``). A line
+``--@include lib/NAME.lua`` is replaced by that helper file's text when the script is
+loaded: scripts cannot ``require`` on the server. The SHA1 is computed here, calls use
+EVALSHA only, and a ``NOSCRIPT`` reply (the server restarted or ran SCRIPT FLUSH) loads
+the script and retries once.
+
+Servers with script flags (Redis 7+, Valkey) get the scripts with a ``#!lua`` first line:
+the server then refuses a script up front when it is out of memory, instead of failing at
+its first write. Older servers (Redis 6, KeyDB, fakeredis) reject that line, so it is added
+only where :func:`probe_shebang` found it supported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import redis.exceptions
+
+from tdstore.errors import translate_response_error
+
+__all__ = ["Script", "ScriptHeader", "get_script", "script_names", "ScriptRunner", "parse_header"]
+
+_INCLUDE_RE = re.compile(r"^--@include (lib/[A-Za-z0-9_]+\.lua)\s*$", re.M)
+_HEADER_RE = re.compile(r"\A--\[\[ (\w+)\n(.*?)\n\]\]", re.S)
+_DECL_RE = re.compile(r"^(KEYS|ARGV)\[(\d+)(\.\.)?\]", re.M)
+_ERROR_RE = re.compile(r"^\s+(TDS_[A-Z]+)\s", re.M)
+_SHEBANG = "#!lua\n"
+
+
+@dataclass(frozen=True)
+class ScriptHeader:
+    """The contract block at the top of a script."""
+
+    name: str
+    keys: tuple[tuple[int, bool], ...]  # (index, variadic "n..")
+    argv: tuple[tuple[int, bool], ...]
+    errors: tuple[str, ...]
+    text: str
+
+
+def parse_header(source: str) -> ScriptHeader:
+    """Parses the ``--[[ name ... ]]`` contract block of a script's source."""
+    match = _HEADER_RE.match(source)
+    if match is None:
+        raise ValueError("a script must open with a --[[ name ... ]] contract block")
+    name, text = match.group(1), match.group(2)
+    keys, argv = [], []
+    for kind, idx, variadic in _DECL_RE.findall(text):
+        (keys if kind == "KEYS" else argv).append((int(idx), bool(variadic)))
+    errors_part = text.split("Errors:", 1)[1] if "Errors:" in text else ""
+    errors = tuple(_ERROR_RE.findall(errors_part))
+    return ScriptHeader(name, tuple(keys), tuple(argv), errors, text)
+
+
+def _lua_dir() -> Any:
+    return importlib.resources.files("tdstore") / "lua"
+
+
+def script_names() -> list[str]:
+    """The handles of every script shipped with the package."""
+    return sorted(
+        entry.name[:-4]
+        for entry in _lua_dir().iterdir()
+        if entry.name.endswith(".lua") and entry.is_file()
+    )
+
+
+@dataclass(frozen=True)
+class Script:
+    """One server-side script: its assembled source and both of its SHA1s."""
+
+    name: str
+    raw: str
+    source: str
+    header: ScriptHeader
+    shas: dict[bool, str] = field(default_factory=dict, compare=False)
+
+    def text(self, shebang: bool) -> str:
+        return _SHEBANG + self.source if shebang else self.source
+
+    def sha(self, shebang: bool) -> str:
+        return self.shas[shebang]
+
+
+@lru_cache(maxsize=None)
+def get_script(name: str) -> Script:
+    """The script ``lua/<name>.lua``, with its includes inlined."""
+    root = _lua_dir()
+    raw = (root / f"{name}.lua").read_text()
+
+    def include(match: re.Match[str]) -> str:
+        lib = (root / match.group(1)).read_text()
+        # drop the helper's own comment block; keep line structure simple
+        return _HEADER_RE.sub("", lib, count=1).strip("\n")
+
+    source = _INCLUDE_RE.sub(include, raw)
+    header = parse_header(raw)
+    if header.name != name:
+        raise ValueError(f"lua/{name}.lua declares the name {header.name!r}")
+    shas = {flag: hashlib.sha1((_SHEBANG + source if flag else source).encode()).hexdigest() for flag in (False, True)}
+    return Script(name, raw, source, header, shas)
+
+
+async def probe_shebang(client: Any) -> bool:
+    """Whether the server accepts a ``#!lua`` first line (script flags: Redis 7+, Valkey)."""
+    try:
+        await client.script_load(_SHEBANG + "return 1")
+    except redis.exceptions.ResponseError:
+        return False
+    return True
+
+
+class ScriptRunner:
+    """Calls scripts on one server; knows whether it takes the ``#!lua`` line."""
+
+    def __init__(self, shebang: bool) -> None:
+        self.shebang = shebang
+
+    def sha(self, name: str) -> str:
+        return get_script(name).sha(self.shebang)
+
+    async def load_all(self, client: Any) -> None:
+        """Loads every script, so that EVALSHA inside a MULTI finds them."""
+        for name in script_names():
+            await client.script_load(get_script(name).text(self.shebang))
+
+    async def call(self, client: Any, name: str, keys: list[Any], args: list[Any]) -> Any:
+        """EVALSHA ``name``; loads the script and retries once on NOSCRIPT.
+
+        Raises:
+            TDStoreError subclasses for the script's TDS_* error codes.
+        """
+        script = get_script(name)
+        sha = script.sha(self.shebang)
+        try:
+            try:
+                return await client.evalsha(sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                await client.script_load(script.text(self.shebang))
+                return await client.evalsha(sha, len(keys), *keys, *args)
+        except redis.exceptions.ResponseError as err:
+            exc = translate_response_error(err)
+            if exc is err:
+                raise
+            raise exc from err
+
+    def queue(self, pipe: Any, name: str, keys: list[Any], args: list[Any]) -> None:
+        """Adds an EVALSHA of ``name`` to a pipeline or transaction."""
+        pipe.evalsha(self.sha(name), len(keys), *keys, *args)

