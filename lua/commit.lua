@@ -28,6 +28,8 @@ Errors:
   TDS_LOCKED   ARGV[3] is "1" and the store is locked
   TDS_PARTIAL  a tmp key of a "put" is missing (its SET was refused); every tmp key is deleted
   TDS_BADARG   an op is malformed
+
+On every error the tmp keys of the "put" ops are deleted and nothing else changes.
 ]]
 --@include lib/common.lua
 
@@ -45,27 +47,46 @@ end
 
 local function drop_tmps()
   for _, op in ipairs(ops) do
-    if op.op == 'put' then
+    if type(op) == 'table' and op.op == 'put' then
       local src = key_at(op, 'src')
       if src then rcall('DEL', src) end
     end
   end
 end
 
+local function is_count(value)
+  local n = tonumber(value)
+  return n ~= nil and n >= 0 and n == math.floor(n)
+end
+
 -- validate everything before the first write
-local valid_ops = {put = true, zero = true, del = true, node = true, move = true}
-for _, op in ipairs(ops) do
-  if not valid_ops[op.op] or type(op.f) ~= 'string' then
-    drop_tmps()
-    return fail('TDS_BADARG', 'malformed op ' .. cjson.encode(op))
+local needs_meta = {put = true, zero = true, node = true, move = true, del = false}
+local function op_error(op)
+  if type(op) ~= 'table' or type(op.op) ~= 'string' or needs_meta[op.op] == nil or type(op.f) ~= 'string' then
+    return 'malformed op'
+  end
+  if needs_meta[op.op] and type(op.m) ~= 'string' then
+    return 'op ' .. op.op .. ' needs metadata m'
   end
   if (op.op == 'put' or op.op == 'move') and not (key_at(op, 'src') and key_at(op, 'dst')) then
-    drop_tmps()
-    return fail('TDS_BADARG', 'op ' .. op.op .. ' on ' .. op.f .. ' needs src and dst keys')
+    return 'op ' .. op.op .. ' needs src and dst keys'
   end
-  if op.op == 'zero' and not (key_at(op, 'dst') and tonumber(op.n)) then
+  if op.op == 'move' and type(op.t) ~= 'string' then
+    return 'op move needs a target t'
+  end
+  if op.op == 'zero' and not (key_at(op, 'dst') and is_count(op.n)) then
+    return 'op zero needs dst and a byte count n'
+  end
+  if op.op == 'del' and op.dst ~= nil and not key_at(op, 'dst') then
+    return 'op del names a dst that is not in KEYS'
+  end
+  return nil
+end
+for _, op in ipairs(ops) do
+  local problem = op_error(op)
+  if problem then
     drop_tmps()
-    return fail('TDS_BADARG', 'op zero on ' .. op.f .. ' needs dst and n')
+    return fail('TDS_BADARG', problem .. ': ' .. cjson.encode(op))
   end
 end
 

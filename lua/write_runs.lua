@@ -29,7 +29,7 @@ local groups = {}
 local pos = 2
 for k = 2, #KEYS do
   local nruns = tonumber(ARGV[pos])
-  if nruns == nil or nruns < 0 then
+  if nruns == nil or nruns < 0 or nruns ~= math.floor(nruns) then
     return fail('TDS_BADARG', 'bad run count for ' .. KEYS[k])
   end
   local runs = {}
@@ -41,7 +41,7 @@ for k = 2, #KEYS do
   for r = 1, nruns do
     local off = tonumber(ARGV[pos + 2 * r - 1])
     local len = tonumber(ARGV[pos + 2 * r])
-    if off == nil or len == nil or off < 0 or len < 0 then
+    if off == nil or len == nil or off < 0 or len < 0 or off ~= math.floor(off) or len ~= math.floor(len) then
       return fail('TDS_BADARG', 'bad run ' .. r .. ' for ' .. KEYS[k])
     end
     if off + len > size then

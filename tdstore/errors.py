@@ -117,7 +117,6 @@ LUA_ERRORS: dict[str, type[TDStoreError]] = {
     "TDS_PARTIAL": PartialWriteError,
     "TDS_BADARG": SchemaError,
     "TDS_RANGE": SchemaError,
-    "TDS_CORRUPT": CorruptMetadataError,
 }
 
 _CODE_RE = re.compile(r"(TDS_[A-Z]+) ?(.*)", re.S)

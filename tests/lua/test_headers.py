@@ -344,23 +344,7 @@ def test_declared_codes_are_known_to_the_client(name: str) -> None:
     assert not unknown, f"not in tdstore.errors.LUA_ERRORS: {sorted(unknown)}"
 
 
-@pytest.mark.parametrize(
-    "code",
-    [
-        pytest.param(
-            code,
-            marks=[
-                pytest.mark.xfail(
-                    strict=True,
-                    reason="LUA_ERRORS maps TDS_CORRUPT (CorruptMetadataError) but no script declares or raises it",
-                )
-            ]
-            if code == "TDS_CORRUPT"
-            else [],
-        )
-        for code in sorted(LUA_ERRORS)
-    ],
-)
+@pytest.mark.parametrize("code", sorted(LUA_ERRORS))
 def test_every_client_code_is_declared_by_a_script(code: str) -> None:
     assert any(code in get_script(name).header.errors for name in SCRIPTS), f"{code} is raised by no script"
 
