@@ -144,7 +144,7 @@ class StoreAPI:
         try:
             planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size))}, {}))
             for key, value in td.items():
-                planner.add(_as_path(key), store._prepare_value(_as_path(key), value))
+                planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
             names = td.names if td._has_names() else None
             store._create_store(td.batch_size, store_device, names, planner.ops, tensorclass)
         except BaseException:
@@ -427,7 +427,7 @@ class StoreAPI:
         store = cls._handle(conn, (), torch.device(device) if device is not None else None, self._cache_metadata, self._backend_label)
         planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size))}, {}))
         for key, value in td.items():
-            planner.add(_as_path(key), store._prepare_value(_as_path(key), value))
+            planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
         store._create_store(td.batch_size, store._device_override, names, planner.ops, None)
         return store
 

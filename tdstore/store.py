@@ -758,8 +758,10 @@ class TensorDictStore(StoreAPI, StoreUnsupported, TensorDictBase):
         except StoreExistsError:
             pass
 
-    def _prepare_value(self, path: tuple[str, ...], value: Any) -> Any:
+    def _prepare_value(self, path: tuple[str, ...], value: Any, batch_size: torch.Size | None = None) -> Any:
         """Validates and converts a value before anything is sent."""
+        if batch_size is None and not isinstance(value, (torch.Tensor, TensorDictBase)):
+            batch_size = self.batch_size
         if is_tensorclass(value) and not isinstance(value, (NonTensorData, NonTensorStack)):
             value = value._tensordict
         if isinstance(value, TensorDictStore):
@@ -769,15 +771,15 @@ class TensorDictStore(StoreAPI, StoreUnsupported, TensorDictBase):
                 _check_tensor(value, path, self._where())
             return value
         if isinstance(value, dict):
-            return TensorDict.from_dict(value, batch_size=self.batch_size, device=None)
+            return TensorDict.from_dict(value, batch_size=batch_size, device=None)
         if value is None or isinstance(value, (str, bytes)) or not _tensor_like(value):
-            return NonTensorData(data=value, batch_size=self.batch_size)
+            return NonTensorData(data=value, batch_size=batch_size)
         if isinstance(value, list) and any(not isinstance(v, numbers.Number) for v in _flatten(value)):
-            return NonTensorData(data=value, batch_size=self.batch_size)
+            return NonTensorData(data=value, batch_size=batch_size)
         try:
             return torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError):
-            return NonTensorData(data=value, batch_size=self.batch_size)
+            return NonTensorData(data=value, batch_size=batch_size)
 
     def _create_store(
         self,
