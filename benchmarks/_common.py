@@ -96,20 +96,69 @@ def measure(
     after: Callable[[], Any] | None = None,
 ) -> Timing:
     """Times ``fn()`` from this thread; ``before``/``after`` run untimed around each call."""
-    runs: list[float] = []
-    for i in range(warmup + repeat):
+    quiet_gc()
+    once = timed(fn, before=before, after=after)
+    return Timing([once() for _ in range(warmup + repeat)][warmup:])
+
+
+def timed(
+    fn: Callable[[], Any],
+    *,
+    before: Callable[[], Any] | None = None,
+    after: Callable[[], Any] | None = None,
+) -> Callable[[], float]:
+    """A case for :func:`compare`: one call of ``fn()`` from this thread, in seconds."""
+
+    def once() -> float:
         if before is not None:
             before()
-        gc.collect()
         t0 = time.perf_counter()
         result = fn()
         elapsed = time.perf_counter() - t0
         del result
         if after is not None:
             after()
-        if i >= warmup:
-            runs.append(elapsed)
-    return Timing(runs)
+        return elapsed
+
+    return once
+
+
+def compare(cases: dict[str, Callable[[], float]], *, repeat: int, warmup: int) -> dict[str, Timing]:
+    """Runs the cases interleaved, round after round, and times each.
+
+    Each case is a callable that performs one run and returns its seconds (see
+    :func:`timed` and :meth:`RawRedis.timed`). Interleaving (with the order rotated each
+    round) spreads the noise of a busy machine evenly over the cases being compared,
+    instead of charging a burst of load to whichever case happened to run then.
+    """
+    quiet_gc()
+    names = list(cases)
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + repeat):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            elapsed = cases[name]()
+            if r >= warmup:
+                runs[name].append(elapsed)
+    return {n: Timing(v) for n, v in runs.items()}
+
+
+def quiet_gc() -> None:
+    """Moves every live object out of the collector's reach (``gc.freeze``).
+
+    With torch and tensordict imported a full ``gc.collect()`` takes ~0.1 s on this
+    machine; frozen objects are not scanned again, so a collection that a timed run
+    happens to trigger costs what the run's own garbage costs, not the whole heap.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        return "?"
 
 
 # --------------------------------------------------------------------------- #
@@ -151,6 +200,19 @@ class RawRedis:
         """Runs ``op(client)`` once and returns its result (untimed)."""
         return self.run(op(self.clients[transport]))
 
+    def timed(self, transport: str, op: Callable[[redis.asyncio.Redis], Awaitable[Any]]) -> Callable[[], float]:
+        """A case for :func:`compare`: one ``await op(client)``, timed inside the loop."""
+        client = self.clients[transport]
+
+        async def once() -> float:
+            t0 = time.perf_counter()
+            result = await op(client)
+            elapsed = time.perf_counter() - t0
+            del result
+            return elapsed
+
+        return lambda: self.run(once())
+
     def time(
         self,
         transport: str,
@@ -164,7 +226,6 @@ class RawRedis:
         async def batch() -> list[float]:
             runs = []
             for i in range(warmup + repeat):
-                gc.collect()
                 t0 = time.perf_counter()
                 result = await op(client)
                 elapsed = time.perf_counter() - t0

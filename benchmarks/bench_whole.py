@@ -28,8 +28,10 @@ from _common import (
     fmt_goal,
     fmt_ms,
     fmt_ratio,
-    measure,
+    compare,
+    load_average,
     print_table,
+    timed,
     server_banner,
     sync_hop_cost,
     tensor_from_bytes,
@@ -56,44 +58,45 @@ def _t(timing: Timing | None) -> str:
     return f"{fmt_ms(timing.median)} ({fmt_ms(timing.min)})"
 
 
-def _timed_store_ops(
-    cls: Any, kwargs: dict[str, Any], tensor: torch.Tensor, td: TensorDict, args: Any
-) -> dict[str, Timing]:
-    """write / read / from_tensordict / to_tensordict of one store class."""
-    rep, warm = args.repeat, args.warmup
-    out: dict[str, Timing] = {}
-    store = cls(batch_size=[SHAPE[0]], **kwargs)
-    try:
+class _Subject:
+    """One store class under test, connected to the server over one transport."""
 
-        def write() -> None:
-            store["x"] = tensor
-
-        out["write"] = measure(write, repeat=rep, warmup=warm)
-        back = store["x"]
+    def __init__(self, cls: Any, kwargs: dict[str, Any], tensor: torch.Tensor, td: TensorDict) -> None:
+        self.cls, self.kwargs, self.tensor, self.td = cls, kwargs, tensor, td
+        self.store = cls(batch_size=[SHAPE[0]], **kwargs)
+        self.store["x"] = tensor
+        back = self.store["x"]
         assert torch.equal(back, tensor), f"{cls.__module__}: read back differs"
-        del back
-        out["read"] = measure(lambda: store["x"], repeat=rep, warmup=warm)
-        out["to_tensordict"] = measure(store.to_tensordict, repeat=rep, warmup=warm)
-        local = store.to_tensordict()
+        local = self.store.to_tensordict()
         assert torch.equal(local["x"], tensor), f"{cls.__module__}: to_tensordict differs"
-        del local
-    finally:
-        store.clear_redis()
-        store.close()
+        self._made: list[Any] = []
 
-    made: list[Any] = []
+    def cases(self, group: str) -> dict[str, Callable[[], float]]:
+        store, tensor = self.store, self.tensor
+        if group == "write":
 
-    def upload() -> Any:
-        made.append(cls.from_tensordict(td, **kwargs))
+            def write() -> None:
+                store["x"] = tensor
 
-    def drop() -> None:
-        while made:
-            s = made.pop()
+            return {"write": timed(write)}
+        if group == "read":
+            return {"read": timed(lambda: store["x"]), "to_tensordict": timed(store.to_tensordict)}
+
+        def upload() -> None:
+            self._made.append(self.cls.from_tensordict(self.td, **self.kwargs))
+
+        return {"from_tensordict": timed(upload, after=self._drop)}
+
+    def _drop(self) -> None:
+        while self._made:
+            s = self._made.pop()
             s.clear_redis()
             s.close()
 
-    out["from_tensordict"] = measure(upload, repeat=rep, warmup=warm, after=drop)
-    return out
+    def close(self) -> None:
+        self._drop()
+        self.store.clear_redis()
+        self.store.close()
 
 
 def main() -> None:
@@ -110,8 +113,9 @@ def main() -> None:
 
     with bench_server(args.server) as srv:
         print(f"# bench_whole: one {list(SHAPE)} float32 entry ({nbytes / 2**20:.0f} MiB)")
-        print(f"# {datetime.date.today().isoformat()}; {server_banner(srv)}")
-        print(f"# each cell: median (min) ms of {rep} runs after {warm} warm-up runs")
+        print(f"# {datetime.datetime.now().isoformat(timespec='minutes')}; {server_banner(srv)}")
+        print(f"# load average at start: {load_average()}")
+        print(f"# each cell: median (min) ms of {rep} runs after {warm} warm-up runs; cases interleaved")
         raw = RawRedis(srv)
         rows: list[list[str]] = []
         try:
@@ -128,35 +132,45 @@ def main() -> None:
                 async def raw_get_tensor(c: Any) -> Any:
                     return tensor_from_bytes(await c.get(key), torch.float32, SHAPE)
 
-                raw_times = {
-                    "set": raw.time(tr, raw_set, repeat=rep, warmup=warm),
-                    "get": raw.time(tr, raw_get, repeat=rep, warmup=warm),
-                    "get+fb": raw.time(tr, raw_get_tensor, repeat=rep, warmup=warm),
-                }
+                raw.call(tr, raw_set)
                 check = raw.call(tr, raw_get_tensor)
                 assert torch.equal(check, tensor), "raw round trip differs (bulk length bug?)"
                 del check
 
-                ours = _timed_store_ops(TensorDictStore, kwargs, tensor, td, args)
-                theirs: dict[str, Timing] = {}
+                subjects = {"tdstore": _Subject(TensorDictStore, kwargs, tensor, td)}
                 if competitor is not None:
                     try:
-                        theirs = _timed_store_ops(competitor, kwargs, tensor, td, args)
+                        subjects["tensordict.store"] = _Subject(competitor, kwargs, tensor, td)
                     except Exception as err:  # noqa: BLE001 - a baseline failure must not hide ours
                         print(f"# tensordict.store failed over {tr}: {type(err).__name__}: {err}")
+                times: dict[str, Timing] = {}
+                try:
+                    groups = {
+                        "write": {"raw:set": raw.timed(tr, raw_set)},
+                        "read": {"raw:get": raw.timed(tr, raw_get), "raw:get+fb": raw.timed(tr, raw_get_tensor)},
+                        "from_tensordict": {"raw:set2": raw.timed(tr, raw_set)},
+                    }
+                    for group, cases in groups.items():
+                        for name, subject in subjects.items():
+                            for op, case in subject.cases(group).items():
+                                cases[f"{name}:{op}"] = case
+                        times.update(compare(cases, repeat=rep, warmup=warm))
+                finally:
+                    for subject in subjects.values():
+                        subject.close()
 
                 plan: list[tuple[str, str, str, str]] = [
-                    ('write  store["x"] = t', "write", "SET", "set"),
-                    ('read   store["x"]', "read", "GET + frombuffer", "get+fb"),
-                    ('read   store["x"]', "read", "GET bytes", "get"),
-                    ("from_tensordict(td)", "from_tensordict", "SET", "set"),
-                    ("to_tensordict()", "to_tensordict", "GET + frombuffer", "get+fb"),
+                    ('write  store["x"] = t', "write", "SET", "raw:set"),
+                    ('read   store["x"]', "read", "GET + frombuffer", "raw:get+fb"),
+                    ('read   store["x"]', "read", "GET bytes", "raw:get"),
+                    ("from_tensordict(td)", "from_tensordict", "SET", "raw:set2"),
+                    ("to_tensordict()", "to_tensordict", "GET + frombuffer", "raw:get+fb"),
                 ]
                 for label, op, base_label, base in plan:
-                    b = raw_times[base]
-                    o = ours[op]
-                    t = theirs.get(op)
-                    goal = GOAL if base != "get" else None
+                    b = times[base]
+                    o = times[f"tdstore:{op}"]
+                    t = times.get(f"tensordict.store:{op}")
+                    goal = GOAL if base != "raw:get" else None
                     rows.append(
                         [
                             label,
@@ -165,6 +179,7 @@ def main() -> None:
                             _t(b),
                             _t(o),
                             fmt_ratio(o.median, b.median),
+                            fmt_ratio(o.min, b.min),
                             fmt_goal(o.median, b.median, goal),
                             _t(t),
                             fmt_ratio(t.median, b.median) if t else "-",
@@ -181,16 +196,19 @@ def main() -> None:
             "raw ms",
             "tdstore ms",
             "tdstore/raw",
+            "(of mins)",
             "goal",
             "tensordict.store ms",
             "tensordict.store/raw",
         ]
         notes = [
-            "ratio = median time / median raw time (lower is better; 1.00x = parity with hand-written redis.asyncio).",
+            "ratio = median time / median raw time (lower is better; 1.00x = parity with hand-written "
+            "redis.asyncio); '(of mins)' = min time / min raw time.",
             "raw = redis.asyncio + hiredis on the same server and transport, awaited inside its own event loop.",
-            "from_tensordict includes connecting a new client and loading tdstore's scripts; the new store is "
+            "from_tensordict includes connecting a new client and loading the store's scripts; the new store is "
             "removed (untimed) after each run.",
             f"one blocking tdstore call's thread hop to its IO loop, without I/O: {hop * 1e6:.0f} us (median).",
+            f"load average at end: {load_average()}",
         ]
         if competitor is None:
             notes.append("tensordict.store.TensorDictStore: not importable (or --no-baseline): columns empty.")

@@ -26,8 +26,7 @@ T = TypeVar("T")
 #: Redis's default proto-max-bulk-len, assumed when the server does not tell (CONFIG off).
 DEFAULT_MAX_BULK = 512 * 1024 * 1024
 
-# connection_kwargs that describe where and how to connect (kept when pickling)
-_SECRET_KWARGS = ("password", "username", "credential_provider")
+_INHERITED_CLIENTS: list[Any] = []
 
 
 def _check_decode(kwargs: dict[str, Any], where: str) -> None:
@@ -175,6 +174,11 @@ class Connection:
             raise self.closed_error()
         generation = _io.loop_generation()
         if self._client is None or self._generation != generation:
+            if self._client is not None:
+                # A client inherited through fork() shares its sockets with the parent:
+                # closing it here (even by garbage collection) would cut the parent's
+                # connections. Keep it referenced, unused, for the life of the process.
+                _INHERITED_CLIENTS.append(self._client)
             self._client = self._build_client()
             self._generation = generation
             self._runner = None
