@@ -60,7 +60,22 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--transport", choices=(*TRANSPORTS, "both"), default="both", help="unix socket, TCP, or both (default)"
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a busy 2-core machine a 2-thread OpenMP region waits "
+        "milliseconds for a descheduled worker, e.g. td[idx] takes 12 ms instead of 40 us)",
+    )
     return parser
+
+
+def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    args = parser.parse_args()
+    if args.repeat < 1 or args.warmup < 0:
+        parser.error("--repeat must be >= 1 and --warmup >= 0")
+    torch.set_num_threads(args.torch_threads)
+    return args
 
 
 def transports(args: argparse.Namespace) -> tuple[str, ...]:
@@ -112,10 +127,11 @@ def timed(
     def once() -> float:
         if before is not None:
             before()
-        t0 = time.perf_counter()
-        result = fn()
-        elapsed = time.perf_counter() - t0
-        del result
+        with _gc_paused():
+            t0 = time.perf_counter()
+            result = fn()
+            elapsed = time.perf_counter() - t0
+            del result
         if after is not None:
             after()
         return elapsed
@@ -152,6 +168,19 @@ def quiet_gc() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic collection inside a timed run: garbage left by the previous case (say,
+    thousands of pipeline objects) must not be charged to the next one. The young
+    objects are collected untimed first (cheap: everything older is frozen)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def load_average() -> str:
@@ -205,10 +234,11 @@ class RawRedis:
         client = self.clients[transport]
 
         async def once() -> float:
-            t0 = time.perf_counter()
-            result = await op(client)
-            elapsed = time.perf_counter() - t0
-            del result
+            with _gc_paused():
+                t0 = time.perf_counter()
+                result = await op(client)
+                elapsed = time.perf_counter() - t0
+                del result
             return elapsed
 
         return lambda: self.run(once())
@@ -226,10 +256,11 @@ class RawRedis:
         async def batch() -> list[float]:
             runs = []
             for i in range(warmup + repeat):
-                t0 = time.perf_counter()
-                result = await op(client)
-                elapsed = time.perf_counter() - t0
-                del result
+                with _gc_paused():
+                    t0 = time.perf_counter()
+                    result = await op(client)
+                    elapsed = time.perf_counter() - t0
+                    del result
                 if i >= warmup:
                     runs.append(elapsed)
             return runs

@@ -23,6 +23,7 @@ from _common import (
     RawRedis,
     Timing,
     base_parser,
+    parse,
     bench_server,
     byte_view,
     fmt_goal,
@@ -102,7 +103,7 @@ class _Subject:
 def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--no-baseline", action="store_true", help="skip tensordict.store.TensorDictStore")
-    args = parser.parse_args()
+    args = parse(parser)
     rep, warm = args.repeat, args.warmup
 
     torch.manual_seed(0)

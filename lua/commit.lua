@@ -18,6 +18,9 @@ ARGV[5]   JSON array of ops, applied in order, each an object with string fields
             {"op":"node", "f":path, "m":meta}    register a nested tensordict (no bytes)
             {"op":"move", "f":old, "t":new, "m":meta, "src":i, "dst":j}  rename an entry
 ARGV[6]   the format version written into a new store
+ARGV[7]   expected write version (the "wv" field, bumped by every write of any
+          process): a decimal string, or "" to skip the check. Read-modify-write
+          methods send the one they read with their snapshot (compare-and-set).
 
 Returns: the layout version after the change (integer)
 
@@ -25,6 +28,7 @@ Errors:
   TDS_NOSTORE  the store does not exist (and ARGV[1] is not "new")
   TDS_EXISTS   ARGV[1] is "new" and the store exists
   TDS_STALE    the layout version differs from ARGV[1]
+  TDS_CONFLICT the write version differs from ARGV[7]
   TDS_LOCKED   ARGV[3] is "1" and the store is locked
   TDS_PARTIAL  a tmp key of a "put" is missing (its SET was refused); every tmp key is deleted
   TDS_BADARG   an op is malformed
@@ -101,6 +105,10 @@ else
     drop_tmps()
     return err
   end
+  if ARGV[7] ~= '' and (rcall('HGET', meta_key, 'wv') or '0') ~= ARGV[7] then
+    drop_tmps()
+    return fail('TDS_CONFLICT', 'the store was written since the client read it')
+  end
   if check_lock == '1' and rcall('HGET', meta_key, 'lock') == '1' then
     drop_tmps()
     return fail('TDS_LOCKED', 'the store at ' .. meta_key .. ' is locked')
@@ -151,6 +159,9 @@ for _, op in ipairs(ops) do
     rcall('HDEL', reg_key, op.f)
     rcall('HSET', reg_key, op.t, op.m)
   end
+end
+if #ops > 0 then
+  rcall('HINCRBY', meta_key, 'wv', 1)
 end
 if bump == '1' then
   return rcall('HINCRBY', meta_key, 'lv', 1)

@@ -75,4 +75,5 @@ for _, group in ipairs(groups) do
   end
   count = count + #runs
 end
+rcall('HINCRBY', KEYS[1], 'wv', 1)
 return count

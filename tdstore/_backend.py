@@ -184,6 +184,7 @@ async def commit(
     bump: bool,
     check_lock: bool,
     meta_updates: dict[str, str] | None = None,
+    expected_wv: str = "",
 ) -> int:
     """Applies ``ops`` in one atomic step; returns the new layout version.
 
@@ -227,6 +228,7 @@ async def commit(
         json.dumps(meta_updates, separators=(",", ":")) if meta_updates else "",
         json.dumps(wire_ops, separators=(",", ":")),
         FORMAT_VERSION,
+        expected_wv,
     ]
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))

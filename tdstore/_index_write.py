@@ -133,7 +133,7 @@ async def _create_then_write(client: Any, store: TensorDictStore, create: list[_
     for op in create:
         key_list.append(keys.data(op.path))
         wire_ops.append({"op": "zero", "f": _keys_encode(op.path), "m": json.dumps(op.meta, separators=(",", ":")), "dst": str(len(key_list)), "n": str(op.nbytes)})
-    commit_args = [str(lv), "1", "1", "", json.dumps(wire_ops, separators=(",", ":")), _backend.FORMAT_VERSION]
+    commit_args = [str(lv), "1", "1", "", json.dumps(wire_ops, separators=(",", ":")), _backend.FORMAT_VERSION, ""]
     run_keys = [keys.meta]
     run_args: list[Any] = [str(lv + 1)]
     for path, runs, payload in groups:

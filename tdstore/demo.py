@@ -37,7 +37,7 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
-from tdstore.server import ServerHandle, start_server
+from tdstore.server import ServerHandle, ServerNotFoundError, start_server
 
 __all__ = ["main", "run_demo", "make_rows", "check_rows"]
 
@@ -198,12 +198,11 @@ def run_demo(server: str = "auto", seconds: float = 3.0, actors: int = 2, out: A
         )
         in_process = srv.kind == "fakeredis"
         if in_process:
-            import multiprocessing  # noqa: F401 - only to say why it is not used
-
             say(
                 f"actors : {actors} threads (fakeredis lives in this process, so another process "
                 "cannot reach it: threads instead of spawned processes)"
             )
+            say("         (fakeredis copies a whole string on every SETRANGE: expect low numbers here)")
             results: Any = queue.Queue()
             start: Any = threading.Event()
             for k in range(actors):
@@ -361,4 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage()
         print("--actors must be between 1 and 16")
         return 2
-    return run_demo(server=args.server, seconds=args.seconds, actors=args.actors)
+    try:
+        return run_demo(server=args.server, seconds=args.seconds, actors=args.actors)
+    except ServerNotFoundError as exc:
+        print(f"tdstore demo: no server to run on: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        print("tdstore demo: interrupted")
+        return 130

@@ -27,6 +27,7 @@ __all__ = [
     "SchemaError",
     "StaleLayoutError",
     "PartialWriteError",
+    "WriteConflictError",
     "CorruptMetadataError",
     "FormatVersionError",
     "UnsupportedOperationError",
@@ -83,6 +84,13 @@ class StaleLayoutError(TDStoreError, RuntimeError):
     """
 
 
+class WriteConflictError(TDStoreError, RuntimeError):
+    """Another process wrote the store between a read-modify-write's read and its write.
+
+    Raised inside tdstore only: the read-modify-write methods read again and retry.
+    """
+
+
 class PartialWriteError(TDStoreError, RuntimeError):
     """Part of a batched write was refused by the server; nothing of it was applied."""
 
@@ -110,6 +118,7 @@ class EventLoopError(TDStoreError, RuntimeError):
 #: Error codes raised by the Lua scripts (``redis.error_reply("TDS_CODE ...")``).
 LUA_ERRORS: dict[str, type[TDStoreError]] = {
     "TDS_STALE": StaleLayoutError,
+    "TDS_CONFLICT": WriteConflictError,
     "TDS_LOCKED": StoreLockedError,
     "TDS_EXISTS": StoreExistsError,
     "TDS_NOSTORE": StoreNotFoundError,

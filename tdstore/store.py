@@ -27,6 +27,7 @@ from tdstore._connection import Connection
 from tdstore._indexing import is_full_index, normalize_index, row_runs, select_rows
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import new_td_id
+from tdstore._ring import RingBufferAPI
 from tdstore._store_api import StoreAPI
 from tdstore._unsupported import StoreUnsupported
 from tdstore.errors import (
@@ -43,6 +44,7 @@ from tdstore.errors import (
 __all__ = ["TensorDictStore"]
 
 _MAX_RETRIES = 50
+_MAX_CAS_RETRIES = 1000
 _NO_DEFAULT = object()
 
 
@@ -59,7 +61,7 @@ def _as_path(key: Any) -> tuple[str, ...]:
     raise TypeError(f"a key must be a str or a non-empty tuple of str, got {key!r}")
 
 
-class TensorDictStore(StoreAPI, StoreUnsupported, TensorDictBase):
+class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase):
     """A TensorDict whose entries live on a Redis-compatible server.
 
     See the module docstring and ``docs/`` for the full guide; the public API follows
@@ -529,6 +531,10 @@ class TensorDictStore(StoreAPI, StoreUnsupported, TensorDictBase):
 
     def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
         """Reads the whole store (or nested sub-store) into memory, in one consistent snapshot."""
+        return self._snapshot()[0]
+
+    def _snapshot(self) -> tuple[TensorDict, _backend.Layout]:
+        """The store in memory and the layout it was read at (its meta holds the write version)."""
         conn = self._conn
         for _ in range(_MAX_RETRIES):
             layout = self._layout()
@@ -543,7 +549,7 @@ class TensorDictStore(StoreAPI, StoreUnsupported, TensorDictBase):
                 self._check_layout(snap)
                 conn.layout = snap
                 continue
-            return self._build_tensordict(layout, dict(zip(paths, blobs)))
+            return self._build_tensordict(layout, dict(zip(paths, blobs))), snap
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
 
     def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:
@@ -582,6 +588,66 @@ class TensorDictStore(StoreAPI, StoreUnsupported, TensorDictBase):
 
     def contiguous(self) -> TensorDict:
         return self.to_tensordict()
+
+    def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:
+        """Applies ``fn`` to every tensor leaf in place, as one compare-and-set (see _inplace_on_copies)."""
+
+        def apply_(td: TensorDictBase) -> TensorDictBase:
+            return td.apply_(fn, *others, **kwargs)
+
+        return self._inplace_on_copies(lambda td: (apply_(td), td)[1])
+
+    def _inplace_on_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs an in-place method (``apply_``, ``+=``, ``mul_`` ...) as a compare-and-set.
+
+        The store is read in one snapshot together with its write version; the method runs
+        on that copy, and the changed leaves are written back in one commit that the
+        server refuses if any process wrote the store in between. The client then reads
+        again and retries, so concurrent read-modify-writes never lose an update.
+        """
+        import random
+        import time
+
+        from tdstore.errors import WriteConflictError
+
+        conn = self._conn
+        for attempt in range(_MAX_CAS_RETRIES):
+            snapshot, snap = self._snapshot()
+            leaves = TensorDict(batch_size=snapshot.batch_size, device=snapshot.device)
+            for key, value in snapshot.items(True, True):
+                if isinstance(value, torch.Tensor):
+                    leaves._set_tuple(_as_path(key), value, inplace=False, validated=True, non_blocking=False)
+            result = method(leaves, *args, **kwargs)
+            if result is not leaves:
+                return result
+            ops = []
+            keep = []
+            for key, value in leaves.items(True, True):
+                path = self._path + _as_path(key)
+                meta = snap.entries[path]
+                value = value.to(_codec.dtype_from_name(meta["dtype"]))
+                if list(value.shape) != meta["shape"]:
+                    raise RuntimeError(f"{method.__name__} changed the shape of {path!r} in {self._where()}")
+                flat, view = _codec.tensor_view(value)
+                keep.append(flat)
+                ops.append(_backend.Op("put", path, meta, payload=view))
+            if not ops:
+                return self
+            try:
+                conn.run(
+                    lambda c: _backend.commit(
+                        c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
+                        check_lock=False, expected_wv=snap.meta.get("wv", "0"),
+                    )
+                )
+            except (WriteConflictError, StaleLayoutError):
+                time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+                continue
+            return self
+        raise StaleLayoutError(
+            f"{getattr(method, '__name__', 'an in-place method')} on {self._where()} kept conflicting with "
+            f"other writers; gave up after {_MAX_CAS_RETRIES} tries"
+        )
 
     # ------------------------------------------------------------------ index reads
     def __getitem__(self, index: Any) -> Any:

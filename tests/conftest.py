@@ -402,3 +402,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line(message, red=True, bold=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+    """Prints the violation counts recorded by the race and fault tests."""
+    from _counts import COUNTS
+
+    lines = config.stash.get(COUNTS, [])
+    if lines:
+        terminalreporter.section("violation counts")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -70,7 +70,7 @@ def _quint():
 def test_bad_input_leaves_the_server_unchanged(filled, server, wire, case):
     fn, exc, match = _bad_cases(filled)[case]
     before = wire(server)
-    with pytest.raises(exc, match=match) as info:
+    with pytest.raises(exc, match=match or None) as info:
         fn()
     assert wire(server) == before
     message = str(info.value)

@@ -9,6 +9,7 @@ the script does on every error).
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -72,9 +73,16 @@ def make_store(
     lock: str = "0",
     entries: dict[str, bytes] | None = None,
     nodes: tuple[str, ...] = (),
+    wv: str | None = None,
 ) -> None:
-    """A store at layout version ``lv`` with leaf ``entries`` (path -> bytes) and ``nodes``."""
+    """A store at layout version ``lv`` with leaf ``entries`` (path -> bytes) and ``nodes``.
+
+    ``wv``: the write version field of the meta hash; None leaves it out (a store no
+    write reached yet, which the scripts read as "0").
+    """
     r.data[META] = {b"lv": str(lv).encode(), b"fmt": b"1", b"lock": lock.encode(), b"bs": b"[4]"}
+    if wv is not None:
+        r.data[META][b"wv"] = wv.encode()
     reg: dict[bytes, bytes] = {}
     for path, data in (entries or {}).items():
         reg[path.encode()] = M(path).encode()
@@ -90,6 +98,17 @@ def state(r: LuaRedis) -> dict[bytes, Any]:
     neighbour = {k: v for k, v in r.data.items() if k in OTHER}
     assert neighbour == OTHER, "a script touched another store's keys"
     return {k: v for k, v in r.data.items() if k not in OTHER}
+
+
+def wv_bumped(snapshot: tuple[dict[bytes, Any], dict[bytes, int]], by: int = 1) -> tuple[dict[bytes, Any], dict[bytes, int]]:
+    """``snapshot`` (of ``r.snapshot()``) with the store's write version ``wv`` raised by ``by``."""
+    data, ttls = copy.deepcopy(snapshot)
+    data[META][b"wv"] = str(int(data[META].get(b"wv", b"0")) + by).encode()
+    return data, ttls
+
+
+def wv_of(r: LuaRedis) -> bytes | None:
+    return r.data[META].get(b"wv")
 
 
 def expect_error(
@@ -155,7 +174,9 @@ def commit_argv(
     meta: dict[str, Any] | None = None,
     ops: list[dict[str, Any]] | str = (),  # type: ignore[assignment]
     fmt: str = "1",
+    wv: str = "",
 ) -> list[str]:
+    """ARGV of commit; ``wv`` is ARGV[7], the expected write version ("" skips the check)."""
     return [
         expected,
         bump,
@@ -163,6 +184,7 @@ def commit_argv(
         "" if meta is None else json.dumps(meta),
         ops if isinstance(ops, str) else json.dumps(list(ops)),
         fmt,
+        wv,
     ]
 
 
@@ -187,7 +209,7 @@ class TestCommitCreate:
         result = r.run("commit", keys, commit_argv("new", meta={"bs": "[4]", "dev": "cpu"}, ops=ops, fmt="7"), lua_version)
         assert result == 1 and type(result) is int
         assert state(r) == {
-            META: {b"lv": b"1", b"fmt": b"7", b"lock": b"0", b"bs": b"[4]", b"dev": b"cpu"},
+            META: {b"lv": b"1", b"fmt": b"7", b"lock": b"0", b"wv": b"1", b"bs": b"[4]", b"dev": b"cpu"},
             REG: {b"a": M("a").encode(), b"z": M("z").encode(), b"n": b'{"k":"td"}'},
             D("a"): b"\x00\x01payload\xff",
             D("z"): b"\0\0\0",
@@ -221,7 +243,7 @@ class TestCommitPut:
         result = r.run("commit", [META, REG, tmp, D("a")], commit_argv(ops=[put("a", 3, 4, m)]), lua_version)
         assert result == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"},
+            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
             REG: {b"a": m.encode(), b"b": M("b").encode()},
             D("a"): b"new",
             D("b"): b"bbb",
@@ -296,7 +318,7 @@ class TestCommitDelNodeMove:
         ops = [{"op": "del", "f": "a", "dst": "3"}, {"op": "del", "f": "n"}]
         assert r.run("commit", [META, REG, D("a")], commit_argv(ops=ops), lua_version) == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"},
+            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
             REG: {b"b": M("b").encode()},
             D("b"): b"bbb",
         }
@@ -304,14 +326,14 @@ class TestCommitDelNodeMove:
     def test_del_of_the_last_entry_removes_the_registry(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
         assert r.run("commit", [META, REG, D("a")], commit_argv(ops=[{"op": "del", "f": "a", "dst": "3"}]), lua_version) == 3
-        assert state(r) == {META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"}}
+        assert state(r) == {META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"}}
 
     def test_node(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
         m = '{"k":"td","bs":[4]}'
         assert r.run("commit", [META, REG], commit_argv(bump="0", ops=[{"op": "node", "f": "n", "m": m}]), lua_version) == 2
         assert state(r) == {
-            META: {b"lv": b"2", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"},
+            META: {b"lv": b"2", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
             REG: {b"a": M("a").encode(), b"n": m.encode()},
             D("a"): b"aaa",
         }
@@ -321,7 +343,7 @@ class TestCommitDelNodeMove:
         op = {"op": "move", "f": "a", "t": "c", "m": M("c"), "src": "3", "dst": "4"}
         assert r.run("commit", [META, REG, D("a"), D("c")], commit_argv(ops=[op]), lua_version) == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"},
+            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
             REG: {b"b": M("b").encode(), b"c": M("c").encode()},
             D("b"): b"bbb",
             D("c"): b"aaa",
@@ -332,7 +354,7 @@ class TestCommitDelNodeMove:
         op = {"op": "move", "f": "n", "t": "n2", "m": '{"k":"td"}', "src": "3", "dst": "4"}
         assert r.run("commit", [META, REG, D("n"), D("n2")], commit_argv(ops=[op]), lua_version) == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"},
+            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
             REG: {b"n2": b'{"k":"td"}'},
         }
 
@@ -346,7 +368,7 @@ class TestCommitDelNodeMove:
         ]
         assert r.run("commit", [META, REG, D("a"), D("b"), tmp], commit_argv(ops=ops), lua_version) == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"},
+            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
             REG: {b"a": M("a").encode()},
             D("a"): b"fresh",
         }
@@ -503,19 +525,24 @@ class TestCommitErrorPrecedence:
     """Every error path deletes the tmp keys of put ops and nothing else."""
 
     @pytest.mark.parametrize(
-        "setup,expected,lock,code",
+        "setup,expected,lock,wv,code",
         [
-            ("none", "2", "0", "TDS_NOSTORE"),
-            ("store", "new", "0", "TDS_EXISTS"),
-            ("store", "1", "0", "TDS_STALE"),
-            ("locked", "2", "1", "TDS_LOCKED"),
+            ("none", "2", "0", "", "TDS_NOSTORE"),
+            ("none", "2", "0", "3", "TDS_NOSTORE"),
+            ("store", "new", "0", "", "TDS_EXISTS"),
+            ("store", "1", "0", "", "TDS_STALE"),
+            ("store", "1", "0", "4", "TDS_STALE"),  # stale before conflict
+            ("store", "2", "0", "4", "TDS_CONFLICT"),
+            ("locked", "2", "1", "4", "TDS_CONFLICT"),  # conflict before locked
+            ("locked", "2", "1", "", "TDS_LOCKED"),
+            ("locked", "2", "1", "3", "TDS_LOCKED"),
         ],
     )
     def test_error_drops_put_tmps_only(
-        self, r: LuaRedis, lua_version: str, setup: str, expected: str, lock: str, code: str
+        self, r: LuaRedis, lua_version: str, setup: str, expected: str, lock: str, wv: str, code: str
     ) -> None:
         if setup != "none":
-            make_store(r, lock="1" if setup == "locked" else "0", entries={"m": b"mmm"})
+            make_store(r, lock="1" if setup == "locked" else "0", entries={"m": b"mmm"}, wv="3")
         t1, t2 = set_tmp(r, "1", b"one"), set_tmp(r, "2", b"two")
         keys = [META, REG, t1, D("a"), t2, D("b"), D("m"), D("m2")]
         ops = [
@@ -523,7 +550,129 @@ class TestCommitErrorPrecedence:
             {"op": "move", "f": "m", "t": "m2", "m": M("m2"), "src": "7", "dst": "8"},
             put("b", 5, 6),
         ]
-        expect_error(r, code, "commit", keys, commit_argv(expected, lock=lock, ops=ops), lua_version, deleted=(t1, t2))
+        argv = commit_argv(expected, lock=lock, ops=ops, wv=wv)
+        expect_error(r, code, "commit", keys, argv, lua_version, deleted=(t1, t2))
+
+    def test_badarg_before_conflict(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, wv="3")
+        tmp = set_tmp(r, "1", b"new")
+        ops = [put("a", 3, 4), _BAD_OPS["unknown_kind"]]
+        argv = commit_argv(ops=ops, wv="2")
+        expect_error(r, "TDS_BADARG", "commit", [META, REG, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+
+    def test_conflict_before_partial(self, r: LuaRedis, lua_version: str) -> None:
+        """A missing tmp key is not reported when the write version already conflicts."""
+        make_store(r, wv="3")
+        t1 = set_tmp(r, "1", b"one")
+        keys = [META, REG, t1, D("a"), TMP("2"), D("b")]
+        argv = commit_argv(ops=[put("a", 3, 4), put("b", 5, 6)], wv="2")
+        expect_error(r, "TDS_CONFLICT", "commit", keys, argv, lua_version, deleted=(t1,))
+
+
+class TestCommitWriteVersion:
+    """ARGV[7] compares with the meta field "wv" (missing = "0"); a commit with ops bumps it once."""
+
+    @pytest.mark.parametrize("stored,sent", [("5", "4"), ("5", "6"), ("5", "0"), ("0", "1"), ("12", "1")])
+    def test_conflict(self, r: LuaRedis, lua_version: str, stored: str, sent: str) -> None:
+        make_store(r, entries={"a": b"old", "b": b"bbb"}, wv=stored)
+        tmp = set_tmp(r, "1", b"new")
+        keys = [META, REG, tmp, D("a"), D("b")]
+        ops = [put("a", 3, 4), {"op": "del", "f": "b", "dst": "5"}]
+        exc = expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(ops=ops, wv=sent), lua_version, deleted=(tmp,))
+        assert exc.message == "TDS_CONFLICT the store was written since the client read it"
+        assert r.data[META][b"wv"] == stored.encode()
+        assert r.commands("RENAME") == [] and r.commands("HINCRBY") == [] and r.commands("HSET") == []
+
+    def test_conflict_without_ops(self, r: LuaRedis, lua_version: str) -> None:
+        """The check does not depend on the commit writing anything."""
+        make_store(r, wv="2")
+        expect_error(r, "TDS_CONFLICT", "commit", [META, REG], commit_argv(bump="0", meta={"x": "1"}, wv="1"), lua_version)
+
+    def test_missing_wv_reads_as_zero(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"old"})
+        assert b"wv" not in r.data[META]
+        tmp = set_tmp(r, "1", b"new")
+        keys = [META, REG, tmp, D("a")]
+        for sent in ("1", "00", " 0"):  # the comparison is of strings: only "0" matches
+            expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(ops=[put("a", 3, 4)], wv=sent), lua_version, deleted=(tmp,))
+            tmp = set_tmp(r, "1", b"new")
+        assert r.run("commit", keys, commit_argv(ops=[put("a", 3, 4)], wv="0"), lua_version) == 3
+        assert r.data[META] == {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]", b"wv": b"1"}
+        assert r.data[D("a")] == b"new" and tmp not in r.data
+
+    @pytest.mark.parametrize("stored", [None, "0", "7"])
+    def test_matching_wv_commits_and_bumps_it(self, r: LuaRedis, lua_version: str, stored: str | None) -> None:
+        make_store(r, entries={"a": b"old"}, wv=stored)
+        tmp = set_tmp(r, "1", b"new")
+        sent = stored or "0"
+        assert r.run("commit", [META, REG, tmp, D("a")], commit_argv(ops=[put("a", 3, 4)], wv=sent), lua_version) == 3
+        assert r.data[META][b"wv"] == str(int(sent) + 1).encode()
+        assert r.data[D("a")] == b"new"
+
+    @pytest.mark.parametrize("stored", [None, "0", "7", "garbage"])
+    def test_empty_wv_skips_the_check(self, r: LuaRedis, lua_version: str, stored: str | None) -> None:
+        make_store(r, wv=stored)
+        assert r.run("commit", [META, REG], commit_argv(bump="0", meta={"x": "1"}, wv=""), lua_version) == 2
+        assert r.data[META].get(b"wv") == (None if stored is None else stored.encode())
+        assert r.data[META][b"x"] == b"1"
+
+    @pytest.mark.parametrize("nops", [1, 2, 5])
+    @pytest.mark.parametrize("bump", ["0", "1"])
+    def test_commit_with_ops_bumps_wv_exactly_once(self, r: LuaRedis, lua_version: str, nops: int, bump: str) -> None:
+        make_store(r, wv="41")
+        ops = [{"op": "node", "f": f"n{i}", "m": '{"k":"td"}'} for i in range(nops)]
+        before = r.snapshot()
+        lv = r.run("commit", [META, REG], commit_argv(bump=bump, ops=ops, meta={"y": "2"}, wv="41"), lua_version)
+        assert lv == (3 if bump == "1" else 2)
+        assert r.commands("HINCRBY").count((META, b"wv", b"1")) == 1
+        assert [c for c in r.commands("HINCRBY") if c[1] == b"wv"] == [(META, b"wv", b"1")]
+        expected, _ = wv_bumped(before)
+        expected[META][b"y"] = b"2"
+        expected[META][b"lv"] = str(lv).encode()
+        expected[REG] = {f"n{i}".encode(): b'{"k":"td"}' for i in range(nops)}
+        assert r.data == expected
+
+    @pytest.mark.parametrize("meta", [None, {"bs": "[5]"}], ids=["empty", "meta_only"])
+    @pytest.mark.parametrize("bump", ["0", "1"])
+    def test_commit_without_ops_keeps_wv(self, r: LuaRedis, lua_version: str, meta: Any, bump: str) -> None:
+        make_store(r, entries={"a": b"aaa"}, wv="9")
+        r.run("commit", [META, REG], commit_argv(bump=bump, meta=meta, ops=[], wv="9"), lua_version)
+        assert wv_of(r) == b"9"
+        assert [c for c in r.commands("HINCRBY") if c[1] == b"wv"] == []
+
+    def test_new_store(self, r: LuaRedis, lua_version: str) -> None:
+        r.run("commit", [META, REG], commit_argv("new", ops=[{"op": "node", "f": "n", "m": "{}"}]), lua_version)
+        assert wv_of(r) == b"1"
+        other = LuaRedis()
+        other.run("commit", [META, REG], commit_argv("new", meta={"bs": "[]"}), lua_version)
+        assert b"wv" not in other.data[META]
+
+    def test_read_modify_write_sequence(self, r: LuaRedis, lua_version: str) -> None:
+        """Two clients read wv 0; the first to commit wins, the second conflicts and retries."""
+        make_store(r, entries={"a": b"aaaa"})
+        seen = (r.data[META].get(b"wv") or b"0").decode()
+        first = set_tmp(r, "1", b"AAAA")
+        assert r.run("commit", [META, REG, first, D("a")], commit_argv(bump="0", ops=[put("a", 3, 4)], wv=seen), lua_version) == 2
+        second = set_tmp(r, "2", b"BBBB")
+        keys = [META, REG, second, D("a")]
+        expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(bump="0", ops=[put("a", 3, 4)], wv=seen), lua_version, deleted=(second,))
+        assert r.data[D("a")] == b"AAAA"
+        seen = r.data[META][b"wv"].decode()
+        assert seen == "1"
+        second = set_tmp(r, "2", b"BBBB")
+        assert r.run("commit", keys, commit_argv(bump="0", ops=[put("a", 3, 4)], wv=seen), lua_version) == 2
+        assert r.data[D("a")] == b"BBBB" and wv_of(r) == b"2"
+
+    def test_write_runs_and_extend_invalidate_a_snapshot(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"\0" * 8}, wv="4")
+        r.run("write_runs", [META, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
+        assert wv_of(r) == b"5"
+        expect_error(r, "TDS_CONFLICT", "commit", [META, REG], commit_argv(ops=[{"op": "node", "f": "n", "m": "{}"}], wv="4"), lua_version)
+        r.run("extend", [META, D("a")], extend_argv("2", 1, 4, (2, b"yy")), lua_version)
+        assert wv_of(r) == b"6"
+        expect_error(r, "TDS_CONFLICT", "commit", [META, REG], commit_argv(ops=[{"op": "node", "f": "n", "m": "{}"}], wv="5"), lua_version)
+        assert r.run("commit", [META, REG], commit_argv(bump="0", ops=[{"op": "node", "f": "n", "m": "{}"}], wv="6"), lua_version) == 2
+        assert wv_of(r) == b"7"
 
 
 # =========================================================================== #
@@ -557,10 +706,11 @@ class TestWriteRuns:
 
     def test_many_runs_in_several_entries(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        before = state(r)
+        before = copy.deepcopy(state(r))
         argv = runs_argv("2", ([(0, 1), (4, 2), (9, 1)], b"ABCD"), ([(1, 3), (8, 2)], b"XYZuv"))
         assert r.run("write_runs", [META, D("a"), D("b")], argv, lua_version) == 5
         before[D("a")], before[D("b")] = b"A123BC678D", b"aXYZefghuv"
+        before[META][b"wv"] = b"1"
         assert state(r) == before
         assert r.ttls == {}
 
@@ -578,13 +728,13 @@ class TestWriteRuns:
         r = wstore
         before = r.snapshot()
         assert r.run("write_runs", [META], ["2"], lua_version) == 0
-        assert r.snapshot() == before
+        assert r.snapshot() == wv_bumped(before), "a write of nothing changes nothing but wv"
 
     def test_group_with_zero_runs(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
         before = r.snapshot()
         assert r.run("write_runs", [META, D("a"), D("e")], runs_argv("2", ([], b""), ([], b"")), lua_version) == 0
-        assert r.snapshot() == before
+        assert r.snapshot() == wv_bumped(before)
         assert r.commands("SETRANGE") == []
 
     @pytest.mark.parametrize("runs", [[(3, 0)], [(10, 0)], [(0, 0), (10, 0)]], ids=["inside", "at_end", "two"])
@@ -592,7 +742,7 @@ class TestWriteRuns:
         r = wstore
         before = r.snapshot()
         assert r.run("write_runs", [META, D("a")], runs_argv("2", (runs, b"")), lua_version) == len(runs)
-        assert r.snapshot() == before
+        assert r.snapshot() == wv_bumped(before)
 
     def test_zero_length_run_among_others(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
@@ -702,6 +852,25 @@ class TestWriteRuns:
         assert wstore.ttls == {D("a"): 1234}
 
 
+class TestWriteRunsWriteVersion:
+    @pytest.mark.parametrize("stored,after", [(None, b"1"), ("0", b"1"), ("7", b"8"), ("99999999999", b"100000000000")])
+    def test_bumps_wv_exactly_once(self, r: LuaRedis, lua_version: str, stored: str | None, after: bytes) -> None:
+        make_store(r, entries={"a": b"0123456789", "b": b"abcdefghij"}, wv=stored)
+        before = r.snapshot()
+        argv = runs_argv("2", ([(0, 1), (5, 2)], b"ABC"), ([(9, 1)], b"Z"))
+        assert r.run("write_runs", [META, D("a"), D("b")], argv, lua_version) == 3
+        expected, ttls = wv_bumped(before)
+        expected[D("a")], expected[D("b")] = b"A1234BC789", b"abcdefghiZ"
+        assert r.snapshot() == (expected, ttls)
+        assert wv_of(r) == after
+        assert r.commands("HINCRBY") == [(META, b"wv", b"1")]
+
+    def test_each_call_bumps_wv(self, wstore: LuaRedis, lua_version: str) -> None:
+        for i in range(1, 4):
+            wstore.run("write_runs", [META, D("a")], runs_argv("2", ([(i, 1)], b"x")), lua_version)
+            assert wv_of(wstore) == str(i).encode()
+
+
 class TestWriteRunsLargeOffsets:
     """Offsets past 2**31 must reach SETRANGE as plain decimal integers (no exponent, no ".0")."""
 
@@ -730,6 +899,325 @@ class TestWriteRunsLargeOffsets:
         argv = runs_argv("2", ([(4_999_999_999, 2)], b"zz"))
         exc = expect_error(big, "TDS_RANGE", "write_runs", [META, D("big")], argv, lua_version)
         assert exc.message == "TDS_RANGE run 4999999999+2 past the end (5000000000) of td:{s}:d:big"
+
+
+# =========================================================================== #
+# extend
+# =========================================================================== #
+
+
+def extend_argv(expected: str, n: Any, capacity: Any, *groups: tuple[Any, bytes]) -> list[Any]:
+    """ARGV of extend: version, n, capacity, then (row bytes, payload) per entry."""
+    argv: list[Any] = [expected, str(n), str(capacity)]
+    for row_bytes, payload in groups:
+        argv += [str(row_bytes), payload]
+    return argv
+
+
+def ring_model(data: bytes, cursor: int, capacity: int, row_bytes: int, payload: bytes) -> bytes:
+    """The bytes of an entry after appending the rows of ``payload`` at ``cursor``."""
+    out = bytearray(data)
+    for i in range(len(payload) // row_bytes if row_bytes else 0):
+        row = (cursor + i) % capacity
+        out[row * row_bytes : (row + 1) * row_bytes] = payload[i * row_bytes : (i + 1) * row_bytes]
+    return bytes(out)
+
+
+# capacity 4: "x" has rows of 2 bytes, "y" rows of 3 bytes, "z" rows of 0 bytes (e.g. shape [0])
+CAP = 4
+X0, Y0 = b"abcdefgh", b"ABCDEFGHIJKL"
+
+
+@pytest.fixture
+def ring(r: LuaRedis) -> LuaRedis:
+    make_store(r, entries={"x": X0, "y": Y0, "z": b""})
+    return r
+
+
+def set_cursor(r: LuaRedis, cursor: int) -> None:
+    r.data[META][b"cursor"] = str(cursor).encode()
+
+
+class TestExtend:
+    def test_first_append(self, ring: LuaRedis, lua_version: str) -> None:
+        r = ring
+        before = r.snapshot()
+        result = r.run("extend", [META, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
+        assert result == 0 and type(result) is int
+        expected, ttls = wv_bumped(before)
+        expected[META][b"cursor"] = b"2"
+        expected[D("x")] = b"1122efgh"
+        assert r.snapshot() == (expected, ttls)
+        assert r.commands("SETRANGE") == [(D("x"), b"0", b"1122")]
+        assert r.commands("HINCRBY") == [(META, b"wv", b"1")]
+
+    def test_several_entries(self, ring: LuaRedis, lua_version: str) -> None:
+        r = ring
+        set_cursor(r, 1)
+        r.data[META][b"wv"] = b"10"
+        before = r.snapshot()
+        argv = extend_argv("2", 3, CAP, (2, b"112233"), (3, b"111222333"), (0, b""))
+        assert r.run("extend", [META, D("x"), D("y"), D("z")], argv, lua_version) == 1
+        expected, ttls = wv_bumped(before)
+        expected[META][b"cursor"] = b"4"
+        expected[D("x")] = b"ab112233"
+        expected[D("y")] = b"ABC111222333"
+        assert r.snapshot() == (expected, ttls)
+        assert wv_of(r) == b"11"
+        assert r.commands("SETRANGE") == [(D("x"), b"2", b"112233"), (D("y"), b"3", b"111222333")]
+
+    def test_successive_appends_return_the_old_cursor(self, ring: LuaRedis, lua_version: str) -> None:
+        r = ring
+        x, y = X0, Y0
+        for i, (start, n) in enumerate([(0, 3), (3, 3), (6, 1), (7, 4), (11, 2)]):
+            px = bytes([0x41 + i]) * (2 * n)
+            py = bytes([0x61 + i]) * (3 * n)
+            argv = extend_argv("2", n, CAP, (2, px), (3, py))
+            assert r.run("extend", [META, D("x"), D("y")], argv, lua_version) == start
+            x, y = ring_model(x, start, CAP, 2, px), ring_model(y, start, CAP, 3, py)
+            assert (r.data[D("x")], r.data[D("y")]) == (x, y)
+            assert r.data[META][b"cursor"] == str(start + n).encode()
+            assert wv_of(r) == str(i + 1).encode()
+        assert x == b"EEDDDDEE" and y == b"eeeddddddeee"  # rows 3, 0 of the last append, 1, 2 of the one before
+
+    @pytest.mark.parametrize("cursor", range(0, 9))
+    @pytest.mark.parametrize("n", range(1, CAP + 1))
+    def test_against_a_model(self, ring: LuaRedis, lua_version: str, cursor: int, n: int) -> None:
+        """Every start row and row count of a capacity-4 ring, cursors past the capacity included."""
+        r = ring
+        set_cursor(r, cursor)
+        px = bytes(range(100, 100 + 2 * n))
+        py = bytes(range(200, 200 + 3 * n))
+        before = r.snapshot()
+        assert r.run("extend", [META, D("x"), D("y")], extend_argv("2", n, CAP, (2, px), (3, py)), lua_version) == cursor
+        expected, ttls = wv_bumped(before)
+        expected[META][b"cursor"] = str(cursor + n).encode()
+        expected[D("x")] = ring_model(X0, cursor, CAP, 2, px)
+        expected[D("y")] = ring_model(Y0, cursor, CAP, 3, py)
+        assert r.snapshot() == (expected, ttls)
+        start = cursor % CAP
+        first = min(n, CAP - start)
+        if first == n:  # one SETRANGE per entry when the rows do not wrap
+            assert r.commands("SETRANGE") == [(D("x"), str(2 * start).encode(), px), (D("y"), str(3 * start).encode(), py)]
+        else:  # two when they do: the tail of the buffer, then its head
+            assert r.commands("SETRANGE") == [
+                (D("x"), str(2 * start).encode(), px[: 2 * first]),
+                (D("x"), b"0", px[2 * first :]),
+                (D("y"), str(3 * start).encode(), py[: 3 * first]),
+                (D("y"), b"0", py[3 * first :]),
+            ]
+
+    def test_wrap_around(self, ring: LuaRedis, lua_version: str) -> None:
+        r = ring
+        set_cursor(r, 3)
+        assert r.run("extend", [META, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 3
+        assert r.data[D("x")] == b"2233ef11"
+        assert r.commands("SETRANGE") == [(D("x"), b"6", b"11"), (D("x"), b"0", b"2233")]
+        assert r.data[META][b"cursor"] == b"6"
+
+    def test_append_ending_exactly_at_the_end_does_not_wrap(self, ring: LuaRedis, lua_version: str) -> None:
+        r = ring
+        set_cursor(r, 5)
+        assert r.run("extend", [META, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 5
+        assert r.data[D("x")] == b"ab112233"
+        assert r.commands("SETRANGE") == [(D("x"), b"2", b"112233")]
+
+    @pytest.mark.parametrize("cursor,data,calls", [
+        (0, b"11223344", [(b"0", b"11223344")]),
+        (8, b"11223344", [(b"0", b"11223344")]),
+        (2, b"33441122", [(b"4", b"1122"), (b"0", b"3344")]),
+        (7, b"22334411", [(b"6", b"11"), (b"0", b"223344")]),
+    ])
+    def test_n_equal_to_capacity(self, ring: LuaRedis, lua_version: str, cursor: int, data: bytes, calls: list[Any]) -> None:
+        r = ring
+        set_cursor(r, cursor)
+        assert r.run("extend", [META, D("x")], extend_argv("2", 4, CAP, (2, b"11223344")), lua_version) == cursor
+        assert r.data[D("x")] == data
+        assert r.commands("SETRANGE") == [(D("x"), off, chunk) for off, chunk in calls]
+        assert r.data[META][b"cursor"] == str(cursor + 4).encode()
+
+    def test_capacity_one(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"x": b"ab"})
+        for i in range(3):
+            assert r.run("extend", [META, D("x")], extend_argv("2", 1, 1, (2, b"%d%d" % (i, i))), lua_version) == i
+        assert r.data[D("x")] == b"22"
+        assert r.data[META][b"cursor"] == b"3"
+
+    def test_rows_of_zero_bytes(self, ring: LuaRedis, lua_version: str) -> None:
+        """An entry whose rows hold no bytes exists as an empty string; nothing is written to it."""
+        r = ring
+        set_cursor(r, 3)
+        before = r.snapshot()
+        assert r.run("extend", [META, D("z")], extend_argv("2", 2, CAP, (0, b"")), lua_version) == 3
+        expected, ttls = wv_bumped(before)
+        expected[META][b"cursor"] = b"5"
+        assert r.snapshot() == (expected, ttls)
+        assert r.commands("SETRANGE") == []
+
+    def test_rows_of_zero_bytes_beside_others(self, ring: LuaRedis, lua_version: str) -> None:
+        r = ring
+        set_cursor(r, 3)
+        argv = extend_argv("2", 2, CAP, (0, b""), (2, b"1122"), (0, b""))
+        assert r.run("extend", [META, D("z"), D("x"), D("z")], argv, lua_version) == 3
+        assert r.data[D("x")] == b"22cdef11" and r.data[D("z")] == b""
+        assert r.commands("SETRANGE") == [(D("x"), b"6", b"11"), (D("x"), b"0", b"22")]
+
+    def test_rows_of_zero_bytes_need_the_key(self, ring: LuaRedis, lua_version: str) -> None:
+        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, D("nope")], extend_argv("2", 1, CAP, (0, b"")), lua_version)
+        assert exc.message == "TDS_NOENTRY no data at td:{s}:d:nope"
+
+    def test_no_entries_advances_the_cursor(self, ring: LuaRedis, lua_version: str) -> None:
+        r = ring
+        before = r.snapshot()
+        assert r.run("extend", [META], extend_argv("2", 3, CAP), lua_version) == 0
+        expected, ttls = wv_bumped(before)
+        expected[META][b"cursor"] = b"3"
+        assert r.snapshot() == (expected, ttls)
+
+    def test_data_longer_than_capacity_rows(self, r: LuaRedis, lua_version: str) -> None:
+        """Only a short string is refused; bytes past the last row stay as they are."""
+        make_store(r, entries={"x": b"abcdefgh++"})
+        set_cursor(r, 3)
+        assert r.run("extend", [META, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version) == 3
+        assert r.data[D("x")] == b"22cdef11++"
+
+    def test_binary_payload(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"x": bytes(1024)})
+        payload = bytes(range(256)) * 3
+        set_cursor(r, 2)
+        assert r.run("extend", [META, D("x")], extend_argv("2", 3, 4, (256, payload)), lua_version) == 2
+        assert r.data[D("x")] == bytes(range(256)) + bytes(256) + bytes(range(256)) * 2
+
+    def test_empty_expected_version_skips_the_check(self, ring: LuaRedis, lua_version: str) -> None:
+        assert ring.run("extend", [META, D("x")], extend_argv("", 1, CAP, (2, b"11")), lua_version) == 0
+        assert ring.data[D("x")] == b"11cdefgh"
+
+    def test_ttl_of_the_entry_is_untouched(self, ring: LuaRedis, lua_version: str) -> None:
+        ring.ttls[D("x")] = 1234
+        ring.run("extend", [META, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
+        assert ring.ttls == {D("x"): 1234}
+
+
+class TestExtendErrors:
+    @pytest.mark.parametrize("n", ["5", "100", "0", "-1", "1.5", "3.25", "x", "", "nan"])
+    def test_bad_row_count(self, ring: LuaRedis, lua_version: str, n: str) -> None:
+        set_cursor(ring, 2)
+        argv = ["2", n, str(CAP), "2", b"11"]
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], argv, lua_version)
+        assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got {n} and 4"
+
+    @pytest.mark.parametrize("capacity", ["4.5", "x", "", "0", "-4", "nan"])
+    def test_bad_capacity(self, ring: LuaRedis, lua_version: str, capacity: str) -> None:
+        argv = ["2", "1", capacity, "2", b"11"]
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], argv, lua_version)
+        assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got 1 and {capacity}"
+
+    @pytest.mark.parametrize("payload", [b"", b"1", b"112", b"11223"], ids=["empty", "short", "one_row_more", "long"])
+    def test_payload_size_mismatch(self, ring: LuaRedis, lua_version: str, payload: bytes) -> None:
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], extend_argv("2", 2, CAP, (2, payload)), lua_version)
+        assert exc.message == "TDS_BADARG payload of td:{s}:d:x does not hold 2 rows"
+
+    def test_payload_for_rows_of_zero_bytes(self, ring: LuaRedis, lua_version: str) -> None:
+        expect_error(ring, "TDS_BADARG", "extend", [META, D("z")], extend_argv("2", 1, CAP, (0, b"x")), lua_version)
+
+    @pytest.mark.parametrize("row_bytes", ["-1", "1.5", "x", ""])
+    def test_bad_row_bytes(self, ring: LuaRedis, lua_version: str, row_bytes: str) -> None:
+        argv = ["2", "2", str(CAP), row_bytes, b"11"]
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], argv, lua_version)
+        assert exc.message == "TDS_BADARG payload of td:{s}:d:x does not hold 2 rows"
+
+    @pytest.mark.parametrize(
+        "keys,argv",
+        [
+            ([META, D("x")], ["2", "1", "4", "2"]),  # payload missing
+            ([META, D("x")], ["2", "1", "4", "2", b"11", b"junk"]),  # one extra value
+            ([META, D("x")], ["2", "1", "4", "2", b"11", "2", b"11"]),  # more groups than keys
+            ([META, D("x"), D("y")], ["2", "1", "4", "2", b"11"]),  # fewer groups than keys
+            ([META, D("x")], ["2", "1", "4"]),
+            ([META], ["2", "1", "4", "2", b"11"]),
+            ([META], ["2", "1"]),
+        ],
+        ids=["no_payload", "extra", "more_groups", "fewer_groups", "no_group", "group_without_key", "no_capacity"],
+    )
+    def test_argv_count_mismatch(self, ring: LuaRedis, lua_version: str, keys: list[bytes], argv: list[Any]) -> None:
+        exc = expect_error(ring, "TDS_BADARG", "extend", keys, argv, lua_version)
+        if len(argv) >= 3:
+            assert exc.message == f"TDS_BADARG expected {len(keys) - 1} groups of (row bytes, payload)"
+
+    def test_missing_data_key(self, ring: LuaRedis, lua_version: str) -> None:
+        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, D("nope")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
+        assert exc.message == "TDS_NOENTRY no data at td:{s}:d:nope"
+
+    @pytest.mark.parametrize("data", [b"", b"abcdefg", b"ab"], ids=["empty", "one_byte_short", "one_row"])
+    def test_data_shorter_than_capacity_rows(self, r: LuaRedis, lua_version: str, data: bytes) -> None:
+        make_store(r, entries={"x": data})
+        exc = expect_error(r, "TDS_RANGE", "extend", [META, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
+        assert exc.message == f"TDS_RANGE td:{{s}}:d:x holds {len(data)} bytes, less than 4 rows"
+
+    def test_short_data_even_when_the_rows_written_fit(self, ring: LuaRedis, lua_version: str) -> None:
+        """The check is of the whole ring, not of the rows this append touches."""
+        expect_error(ring, "TDS_RANGE", "extend", [META, D("x")], extend_argv("2", 1, 5, (2, b"11")), lua_version)
+
+    def test_stale_version(self, ring: LuaRedis, lua_version: str) -> None:
+        exc = expect_error(ring, "TDS_STALE", "extend", [META, D("x")], extend_argv("1", 1, CAP, (2, b"11")), lua_version)
+        assert exc.message == "TDS_STALE layout version is 2, client assumed 1"
+
+    @pytest.mark.parametrize("expected", ["2", ""])
+    def test_missing_store(self, r: LuaRedis, lua_version: str, expected: str) -> None:
+        r.data[D("x")] = X0
+        exc = expect_error(r, "TDS_NOSTORE", "extend", [META, D("x")], extend_argv(expected, 1, CAP, (2, b"11")), lua_version)
+        assert exc.message == "TDS_NOSTORE no store at td:{s}:meta"
+
+    def test_store_errors_come_before_argument_errors(self, r: LuaRedis, lua_version: str) -> None:
+        expect_error(r, "TDS_NOSTORE", "extend", [META, D("x")], ["2", "0", "4"], lua_version)
+        make_store(r, lv=3)
+        expect_error(r, "TDS_STALE", "extend", [META, D("x")], ["2", "9", "4", "junk"], lua_version)
+
+    @pytest.mark.parametrize(
+        "second,code",
+        [
+            ((D("y"), "3", b"11122"), "TDS_BADARG"),  # payload one byte short
+            ((D("y"), "-3", b""), "TDS_BADARG"),
+            ((D("nope"), "3", b"111222"), "TDS_NOENTRY"),
+            ((D("x"), "3", b"111222"), "TDS_RANGE"),  # x holds 8 bytes, 4 rows of 3 need 12
+        ],
+        ids=["payload", "row_bytes", "noentry", "range"],
+    )
+    @pytest.mark.parametrize("cursor", [0, 3], ids=["no_wrap", "wrap"])
+    def test_error_in_the_second_group_writes_nothing(
+        self, ring: LuaRedis, lua_version: str, second: tuple[bytes, str, bytes], code: str, cursor: int
+    ) -> None:
+        r = ring
+        set_cursor(r, cursor)
+        r.data[META][b"wv"] = b"5"
+        key, row_bytes, payload = second
+        keys = [META, D("x"), key, D("y")]
+        argv = ["2", "2", str(CAP), "2", b"1122", row_bytes, payload, "3", b"111222"]
+        expect_error(r, code, "extend", keys, argv, lua_version)
+        assert r.commands("SETRANGE") == [] and r.commands("HSET") == [] and r.commands("HINCRBY") == []
+
+
+class TestExtendLargeOffsets:
+    """Offsets and cursors past 2**31 reach the server as plain decimal integers."""
+
+    def test_wrap_at_a_large_offset(self, lua_version: str) -> None:
+        capacity, row_bytes = 5_000_000, 1000
+        r = LuaRedis(proto_max_bulk_len=1 << 40, virtual_strlen={D("big"): capacity * row_bytes})
+        make_store(r)
+        set_cursor(r, 3 * capacity - 1)  # the last row, on the third lap
+        argv = extend_argv("2", 2, capacity, (row_bytes, b"a" * row_bytes + b"b" * row_bytes))
+        assert r.run("extend", [META, D("big")], argv, lua_version) == 3 * capacity - 1
+        assert r.commands("SETRANGE") == [(D("big"), b"4999999000", b"a" * row_bytes), (D("big"), b"0", b"b" * row_bytes)]
+        assert r.data[D("big")] == VirtualString(5_000_000_000, [(4_999_999_000, b"a" * row_bytes), (0, b"b" * row_bytes)])
+        assert r.data[META][b"cursor"] == b"15000001"
+
+    @pytest.mark.parametrize("cursor", [2**31 - 1, 2**32 + 5, 2**40 + 3])
+    def test_large_cursor(self, ring: LuaRedis, lua_version: str, cursor: int) -> None:
+        set_cursor(ring, cursor)
+        result = ring.run("extend", [META, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
+        assert result == cursor and type(result) is int
+        assert ring.data[META][b"cursor"] == str(cursor + 2).encode()
+        assert ring.data[D("x")] == ring_model(X0, cursor, CAP, 2, b"1122")
 
 
 # =========================================================================== #
@@ -792,6 +1280,7 @@ ERROR_TESTS = {
         "TDS_NOSTORE": TestCommitMetaAndVersion.test_missing_store,
         "TDS_EXISTS": TestCommitCreate.test_new_on_existing_store,
         "TDS_STALE": TestCommitMetaAndVersion.test_stale_version,
+        "TDS_CONFLICT": TestCommitWriteVersion.test_conflict,
         "TDS_LOCKED": TestCommitLock.test_locked_store_refuses_when_asked,
         "TDS_PARTIAL": TestCommitPut.test_missing_tmp_is_partial_and_drops_every_tmp,
         "TDS_BADARG": TestCommitBadArg.test_malformed_op_applies_nothing,
@@ -802,6 +1291,13 @@ ERROR_TESTS = {
         "TDS_NOENTRY": TestWriteRuns.test_missing_data_key,
         "TDS_RANGE": TestWriteRuns.test_run_past_the_end,
         "TDS_BADARG": TestWriteRuns.test_payload_size_mismatch,
+    },
+    "extend": {
+        "TDS_NOSTORE": TestExtendErrors.test_missing_store,
+        "TDS_STALE": TestExtendErrors.test_stale_version,
+        "TDS_NOENTRY": TestExtendErrors.test_missing_data_key,
+        "TDS_RANGE": TestExtendErrors.test_data_shorter_than_capacity_rows,
+        "TDS_BADARG": TestExtendErrors.test_payload_size_mismatch,
     },
     "clear": {
         "TDS_NOSTORE": TestClear.test_missing_store,

@@ -1,0 +1,337 @@
+"""Indexed reads and writes (issue "indexing") vs the best hand-written redis-py.
+
+    python benchmarks/bench_index.py --server valkey
+
+Image store: ``from_schema({"obs": ([84, 84, 3], torch.uint8)}, batch_size=[10000])``
+(211 MB; ``--rows`` makes it smaller), filled with random bytes; the raw baseline reads
+and writes a plain string key holding the same bytes, on the same server and transport:
+
+* ``store[idx]`` (256 random rows)       vs MULTI of 256 GETRANGE + join + frombuffer
+* ``store[idx] = td`` (256 random rows)  vs MULTI of 256 SETRANGE
+* ``store[i]`` (one row)                 vs one GETRANGE + frombuffer
+* ``store[100:356]`` read / write        vs one GETRANGE (+ frombuffer) / one SETRANGE
+
+Sampling store: 10000 rows of obs (64,) float32, action (4,) float32, reward () float32:
+
+* ``store[idx]`` (256 random rows) vs a Lua gather script per entry (one MULTI; the
+  script takes the row size and the row numbers and returns the rows' bytes
+  concatenated), vs a MULTI of 3 x 256 GETRANGEs, and vs ``td[idx]`` on an in-memory
+  TensorDict holding the same data.
+
+Ratios are ``tdstore time / raw time`` (medians); goals: 1.3x, 1.3x, 2x, 1.2x, 1.0x.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from _common import (
+    RawRedis,
+    Timing,
+    base_parser,
+    parse,
+    bench_server,
+    byte_view,
+    compare,
+    fmt_goal,
+    fmt_ms,
+    fmt_ratio,
+    load_average,
+    print_table,
+    server_banner,
+    sync_hop_cost,
+    tensor_from_bytes,
+    timed,
+    transports,
+)
+
+import torch
+from tensordict import TensorDict
+
+from tdstore import TensorDictStore
+
+OBS_SHAPE = (84, 84, 3)
+N_SAMPLE = 256
+SLICE = slice(100, 356)
+
+# KEYS[1]: a string of fixed-size rows; ARGV[1]: the row size in bytes; ARGV[2..]: row
+# numbers. Returns the rows' bytes concatenated in the order given.
+GATHER_LUA = """
+local key = KEYS[1]
+local size = tonumber(ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  local off = tonumber(ARGV[i]) * size
+  out[i - 1] = redis.call('GETRANGE', key, off, off + size - 1)
+end
+return table.concat(out)
+"""
+
+SAMPLING_SPEC = {"obs": ((64,), torch.float32), "action": ((4,), torch.float32), "reward": ((), torch.float32)}
+
+
+def _t(timing: Timing | None) -> str:
+    if timing is None:
+        return "-"
+    return f"{fmt_ms(timing.median)} ({fmt_ms(timing.min)})"
+
+
+def _row(label: str, tr: str, base_label: str, base: Timing, ours: Timing, goal: float | None) -> list[str]:
+    return [
+        label,
+        tr,
+        base_label,
+        _t(base),
+        _t(ours),
+        fmt_ratio(ours.median, base.median),
+        fmt_ratio(ours.min, base.min),
+        fmt_goal(ours.median, base.median, goal),
+    ]
+
+
+def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]]) -> None:
+    rep, warm, n = args.repeat, args.warmup, args.rows
+    gen = torch.Generator().manual_seed(1)
+    obs = torch.randint(0, 256, (n, *OBS_SHAPE), dtype=torch.uint8, generator=gen)
+    row_bytes = obs[0].numel()
+    idx = torch.randperm(n, generator=gen)[:N_SAMPLE]
+    new_rows = torch.randint(0, 256, (N_SAMPLE, *OBS_SHAPE), dtype=torch.uint8, generator=gen)
+    new_slice = torch.randint(0, 256, (SLICE.stop - SLICE.start, *OBS_SHAPE), dtype=torch.uint8, generator=gen)
+    one = 4321 % n
+    key = raw.key("obs")
+    expected = obs.clone()
+
+    first = TensorDictStore.from_schema(
+        {"obs": (list(OBS_SHAPE), torch.uint8)}, batch_size=[n], **srv.connection_kwargs(unix=True)
+    )
+    stores = {"unix": first}
+    try:
+        first["obs"] = obs  # same shape and dtype: fills the from_schema entry
+        raw.call("unix", lambda c: c.set(key, byte_view(obs)))
+        sha = raw.call("unix", lambda c: c.script_load(GATHER_LUA))
+        if "tcp" in transports(args):
+            stores["tcp"] = TensorDictStore.from_store(td_id=first.td_id, **srv.connection_kwargs(unix=False))
+
+        for tr in transports(args):
+            store = stores[tr]
+
+            async def raw_rows_read(c: Any) -> torch.Tensor:
+                async with c.pipeline(transaction=True) as pipe:
+                    for r in idx.tolist():
+                        pipe.getrange(key, r * row_bytes, r * row_bytes + row_bytes - 1)
+                    parts = await pipe.execute()
+                return tensor_from_bytes(b"".join(parts), torch.uint8, (len(parts), *OBS_SHAPE))
+
+            async def raw_rows_lua(c: Any) -> torch.Tensor:
+                data = await c.evalsha(sha, 1, key, row_bytes, *idx.tolist())
+                return tensor_from_bytes(data, torch.uint8, (N_SAMPLE, *OBS_SHAPE))
+
+            async def raw_rows_write(c: Any) -> Any:
+                view = byte_view(new_rows)
+                async with c.pipeline(transaction=True) as pipe:
+                    for i, r in enumerate(idx.tolist()):
+                        pipe.setrange(key, r * row_bytes, view[i * row_bytes : (i + 1) * row_bytes])
+                    return await pipe.execute()
+
+            async def raw_one(c: Any) -> torch.Tensor:
+                data = await c.getrange(key, one * row_bytes, one * row_bytes + row_bytes - 1)
+                return tensor_from_bytes(data, torch.uint8, OBS_SHAPE)
+
+            lo, hi = SLICE.start * row_bytes, SLICE.stop * row_bytes
+
+            async def raw_slice_read(c: Any) -> torch.Tensor:
+                data = await c.getrange(key, lo, hi - 1)
+                return tensor_from_bytes(data, torch.uint8, (SLICE.stop - SLICE.start, *OBS_SHAPE))
+
+            async def raw_slice_write(c: Any) -> Any:
+                return await c.setrange(key, lo, byte_view(new_slice))
+
+            # correctness first (untimed): tdstore and raw agree with the local tensor
+            # (`expected` is what both the store and the raw key hold: the writes below change both alike)
+            assert torch.equal(store[idx]["obs"], expected[idx]), "store[idx] differs"
+            assert torch.equal(raw.call(tr, raw_rows_read), expected[idx]), "raw gather differs"
+            assert torch.equal(raw.call(tr, raw_rows_lua), expected[idx]), "raw Lua gather differs"
+            assert torch.equal(store[one]["obs"], expected[one]), "store[i] differs"
+            assert torch.equal(raw.call(tr, raw_one), expected[one]), "raw GETRANGE differs"
+            assert torch.equal(store[SLICE]["obs"], expected[SLICE]), "store[slice] differs"
+            assert torch.equal(raw.call(tr, raw_slice_read), expected[SLICE]), "raw slice differs"
+
+            td_rows = TensorDict({"obs": new_rows}, batch_size=[N_SAMPLE])
+            td_slice = TensorDict({"obs": new_slice}, batch_size=[SLICE.stop - SLICE.start])
+
+            def write_rows() -> None:
+                store[idx] = td_rows
+
+            def write_slice() -> None:
+                store[SLICE] = td_slice
+
+            t = compare(
+                {
+                    "raw:rows": raw.timed(tr, raw_rows_read),
+                    "raw:rows-lua": raw.timed(tr, raw_rows_lua),
+                    "ours:rows": timed(lambda: store[idx]),
+                },
+                repeat=max(rep, 15), warmup=max(warm, 3),
+            )
+            t.update(compare(
+                {"raw:wrows": raw.timed(tr, raw_rows_write), "ours:wrows": timed(write_rows)},
+                repeat=max(rep, 15), warmup=max(warm, 3),
+            ))
+            t.update(compare(
+                {
+                    "raw:one": raw.timed(tr, raw_one),
+                    "raw:one-hop": timed(lambda: raw.call(tr, raw_one)),
+                    "ours:one": timed(lambda: store[one]),
+                },
+                repeat=max(rep, 31), warmup=max(warm, 5),
+            ))
+            t.update(compare(
+                {"raw:slice": raw.timed(tr, raw_slice_read), "ours:slice": timed(lambda: store[SLICE])},
+                repeat=max(rep, 15), warmup=max(warm, 3),
+            ))
+            t.update(compare(
+                {"raw:wslice": raw.timed(tr, raw_slice_write), "ours:wslice": timed(write_slice)},
+                repeat=max(rep, 15), warmup=max(warm, 3),
+            ))
+            # the writes landed where they should
+            expected[idx] = new_rows
+            expected[SLICE] = new_slice  # written last, so it wins where idx falls inside the slice
+            assert torch.equal(store[idx]["obs"], expected[idx]), "store[idx] = td did not land"
+            assert torch.equal(raw.call(tr, raw_rows_read), expected[idx]), "raw SETRANGEs did not land"
+            assert torch.equal(store[SLICE]["obs"], new_slice), "store[slice] = td did not land"
+
+            rows_out.append(_row(f"read  store[idx], {N_SAMPLE} random rows", tr,
+                                 f"MULTI {N_SAMPLE}x GETRANGE + join + frombuffer", t["raw:rows"], t["ours:rows"], 1.3))
+            rows_out.append(_row(f"read  store[idx], {N_SAMPLE} random rows", tr,
+                                 "Lua gather script, 1 EVALSHA (info)", t["raw:rows-lua"], t["ours:rows"], None))
+            rows_out.append(_row(f"write store[idx] = td, {N_SAMPLE} random rows", tr,
+                                 f"MULTI {N_SAMPLE}x SETRANGE", t["raw:wrows"], t["ours:wrows"], 1.3))
+            rows_out.append(_row("read  store[i], one row", tr, "GETRANGE + frombuffer",
+                                 t["raw:one"], t["ours:one"], 2.0))
+            rows_out.append(_row("read  store[i], one row", tr, "same, called through a thread hop",
+                                 t["raw:one-hop"], t["ours:one"], None))
+            rows_out.append(_row(f"read  store[{SLICE.start}:{SLICE.stop}]", tr, "GETRANGE + frombuffer",
+                                 t["raw:slice"], t["ours:slice"], 1.2))
+            rows_out.append(_row(f"write store[{SLICE.start}:{SLICE.stop}] = td", tr, "SETRANGE",
+                                 t["raw:wslice"], t["ours:wslice"], 1.2))
+    finally:
+        for tr, store in stores.items():
+            if tr == "unix":
+                continue
+            store.close()
+        first.clear_redis()
+        first.close()
+
+
+def sampling_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]]) -> None:
+    rep, warm, n = args.repeat, args.warmup, args.sampling_rows
+    gen = torch.Generator().manual_seed(2)
+    data = {k: torch.randn(n, *shape, generator=gen).to(dtype) for k, (shape, dtype) in SAMPLING_SPEC.items()}
+    local = TensorDict(data, batch_size=[n])
+    idx = torch.randint(0, n, (N_SAMPLE,), generator=gen)  # sampling with replacement, as a replay buffer does
+    sizes = {k: v[0].numel() * v.element_size() for k, v in data.items()}
+    keys = {k: raw.key(f"s:{k}") for k in data}
+
+    first = TensorDictStore.from_tensordict(local, **srv.connection_kwargs(unix=True))
+    stores = {"unix": first}
+    try:
+        for k, v in data.items():
+            raw.call("unix", lambda c, k=k, v=v: c.set(keys[k], byte_view(v)))
+        sha = raw.call("unix", lambda c: c.script_load(GATHER_LUA))
+        if "tcp" in transports(args):
+            stores["tcp"] = TensorDictStore.from_store(td_id=first.td_id, **srv.connection_kwargs(unix=False))
+
+        for tr in transports(args):
+            store = stores[tr]
+
+            async def raw_gather(c: Any) -> dict[str, torch.Tensor]:
+                rows = idx.tolist()
+                async with c.pipeline(transaction=True) as pipe:
+                    for k in data:
+                        pipe.evalsha(sha, 1, keys[k], sizes[k], *rows)
+                    replies = await pipe.execute()
+                return {
+                    k: tensor_from_bytes(b, SAMPLING_SPEC[k][1], (len(rows), *SAMPLING_SPEC[k][0]))
+                    for k, b in zip(data, replies)
+                }
+
+            async def raw_getranges(c: Any) -> dict[str, torch.Tensor]:
+                rows = idx.tolist()
+                async with c.pipeline(transaction=True) as pipe:
+                    for k in data:
+                        size = sizes[k]
+                        for r in rows:
+                            pipe.getrange(keys[k], r * size, r * size + size - 1)
+                    replies = await pipe.execute()
+                out = {}
+                for j, k in enumerate(data):
+                    part = replies[j * len(rows) : (j + 1) * len(rows)]
+                    out[k] = tensor_from_bytes(b"".join(part), SAMPLING_SPEC[k][1], (len(rows), *SAMPLING_SPEC[k][0]))
+                return out
+
+            want = local[idx]
+            got = store[idx]
+            for k in data:
+                assert torch.equal(got[k], want[k]), f"store[idx][{k!r}] differs"
+            for fn in (raw_gather, raw_getranges):
+                res = raw.call(tr, fn)
+                for k in data:
+                    assert torch.equal(res[k], want[k]), f"{fn.__name__}[{k!r}] differs"
+
+            t = compare(
+                {
+                    "raw:lua": raw.timed(tr, raw_gather),
+                    "raw:getrange": raw.timed(tr, raw_getranges),
+                    "mem": timed(lambda: local[idx]),
+                    "ours": timed(lambda: store[idx]),
+                },
+                repeat=max(rep, 15), warmup=max(warm, 3),
+            )
+            label = f"sample store[idx], {N_SAMPLE} rows x 3 entries"
+            rows_out.append(_row(label, tr, "Lua gather per entry, one MULTI", t["raw:lua"], t["ours"], 1.0))
+            rows_out.append(_row(label, tr, f"MULTI 3x{N_SAMPLE} GETRANGE + join", t["raw:getrange"], t["ours"], None))
+            rows_out.append(_row(label, tr, "in-memory TensorDict td[idx]", t["mem"], t["ours"], None))
+    finally:
+        for tr, store in stores.items():
+            if tr != "unix":
+                store.close()
+        first.clear_redis()
+        first.close()
+
+
+def main() -> None:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=10000, help="rows of the 84x84x3 uint8 store (default 10000)")
+    parser.add_argument("--sampling-rows", type=int, default=10000, help="rows of the sampling store (default 10000)")
+    args = parse(parser)
+    rows: list[list[str]] = []
+    with bench_server(args.server) as srv:
+        mb = args.rows * 84 * 84 * 3 / 1e6
+        print(f"# bench_index: obs [{args.rows}, 84, 84, 3] uint8 ({mb:.0f} MB); sampling store of "
+              f"{args.sampling_rows} rows (obs 64 f32, action 4 f32, reward f32)")
+        print(f"# {datetime.datetime.now().isoformat(timespec='minutes')}; {server_banner(srv)}")
+        print(f"# load average at start: {load_average()}")
+        print(f"# each cell: median (min) ms; {args.repeat} runs after {args.warmup} warm-up runs "
+              "(at least 15 after 3; one-row reads: 31 after 5); cases interleaved")
+        raw = RawRedis(srv)
+        try:
+            image_benchmarks(srv, raw, args, rows)
+            sampling_benchmarks(srv, raw, args, rows)
+        finally:
+            raw.cleanup()
+        hop = sync_hop_cost()
+    headers = ["operation", "transport", "raw baseline", "raw ms", "tdstore ms", "tdstore/raw", "(of mins)", "goal"]
+    notes = [
+        "ratio = median time / median baseline time (lower is better); '(of mins)' = min / min.",
+        "raw = redis.asyncio + hiredis on the same server and transport, awaited inside its own event loop "
+        "(no thread hop), producing the same tensors (reads include join + torch.frombuffer).",
+        f"one blocking tdstore call's thread hop to its IO loop, without I/O: {hop * 1e6:.0f} us (median); the "
+        "'through a thread hop' row times the raw GETRANGE submitted from the main thread the same way.",
+        f"load average at end: {load_average()}",
+    ]
+    print_table("indexed reads and writes", headers, rows, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+--[[ extend
+Appends rows to a ring buffer as one step: reserves them through the store's cursor and
+writes every entry's rows in the same script, so concurrent appenders never get the same
+rows and a reader never sees a reserved but unwritten row.
+
+KEYS[1]   meta hash of the store (fields "cursor": rows ever appended; "wv": write version)
+KEYS[2..] the data key of each entry written, in the order of the ARGV groups
+
+ARGV[1]   expected layout version (decimal string)
+ARGV[2]   number of rows n appended (1 <= n <= capacity)
+ARGV[3]   capacity: the size of the first batch dim
+ARGV[4..] one group per entry: the bytes of one row, then the payload of n rows
+
+Returns: the cursor before the append (integer); the rows written are
+         (cursor + i) % capacity for i = 0 .. n-1
+
+Errors:
+  TDS_NOSTORE  the store does not exist
+  TDS_STALE    the layout version differs from ARGV[1]
+  TDS_NOENTRY  a data key is missing
+  TDS_RANGE    a data key is shorter than capacity rows
+  TDS_BADARG   n, capacity or a group is malformed
+]]
+--@include lib/common.lua
+
+local err = check_layout(KEYS[1], ARGV[1])
+if err then return err end
+
+local n = tonumber(ARGV[2])
+local capacity = tonumber(ARGV[3])
+if n == nil or capacity == nil or n < 1 or n ~= math.floor(n) or capacity ~= math.floor(capacity) or n > capacity then
+  return fail('TDS_BADARG', 'need 1 <= rows <= capacity, got ' .. tostring(ARGV[2]) .. ' and ' .. tostring(ARGV[3]))
+end
+if #ARGV ~= 3 + 2 * (#KEYS - 1) then
+  return fail('TDS_BADARG', 'expected ' .. (#KEYS - 1) .. ' groups of (row bytes, payload)')
+end
+
+-- validate every group before the first write
+for k = 2, #KEYS do
+  local row_bytes = tonumber(ARGV[2 + 2 * (k - 1)])
+  local payload = ARGV[3 + 2 * (k - 1)]
+  if row_bytes == nil or row_bytes < 0 or row_bytes ~= math.floor(row_bytes) or #payload ~= n * row_bytes then
+    return fail('TDS_BADARG', 'payload of ' .. KEYS[k] .. ' does not hold ' .. int_str(n) .. ' rows')
+  end
+  local size = rcall('STRLEN', KEYS[k])
+  if size == 0 and rcall('EXISTS', KEYS[k]) == 0 then
+    return fail('TDS_NOENTRY', 'no data at ' .. KEYS[k])
+  end
+  if size < capacity * row_bytes then
+    return fail('TDS_RANGE', KEYS[k] .. ' holds ' .. int_str(size) .. ' bytes, less than ' .. int_str(capacity) .. ' rows')
+  end
+end
+
+local cursor = tonumber(rcall('HGET', KEYS[1], 'cursor') or '0')
+local start = cursor % capacity
+local first = math.min(n, capacity - start)
+for k = 2, #KEYS do
+  local row_bytes = tonumber(ARGV[2 + 2 * (k - 1)])
+  local payload = ARGV[3 + 2 * (k - 1)]
+  if row_bytes > 0 then
+    if first == n then
+      rcall('SETRANGE', KEYS[k], int_str(start * row_bytes), payload)
+    else
+      rcall('SETRANGE', KEYS[k], int_str(start * row_bytes), string.sub(payload, 1, first * row_bytes))
+      rcall('SETRANGE', KEYS[k], '0', string.sub(payload, first * row_bytes + 1))
+    end
+  end
+end
+rcall('HSET', KEYS[1], 'cursor', int_str(cursor + n))
+rcall('HINCRBY', KEYS[1], 'wv', 1)
+return cursor

@@ -1,0 +1,14 @@
+"""Violation counts of the race and fault tests, printed at the end of the run."""
+
+from __future__ import annotations
+
+import pytest
+
+COUNTS = pytest.StashKey[list]()
+
+
+def record(request: pytest.FixtureRequest, **counts: object) -> None:
+    """Records ``name=value`` counts of a test; conftest prints them in the summary."""
+    text = " ".join(f"{k}={v}" for k, v in counts.items())
+    request.config.stash.setdefault(COUNTS, []).append(f"{request.node.name}: {text}")
+    print(text)
