@@ -142,13 +142,21 @@ async def _create_then_write(client: Any, store: TensorDictStore, create: list[_
         for offset, length in runs:
             run_args.extend((str(offset), str(length)))
         run_args.append(payload)
-    async with client.pipeline(transaction=True) as pipe:
-        conn.runner.queue(pipe, "commit", key_list, commit_args)
-        conn.runner.queue(pipe, "write_runs", run_keys, run_args)
-        replies = await pipe.execute(raise_on_error=False)
+    import redis.exceptions
+
     from tdstore._backend import _raise_first_error
 
-    _raise_first_error(replies)
+    for attempt in range(2):
+        async with client.pipeline(transaction=True) as pipe:
+            conn.runner.queue(pipe, "commit", key_list, commit_args)
+            conn.runner.queue(pipe, "write_runs", run_keys, run_args)
+            replies = await pipe.execute(raise_on_error=False)
+        if attempt == 0 and isinstance(replies[0], redis.exceptions.NoScriptError):
+            # the server lost its scripts (restart, SCRIPT FLUSH): neither ran; load and retry
+            await conn.runner.load_all(client)
+            continue
+        _raise_first_error(replies)
+        return
 
 
 def _keys_encode(path: tuple[str, ...]) -> str:

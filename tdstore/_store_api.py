@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 
 __all__ = ["StoreAPI"]
 
+_MISSING = object()
+
+
+def _is_sentinel(value: Any) -> bool:
+    """tensordict passes its NO_DEFAULT sentinel for arguments left out."""
+    return type(value).__name__ in ("_NoDefault", "NoDefault") or repr(value) == "NO_DEFAULT"
+
+
 _CONN_ARGS = ("backend", "host", "port", "db", "unix_socket_path", "prefix", "client", "timeout", "cache_metadata")
 _MAX_RETRIES = 50
 
@@ -290,6 +298,8 @@ class StoreAPI:
             tensorclass_cls = layout.meta.get("tensorclass") or None
         if isinstance(tensorclass_cls, str):
             tensorclass_cls = _import_class(tensorclass_cls)
+        if isinstance(tensorclass_cls, type) and issubclass(tensorclass_cls, cls):
+            return store
         if tensorclass_cls is not None:
             return tensorclass_cls._from_tensordict(store)
         return store
@@ -395,9 +405,9 @@ class StoreAPI:
         self._commit_planned(plan, check_lock=True)
         return self
 
-    def pop(self, key: Any, default: Any = None, *args: Any) -> Any:
-        """Reads an entry and deletes it."""
-        has_default = default is not None or args
+    def pop(self, key: Any, default: Any = _MISSING, *args: Any) -> Any:
+        """Reads an entry and deletes it; returns ``default`` (when given) for a missing key."""
+        has_default = default is not _MISSING and not _is_sentinel(default)
         path = self._path + _as_path(key)
         if self._entry(path) is None:
             if has_default:
@@ -408,18 +418,32 @@ class StoreAPI:
         self.del_(key)
         return value
 
-    def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = None, names: Any = None) -> TensorDictStore:
-        """A new, empty store on the same server (a new td_id), with this one's batch size."""
+    def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = None, names: Any = None) -> TensorDictBase:
+        """An empty in-memory ``TensorDict`` with this store's batch size, device and names.
+
+        The results of ``apply``, arithmetic (``store + 1``) and the other methods that
+        build a new tensordict are filled into it, so they are in-memory ``TensorDict``
+        objects: nothing is created on the server behind the user's back. Use
+        ``clone()`` for a copy on the server.
+        """
         from tensordict import TensorDict as _TD
 
-        template = _TD(batch_size=self.batch_size if batch_size is None else batch_size)
+        if _is_sentinel(device) or device is None:
+            device = self.device
+        if _is_sentinel(names):
+            names = None
+        if _is_sentinel(batch_size) or batch_size is None:
+            batch_size = self.batch_size
+        if names is None and batch_size == self.batch_size and self._has_names():
+            names = self.names
+        out = _TD(batch_size=batch_size, device=device, names=names)
         if recurse:
             layout = self._layout()
             n = len(self._path)
             for path, meta in self._descendants(layout, self._path):
                 if meta["k"] == "td":
-                    template._set_tuple(path[n:], _TD(batch_size=meta["batch_size"]), inplace=False, validated=True, non_blocking=False)
-        return self._sibling_from(template, device=device if device is not None else self._device_override, names=names)
+                    out._set_tuple(path[n:], _TD(batch_size=meta["batch_size"], device=device), inplace=False, validated=True, non_blocking=False)
+        return out
 
     def _sibling_from(self, td: TensorDictBase, *, device: Any = None, names: Any = None) -> TensorDictStore:
         cls = type(self)
@@ -574,8 +598,8 @@ def _import_class(path: str) -> type:
     except (ImportError, AttributeError, ValueError) as err:
         raise ImportError(
             f"the store was written from the tensorclass {path!r}, which cannot be imported here "
-            f"({err}); pass tensorclass_cls= to from_store, or tensorclass_cls=False-like None "
-            "handling by importing the module first"
+            f"({err}); make its module importable, or pass tensorclass_cls=TensorDictStore to "
+            "from_store to get the plain store"
         ) from err
 
 

@@ -346,20 +346,24 @@ class TestEntries:
         assert torch.equal(store.pop("a"), torch.arange(2))
         assert "a" not in store.keys()
         assert store.pop("a", "dflt") == "dflt"
+        assert store.pop("a", None) is None
         with pytest.raises(KeyError):
             store.pop("a")
 
-    def test_empty(self, make):
+    def test_empty(self, make, server):
         store = make(batch_size=[2])
         store["a"] = torch.zeros(2)
         store["n", "b"] = torch.zeros(2)
+        keys = _keys(server)
         empty = store.empty()
-        assert isinstance(empty, TensorDictStore) and empty.td_id != store.td_id
+        assert type(empty) is TensorDict  # in memory: nothing is created on the server
         assert list(empty.keys()) == [] and empty.batch_size == torch.Size([2])
         deep = store.empty(recurse=True)
         assert list(deep.keys(True)) == ["n"]
-        empty.close()
-        deep.close()
+        out = store.apply(lambda t: t + 1)
+        assert type(out) is TensorDict and torch.equal(out["a"], torch.ones(2))
+        assert torch.equal((store + 1)["n", "b"], torch.ones(2))
+        assert _keys(server) == keys
 
     def test_entry_class(self, make):
         store = make(batch_size=[2])
