@@ -1043,6 +1043,13 @@ class TestExtend:
         assert r.data[D("x")] == b"22"
         assert r.data[META][b"cursor"] == b"3"
 
+    def test_rows_of_one_byte(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"u": b"wxyz"})
+        set_cursor(r, 2)
+        assert r.run("extend", [META, D("u")], extend_argv("2", 3, CAP, (1, b"123")), lua_version) == 2
+        assert r.data[D("u")] == b"3x12"
+        assert r.commands("SETRANGE") == [(D("u"), b"2", b"12"), (D("u"), b"0", b"3")]
+
     def test_rows_of_zero_bytes(self, ring: LuaRedis, lua_version: str) -> None:
         """An entry whose rows hold no bytes exists as an empty string; nothing is written to it."""
         r = ring
