@@ -79,14 +79,11 @@ class _Subject:
             def write() -> None:
                 store["x"] = tensor
 
-            return {"write": timed(write)}
-        if group == "read":
-            return {"read": timed(lambda: store["x"]), "to_tensordict": timed(store.to_tensordict)}
+            def upload() -> None:
+                self._made.append(self.cls.from_tensordict(self.td, **self.kwargs))
 
-        def upload() -> None:
-            self._made.append(self.cls.from_tensordict(self.td, **self.kwargs))
-
-        return {"from_tensordict": timed(upload, after=self._drop)}
+            return {"write": timed(write), "from_tensordict": timed(upload, after=self._drop)}
+        return {"read": timed(lambda: store["x"]), "to_tensordict": timed(store.to_tensordict)}
 
     def _drop(self) -> None:
         while self._made:
@@ -149,7 +146,6 @@ def main() -> None:
                     groups = {
                         "write": {"raw:set": raw.timed(tr, raw_set)},
                         "read": {"raw:get": raw.timed(tr, raw_get), "raw:get+fb": raw.timed(tr, raw_get_tensor)},
-                        "from_tensordict": {"raw:set2": raw.timed(tr, raw_set)},
                     }
                     for group, cases in groups.items():
                         for name, subject in subjects.items():
@@ -164,7 +160,7 @@ def main() -> None:
                     ('write  store["x"] = t', "write", "SET", "raw:set"),
                     ('read   store["x"]', "read", "GET + frombuffer", "raw:get+fb"),
                     ('read   store["x"]', "read", "GET bytes", "raw:get"),
-                    ("from_tensordict(td)", "from_tensordict", "SET", "raw:set2"),
+                    ("from_tensordict(td)", "from_tensordict", "SET", "raw:set"),
                     ("to_tensordict()", "to_tensordict", "GET + frombuffer", "raw:get+fb"),
                 ]
                 for label, op, base_label, base in plan:

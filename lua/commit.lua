@@ -10,7 +10,8 @@ ARGV[1]   expected layout version: a decimal string; "" skips the check; "new" c
           the store and requires that it does not exist
 ARGV[2]   "1" bumps the layout version (any change of keys, shapes, dtypes or sizes)
 ARGV[3]   "1" refuses the change when the store is locked
-ARGV[4]   JSON object of meta hash fields to set (string values), or ""
+ARGV[4]   JSON object of meta hash fields to set (string values; not lv, wv, cursor
+          or fmt, which only the scripts change), or ""
 ARGV[5]   JSON array of ops, applied in order, each an object with string fields:
             {"op":"put",  "f":path, "m":meta, "src":i, "dst":j}  rename tmp KEYS[i] to KEYS[j]
             {"op":"zero", "f":path, "m":meta, "dst":j, "n":bytes} zero-filled string
@@ -21,6 +22,7 @@ ARGV[6]   the format version written into a new store
 ARGV[7]   expected write version (the "wv" field, bumped by every write of any
           process): a decimal string, or "" to skip the check. Read-modify-write
           methods send the one they read with their snapshot (compare-and-set).
+          Not checked when ARGV[1] is "new".
 
 Returns: the layout version after the change (integer)
 
@@ -86,6 +88,19 @@ local function op_error(op)
   end
   return nil
 end
+-- the counters are owned by the scripts: a meta update must not overwrite them
+for _, reserved in ipairs({'lv', 'wv', 'cursor', 'fmt'}) do
+  if meta_updates[reserved] ~= nil then
+    drop_tmps()
+    return fail('TDS_BADARG', 'meta field ' .. reserved .. ' cannot be set')
+  end
+end
+for field, value in pairs(meta_updates) do
+  if type(field) ~= 'string' or type(value) ~= 'string' then
+    drop_tmps()
+    return fail('TDS_BADARG', 'meta updates must map strings to strings')
+  end
+end
 for _, op in ipairs(ops) do
   local problem = op_error(op)
   if problem then
@@ -105,7 +120,7 @@ else
     drop_tmps()
     return err
   end
-  if ARGV[7] ~= '' and (rcall('HGET', meta_key, 'wv') or '0') ~= ARGV[7] then
+  if (ARGV[7] or '') ~= '' and (rcall('HGET', meta_key, 'wv') or '0') ~= ARGV[7] then
     drop_tmps()
     return fail('TDS_CONFLICT', 'the store was written since the client read it')
   end

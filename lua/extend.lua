@@ -28,7 +28,9 @@ if err then return err end
 
 local n = tonumber(ARGV[2])
 local capacity = tonumber(ARGV[3])
-if n == nil or capacity == nil or n < 1 or n ~= math.floor(n) or capacity ~= math.floor(capacity) or n > capacity then
+-- n ~= n and the 2^53 bound reject nan and inf, which Lua 5.1's tonumber accepts
+if n == nil or capacity == nil or n ~= n or capacity ~= capacity or capacity > 9007199254740992
+    or n < 1 or n ~= math.floor(n) or capacity ~= math.floor(capacity) or n > capacity then
   return fail('TDS_BADARG', 'need 1 <= rows <= capacity, got ' .. tostring(ARGV[2]) .. ' and ' .. tostring(ARGV[3]))
 end
 if #ARGV ~= 3 + 2 * (#KEYS - 1) then
@@ -52,6 +54,9 @@ for k = 2, #KEYS do
 end
 
 local cursor = tonumber(rcall('HGET', KEYS[1], 'cursor') or '0')
+if cursor == nil or cursor < 0 or cursor ~= math.floor(cursor) then
+  return fail('TDS_BADARG', 'the cursor of ' .. KEYS[1] .. ' is not a row count')
+end
 local start = cursor % capacity
 local first = math.min(n, capacity - start)
 for k = 2, #KEYS do

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["normalize_index", "select_rows", "row_runs", "is_full_index"]
+__all__ = ["normalize_index", "select_rows", "row_runs", "is_full_index", "consumed_dims"]
 
 
 def normalize_index(index: Any) -> Any:
@@ -38,6 +38,25 @@ def _normalize_one(index: Any) -> Any:
     if isinstance(index, torch.Tensor) and index.device.type != "cpu":
         return index.cpu()
     return index
+
+
+def consumed_dims(index: Any, ndim: int) -> int:
+    """How many leading dims of a tensor with ``ndim`` dims ``index`` selects over.
+
+    An ``Ellipsis`` makes the index reach the last dim, so it consumes all ``ndim``.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in items):
+        return ndim
+    count = 0
+    for item in items:
+        if item is None:
+            continue
+        if isinstance(item, torch.Tensor) and item.dtype == torch.bool:
+            count += max(item.dim(), 1)
+        else:
+            count += 1
+    return count
 
 
 def is_full_index(index: Any, ndim: int) -> bool:

@@ -24,7 +24,7 @@ from tensordict.utils import is_tensorclass
 
 from tdstore import _backend, _codec, _values
 from tdstore._connection import Connection
-from tdstore._indexing import is_full_index, normalize_index, row_runs, select_rows
+from tdstore._indexing import consumed_dims, normalize_index, row_runs, select_rows
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import new_td_id
 from tdstore._ring import RingBufferAPI
@@ -670,6 +670,10 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
         for _ in range(_MAX_RETRIES):
             layout = self._layout()
             batch_size = torch.Size(self._node(layout)["batch_size"])
+            if only is not None and layout.entries[only]["k"] == "t":
+                # get_at may index past the batch dims, into the entry's own dims
+                shape = layout.entries[only]["shape"]
+                batch_size = torch.Size(shape[: max(len(batch_size), consumed_dims(index, len(shape)))])
             nb = len(batch_size)
             rows = select_rows(index, batch_size)
             new_bs = rows.shape
