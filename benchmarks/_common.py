@@ -327,6 +327,13 @@ def bench_server(kind: str) -> Iterator[ServerHandle]:
     handle = start_server(kind)
     try:
         yield handle
+        client = handle.sync_client()
+        try:
+            left = client.dbsize()
+        finally:
+            client.close()
+        if left:
+            print(f"# WARNING: {left} keys were left on the server after the benchmark")
     finally:
         handle.stop()
 

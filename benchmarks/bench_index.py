@@ -224,7 +224,9 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
         first.close()
 
 
-def sampling_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]]) -> None:
+def sampling_benchmarks(
+    srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], mem_alone: list[float]
+) -> None:
     rep, warm, n = args.repeat, args.warmup, args.sampling_rows
     gen = torch.Generator().manual_seed(2)
     data = {k: torch.randn(n, *shape, generator=gen).to(dtype) for k, (shape, dtype) in SAMPLING_SPEC.items()}
@@ -288,6 +290,8 @@ def sampling_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[
                 },
                 repeat=max(rep, 15), warmup=max(warm, 3),
             )
+            alone = compare({"mem": timed(lambda: local[idx])}, repeat=31, warmup=3)["mem"]
+            mem_alone.append(alone.median)
             label = f"sample store[idx], {N_SAMPLE} rows x 3 entries"
             rows_out.append(_row(label, tr, "Lua gather per entry, one MULTI", t["raw:lua"], t["ours"], 1.0))
             rows_out.append(_row(label, tr, f"MULTI 3x{N_SAMPLE} GETRANGE + join", t["raw:getrange"], t["ours"], None))
@@ -306,6 +310,7 @@ def main() -> None:
     parser.add_argument("--sampling-rows", type=int, default=10000, help="rows of the sampling store (default 10000)")
     args = parse(parser)
     rows: list[list[str]] = []
+    mem_alone: list[float] = []
     with bench_server(args.server) as srv:
         mb = args.rows * 84 * 84 * 3 / 1e6
         print(f"# bench_index: obs [{args.rows}, 84, 84, 3] uint8 ({mb:.0f} MB); sampling store of "
@@ -317,7 +322,7 @@ def main() -> None:
         raw = RawRedis(srv)
         try:
             image_benchmarks(srv, raw, args, rows)
-            sampling_benchmarks(srv, raw, args, rows)
+            sampling_benchmarks(srv, raw, args, rows, mem_alone)
         finally:
             raw.cleanup()
         hop = sync_hop_cost()
@@ -328,6 +333,8 @@ def main() -> None:
         "(no thread hop), producing the same tensors (reads include join + torch.frombuffer).",
         f"one blocking tdstore call's thread hop to its IO loop, without I/O: {hop * 1e6:.0f} us (median); the "
         "'through a thread hop' row times the raw GETRANGE submitted from the main thread the same way.",
+        "in-memory td[idx] is timed interleaved with the other cases, i.e. with caches cooled by them; "
+        f"timed back to back it takes {fmt_ms(min(mem_alone)) if mem_alone else '-'} ms (median).",
         f"load average at end: {load_average()}",
     ]
     print_table("indexed reads and writes", headers, rows, notes)

@@ -124,16 +124,29 @@ async def read_entries(
 async def read_runs(
     client: Any,
     keys: StoreKeys,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]]]],
-) -> tuple[int | None, list[Any], list[list[bytes]]]:
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+) -> tuple[int | None, list[list[bytes]]]:
     """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
 
+    ``length`` None reads the whole string. The layout version comes back with the runs:
+    the caller decodes them only if it is the version it planned with.
+
     Returns:
-        (layout version, raw registry metadata per entry, list of run bytes per entry).
+        (layout version, list of run bytes per entry).
     """
+    nruns = sum(len(runs) for _, runs in plans)
+    if nruns == 1:
+        # One run: no transaction needed. The version is read after the bytes; it only
+        # grows, so if it is the planned one, no layout change happened before the read.
+        (path, ((offset, length),)) = plans[0]
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.getrange(keys.data(path), offset, -1 if length is None else offset + length - 1)
+            pipe.hget(keys.meta, "lv")
+            data, lv = await _exec(pipe)
+        _raise_first_error([data, lv])
+        return (None if lv is None else int(lv)), [[data]]
     async with client.pipeline(transaction=True) as pipe:
         pipe.hget(keys.meta, "lv")
-        pipe.hmget(keys.reg, [encode_path(p) for p, _ in plans])
         for path, runs in plans:
             data_key = keys.data(path)
             for offset, length in runs:
@@ -142,13 +155,12 @@ async def read_runs(
         replies = await _exec(pipe)
     _raise_first_error(replies)
     lv = None if replies[0] is None else int(replies[0])
-    metas = [json.loads(m) if m is not None else None for m in replies[1]]
     out: list[list[bytes]] = []
-    pos = 2
+    pos = 1
     for _, runs in plans:
         out.append(replies[pos : pos + len(runs)])
         pos += len(runs)
-    return lv, metas, out
+    return lv, out
 
 
 def _raise_first_error(replies: list[Any]) -> None:

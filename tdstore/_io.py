@@ -75,19 +75,35 @@ def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) 
             "a blocking tdstore method was called from inside tdstore's IO loop; "
             "call it from another thread"
         )
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    # A lighter hop than asyncio.run_coroutine_threadsafe (about half the latency): one
+    # call_soon_threadsafe that starts the task, and a done-callback that fills a
+    # concurrent Future.
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    tasks: list[asyncio.Task[T]] = []
+
+    def done(task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            future.set_result(task.result())
+
+    def start() -> None:
+        task = loop.create_task(coro)
+        tasks.append(task)
+        task.add_done_callback(done)
+
+    loop.call_soon_threadsafe(start)
     try:
         return future.result(timeout)
     except concurrent.futures.TimeoutError:
-        future.cancel()
+        loop.call_soon_threadsafe(lambda: [t.cancel() for t in tasks])
         raise TimeoutError(
             f"the server did not answer within {timeout} s (set timeout= on the store to wait longer)"
         ) from None
-
-
-#: Loops inherited through fork(). Never closed nor collected: their epoll instance is
-#: shared with the parent, and closing the loop would unregister the parent's sockets.
-_INHERITED_LOOPS: list[Any] = []
+    except concurrent.futures.CancelledError:
+        raise TimeoutError("the operation was cancelled (the IO loop is shutting down)") from None
 
 
 def _after_fork_in_child() -> None:
