@@ -388,9 +388,9 @@ def fmt_goal(num: float | None, den: float | None, goal: float | None) -> str:
     if goal is None:
         return ""
     if num is None or den is None or den <= 0:
-        return f"<= {goal:g}x"
+        return f"<= {goal:.1f}x"
     status = "ok" if num / den <= goal else "MISS"
-    return f"<= {goal:g}x {status}"
+    return f"<= {goal:.1f}x {status}"
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str] = ()) -> None:

@@ -138,13 +138,14 @@ async def read_runs(
     if nruns == 1:
         # One run: no transaction needed. The version is read after the bytes; it only
         # grows, so if it is the planned one, no layout change happened before the read.
-        (path, ((offset, length),)) = plans[0]
+        which = next(i for i, (_, runs) in enumerate(plans) if runs)
+        path, ((offset, length),) = plans[which][0], plans[which][1]
         async with client.pipeline(transaction=False) as pipe:
             pipe.getrange(keys.data(path), offset, -1 if length is None else offset + length - 1)
             pipe.hget(keys.meta, "lv")
             data, lv = await _exec(pipe)
         _raise_first_error([data, lv])
-        return (None if lv is None else int(lv)), [[data]]
+        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
     async with client.pipeline(transaction=True) as pipe:
         pipe.hget(keys.meta, "lv")
         for path, runs in plans:
