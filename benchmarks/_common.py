@@ -355,9 +355,27 @@ def server_banner(handle: ServerHandle) -> str:
     except ImportError:  # pragma: no cover
         parser = "pure-Python parser (hiredis missing!)"
     return (
-        f"server: {handle.kind} ({name} {version}), loopback; redis-py {_redis.__version__} + {parser}; "
-        f"torch {torch.__version__}; python {sys.version.split()[0]}; {os.cpu_count()} CPUs"
+        f"tdstore {tdstore_revision()}; server: {handle.kind} ({name} {version}), loopback; "
+        f"redis-py {_redis.__version__} + {parser}; torch {torch.__version__}; "
+        f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs"
     )
+
+
+def tdstore_revision() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tdstore/ or lua/)."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", "-C", _ROOT, *argv], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "tdstore", "lua")
+    except (OSError, subprocess.SubprocessError):
+        return "(no git)"
+    return rev + ("+dirty" if dirty else "")
 
 
 # --------------------------------------------------------------------------- #

@@ -106,6 +106,11 @@ def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) 
         raise TimeoutError("the operation was cancelled (the IO loop is shutting down)") from None
 
 
+#: Loops inherited through fork(). Never closed nor collected: their epoll instance is
+#: shared with the parent, and closing the loop would unregister the parent's sockets.
+_INHERITED_LOOPS: list[Any] = []
+
+
 def _after_fork_in_child() -> None:
     global _loop, _thread, _lock, _generation
     # The IO thread does not exist in the child; its loop object must not be touched.
