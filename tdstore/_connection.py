@@ -189,7 +189,14 @@ class Connection:
                 await self._setup(client)
             return await fn(client)
 
-        return _io.sync(call(), self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        try:
+            return _io.sync(call(), limit)
+        except redis.exceptions.TimeoutError as err:
+            # the socket timeout fired first: report it like the call timeout
+            raise TimeoutError(
+                f"the server did not answer within {limit} s (set timeout= on the store to wait longer)"
+            ) from err
 
     @property
     def runner(self) -> ScriptRunner:
