@@ -23,6 +23,9 @@ ARGV[7]   expected write version (the "wv" field, bumped by every write of any
           process): a decimal string, or "" to skip the check. Read-modify-write
           methods send the one they read with their snapshot (compare-and-set).
           Not checked when ARGV[1] is "new".
+ARGV[8]   the first layout version of a new store (decimal string; default "0"). The
+          client draws it at random, so that a store re-created under the same td_id
+          never repeats a version that a client may still have cached.
 
 Returns: the layout version after the change (integer)
 
@@ -110,6 +113,10 @@ for _, op in ipairs(ops) do
 end
 
 if expected == 'new' then
+  if ARGV[8] ~= nil and not is_count(ARGV[8]) then
+    drop_tmps()
+    return fail('TDS_BADARG', 'the first layout version must be a non-negative integer')
+  end
   if rcall('EXISTS', meta_key) == 1 then
     drop_tmps()
     return fail('TDS_EXISTS', 'a store already exists at ' .. meta_key)
@@ -139,7 +146,7 @@ end
 
 -- apply
 if expected == 'new' then
-  rcall('HSET', meta_key, 'lv', '0', 'fmt', ARGV[6], 'lock', '0')
+  rcall('HSET', meta_key, 'lv', ARGV[8] or '0', 'fmt', ARGV[6], 'lock', '0')
 end
 for field, value in pairs(meta_updates) do
   rcall('HSET', meta_key, field, value)

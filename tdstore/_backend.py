@@ -12,6 +12,7 @@ through Lua, and a refused write leaves nothing behind).
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -242,6 +243,8 @@ async def commit(
         json.dumps(wire_ops, separators=(",", ":")),
         FORMAT_VERSION,
         expected_wv,
+        # a new store starts at a random layout version (see lua/commit.lua, ARGV[8])
+        str(secrets.randbits(40) * 1024) if expected == "new" else "0",
     ]
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))

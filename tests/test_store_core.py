@@ -438,7 +438,7 @@ class TestWholeStore:
         td = TensorDict({"a": torch.randn(4, 2), "n": {"b": torch.arange(4)}, "s": "str"}, [4])
         store = make(cls_method="from_tensordict", td=td)
         meta = server.sync_client().hgetall(f"tensordict:{{{store.td_id}}}:meta")
-        assert meta[b"lv"] == b"1"  # created with all its leaves in a single commit
+        assert meta[b"wv"] == b"1"  # created with all its leaves in a single commit
         assert (store.to_tensordict() == td).all()
         assert store.to_tensordict()["s"] == "str"
 
