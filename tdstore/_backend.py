@@ -125,6 +125,7 @@ async def read_entries(
 async def read_runs(
     client: Any,
     keys: StoreKeys,
+    runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
 ) -> tuple[int | None, list[list[bytes]]]:
     """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
@@ -147,22 +148,54 @@ async def read_runs(
             data, lv = await _exec(pipe)
         _raise_first_error([data, lv])
         return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.hget(keys.meta, "lv")
-        for path, runs in plans:
-            data_key = keys.data(path)
-            for offset, length in runs:
-                # length None reads the whole string (non-tensor entries)
-                pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
-        replies = await _exec(pipe)
+    for attempt in range(2):
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.hget(keys.meta, "lv")
+            for path, runs in plans:
+                data_key = keys.data(path)
+                if choose_read(runs) == "gather":
+                    args = [str(v) for run in runs for v in run]
+                    runner.queue(pipe, "gather", [data_key], args)
+                    continue
+                for offset, length in runs:
+                    # length None reads the whole string (non-tensor entries)
+                    pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
+            replies = await _exec(pipe)
+        if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            await runner.load_all(client)  # reads only: nothing to undo, load and read again
+            continue
+        break
     _raise_first_error(replies)
     lv = None if replies[0] is None else int(replies[0])
     out: list[list[bytes]] = []
     pos = 1
     for _, runs in plans:
-        out.append(replies[pos : pos + len(runs)])
-        pos += len(runs)
+        if choose_read(runs) == "gather":
+            out.append([replies[pos]])
+            pos += 1
+        else:
+            out.append(replies[pos : pos + len(runs)])
+            pos += len(runs)
     return lv, out
+
+
+#: Runs at most this long (bytes, on average) are read through the gather script.
+GATHER_MAX_RUN = 4096
+#: ... when there are at least this many of them.
+GATHER_MIN_RUNS = 8
+
+
+def choose_read(runs: Sequence[tuple[int, int | None]]) -> str:
+    """How to read the runs of one entry: "gather" (one Lua call) or "getrange" (a command each).
+
+    Measured (benchmarks/bench_index.py): redis-py spends 15-20 us of Python per pipelined
+    command, while Lua concatenates small runs cheaply but is slow per byte; over 256
+    runs the script wins up to about 4 KiB per run and loses from 16 KiB on.
+    """
+    if len(runs) < GATHER_MIN_RUNS or any(length is None for _, length in runs):
+        return "getrange"
+    total = sum(length for _, length in runs if length is not None)
+    return "gather" if total <= GATHER_MAX_RUN * len(runs) else "getrange"
 
 
 def _raise_first_error(replies: list[Any]) -> None:

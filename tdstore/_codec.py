@@ -74,7 +74,7 @@ def tensor_nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> in
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def tensor_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:

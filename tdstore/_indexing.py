@@ -70,13 +70,54 @@ def is_full_index(index: Any, ndim: int) -> bool:
 def select_rows(index: Any, batch_shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """Flat row numbers selected by ``index``, shaped like the indexed batch.
 
+    An int, a slice or an integer tensor over the first dim is resolved directly; any
+    other index is applied by torch to ``arange(numel).reshape(batch_shape)``, which gives
+    torch's exact result shape, advanced-index placement and errors.
+
     Raises:
         IndexError, TypeError, ValueError: as torch raises them for the same index on a
             tensor of shape ``batch_shape``.
     """
+    index = normalize_index(index)
+    batch_shape = tuple(batch_shape)
+    first = _first_dim_rows(index, batch_shape)
+    if first is not None:
+        inner = math.prod(batch_shape[1:])
+        if len(batch_shape) == 1:
+            return first
+        rows = first.unsqueeze(-1) * inner + torch.arange(inner)
+        return rows.reshape(tuple(first.shape) + batch_shape[1:])
     numel = math.prod(batch_shape)
-    rows = torch.arange(numel, dtype=torch.long).reshape(tuple(batch_shape))
-    return rows[normalize_index(index)]
+    rows = torch.arange(numel, dtype=torch.long).reshape(batch_shape)
+    return rows[index]
+
+
+def _first_dim_rows(index: Any, batch_shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The selected rows of dim 0 for the common indices, or None (then torch decides)."""
+    if not batch_shape:
+        return None
+    n0 = batch_shape[0]
+    if isinstance(index, bool):
+        return None
+    if isinstance(index, int):
+        if -n0 <= index < n0:
+            return torch.tensor(index % n0)
+        return None
+    if isinstance(index, slice):
+        if index.step is not None and (not isinstance(index.step, int) or index.step <= 0):
+            return None
+        if not all(v is None or isinstance(v, int) for v in (index.start, index.stop)):
+            return None
+        start, stop, step = index.indices(n0)
+        count = max(0, (stop - start + step - 1) // step)
+        return torch.arange(count, dtype=torch.long) * step + start
+    if isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        if index.dtype == torch.uint8:
+            return None  # a uint8 index is a deprecated mask in torch
+        if index.numel() == 0 or bool(((index < -n0) | (index >= n0)).any()):
+            return None
+        return index.long() % n0
+    return None
 
 
 def row_runs(rows: torch.Tensor, row_bytes: int) -> list[tuple[int, int]]:

@@ -686,7 +686,7 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
                     plans.append((path, row_runs(rows, row_bytes)))
                 elif meta["k"] == "nt":
                     plans.append((path, [(0, None)]))
-            lv, parts = conn.run(lambda c: _backend.read_runs(c, conn.keys, plans))
+            lv, parts = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans))
             if lv is None:
                 raise self._not_found()
             if lv != layout.lv:

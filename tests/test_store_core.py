@@ -626,6 +626,16 @@ class TestConsistency:
         local = store.to_tensordict()
         assert set(local.keys()) == {"a", "new"}
 
+    def test_recreated_store_never_matches_a_stale_cache(self, make):
+        store = make(td_id="again", batch_size=[4])
+        store["x"] = torch.arange(4.0)
+        assert torch.equal(store[0:4]["x"], torch.arange(4.0))  # fills the cache
+        other = make(cls_method="from_store", td_id="again")
+        other.clear_redis()
+        other["x"] = torch.arange(4, dtype=torch.int32)  # same size, another dtype
+        got = store[0:4]["x"]
+        assert got.dtype == torch.int32 and torch.equal(got, torch.arange(4, dtype=torch.int32))
+
     def test_writes_with_a_stale_cache_are_replanned(self, make):
         store = make(batch_size=[2])
         store["a"] = torch.zeros(2)
