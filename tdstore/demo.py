@@ -10,12 +10,14 @@ What it does, in order:
    on the server;
 3. starts 2 actors (processes started with ``multiprocessing`` "spawn"; threads when the
    server is in-process fakeredis, which another process cannot reach). Each reconnects
-   with ``TensorDictStore.from_store(td_id=..., **conn_kwargs)`` and writes batches of
-   its own rows (actor ``k`` owns rows ``k::2``) with ``store[idx] = TensorDict(...)``,
-   while the main process samples random rows with ``store[idx]``;
-4. prints rows/s and MB/s written, the sample latency, and checks every row: a sampled
-   row must be whole (all of one write, from the row's owner), and at the end every row
-   must hold exactly what its writer wrote last (``violations=0``);
+   with ``TensorDictStore.from_store(td_id=..., **conn_kwargs)`` and appends batches of
+   rows with ``store.extend(TensorDict(...))`` (the server reserves the rows through its
+   cursor and writes them in one step; the buffer wraps around), while the main process
+   samples valid rows with ``store.sample(256)``;
+4. prints rows/s and MB/s appended, the sample latency, and counts violations: a sampled
+   row must be whole (all of one write), and at the end the valid rows must be whole,
+   distinct, written by the actor they name, and as many as were appended
+   (``violations=0``);
 5. deletes the store (``clear_redis()``) and stops the server.
 
 The write phase lasts ``--seconds`` (3 by default); most of the remaining time is the
@@ -79,40 +81,27 @@ def make_rows(actor: int, rows: torch.Tensor, rnd: int) -> TensorDict:
     return TensorDict(obs=obs, action=action, reward=reward, batch_size=[len(rows)])
 
 
-def check_rows(
-    td: TensorDict,
-    rows: torch.Tensor,
-    n_actors: int,
-    expected_round: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A bool mask of the rows of ``td`` (read from ``rows``) that break the rules.
+def check_rows(td: TensorDict) -> torch.Tensor:
+    """A bool mask of the rows of ``td`` that are not one whole write.
 
-    A row is fine when it is still all zeros (never written; only allowed when
-    ``expected_round`` is None or 0 for it), or when all of its entries come from one
-    write by the row's owner (``row % n_actors``) to that row. With
-    ``expected_round``, the round must also be the writer's last one for that row.
+    Every value of a row is derived from (actor, seq, round) recorded in its action, so a
+    row mixing two writes, or a zero row inside the valid range, is caught.
     """
-    rows = rows.to(torch.int64)
-    obs = td["obs"].reshape(len(rows), -1)
+    n = td.batch_size[0]
+    obs = td["obs"].reshape(n, -1)
     action = td["action"]
     reward = td["reward"]
-    zero = (obs == 0).all(1) & (action == 0).all(1) & (reward == 0)
     actor = action[:, 0].to(torch.int64)
-    row = action[:, 1].to(torch.int64)
+    seq = action[:, 1].to(torch.int64)
     rnd = action[:, 2].to(torch.int64)
     base = action[:, 3].to(torch.int64)
     whole = (
-        (actor == rows % n_actors)
-        & (row == rows)
-        & (rnd >= 1)
-        & (base == _base(actor, rows, rnd))
+        (rnd >= 1)
+        & (base == _base(actor, seq, rnd))
         & (reward == rnd.to(torch.float32))
         & (obs == base.to(torch.uint8)[:, None] + _PATTERN[None, :]).all(1)
     )
-    if expected_round is None:
-        return ~(zero | whole)
-    expected_round = expected_round.to(torch.int64)
-    return torch.where(expected_round == 0, ~zero, ~(whole & (rnd == expected_round)))
+    return ~whole
 
 
 # --------------------------------------------------------------------------- actors
@@ -129,30 +118,23 @@ def _actor(
     try:
         store = TensorDictStore.from_store(td_id=td_id, **conn_kwargs)
         try:
-            mine = torch.arange(actor, ROWS, n_actors)
-            generator = torch.Generator().manual_seed(actor)
-            make_rows(actor, mine[:WRITE_BATCH], 1)  # warm up torch before the clock starts
+            make_rows(actor, torch.arange(WRITE_BATCH), 1)  # warm up torch before the clock starts
             results.put(("ready", actor))
             if not start.wait(READY_TIMEOUT):
                 return
-            last = torch.zeros(ROWS, dtype=torch.int64)
             written = 0
-            rnd = 0
             t0 = time.perf_counter()
             end = t0 + seconds
             while time.perf_counter() < end:
-                rnd += 1
-                order = mine[torch.randperm(len(mine), generator=generator)]
-                for idx in order.split(WRITE_BATCH):
-                    if time.perf_counter() >= end:
-                        break
-                    store[idx] = make_rows(actor, idx, rnd)
-                    last[idx] = rnd
-                    written += len(idx)
+                # the rows go wherever the server's cursor says: extend() reserves and writes
+                # them in one step, so actors never collide
+                store.extend(make_rows(actor, torch.arange(written, written + WRITE_BATCH), 1))
+                written += WRITE_BATCH
             elapsed = time.perf_counter() - t0
+            last = written
         finally:
             store.close()
-        results.put(("done", actor, written, elapsed, last.tolist()))
+        results.put(("done", actor, written, elapsed, last))
     except BaseException:  # noqa: BLE001 - report every failure to the main process
         results.put(("error", actor, traceback.format_exc()))
 
@@ -219,7 +201,8 @@ def run_demo(server: str = "auto", seconds: float = 3.0, actors: int = 2, out: A
             for k in range(actors):
                 args = (k, actors, store.td_id, conn_kwargs, seconds, start, results)
                 workers.append(ctx.Process(target=_actor, args=args, name=f"tdstore-demo-actor-{k}", daemon=True))
-        say(f"         actor k writes rows k::{actors} in batches of {WRITE_BATCH} with store[idx] = TensorDict(...)")
+        say(f"         each actor appends batches of {WRITE_BATCH} rows with store.extend(TensorDict(...)): the")
+        say("         server reserves the rows through its cursor and writes them in the same step")
         t_spawn = time.perf_counter()
         for worker in workers:
             worker.start()
@@ -254,11 +237,14 @@ def run_demo(server: str = "auto", seconds: float = 3.0, actors: int = 2, out: A
         start.set()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            idx = torch.randint(0, ROWS, (SAMPLE_BATCH,), generator=generator)
             t = time.perf_counter()
-            sample = store[idx]
+            valid = store.ring_state().valid
+            if not valid:
+                time.sleep(0.01)
+                continue
+            sample = store.sample(SAMPLE_BATCH, generator=generator)
             latencies.append(time.perf_counter() - t)
-            sample_violations += int(check_rows(sample, idx, actors).sum())
+            sample_violations += int(check_rows(sample).sum())
 
         reports: dict[int, tuple[int, float, list[int]]] = {}
         deadline = time.perf_counter() + seconds + 60.0
@@ -300,19 +286,21 @@ def run_demo(server: str = "auto", seconds: float = 3.0, actors: int = 2, out: A
             f"max {max(ms):.2f} ms"
         )
 
-        # ---- final check: every row holds exactly what its writer wrote last
-        expected = torch.zeros(ROWS, dtype=torch.int64)
-        for k, (_, _, last) in reports.items():
-            mine = torch.arange(k, ROWS, actors)
-            expected[mine] = torch.tensor(last, dtype=torch.int64)[mine]
-        final = store.to_tensordict()
-        final_violations = int(check_rows(final, torch.arange(ROWS), actors, expected).sum())
-        never = int((expected == 0).sum())
-        say(f"check  : torn or foreign rows among {len(ms) * SAMPLE_BATCH:,} sampled rows: {sample_violations}")
+        # ---- final check: the valid rows are whole, distinct, and were written by their actor
+        state = store.ring_state()
+        final = store.to_tensordict()[: state.valid]
+        torn = int(check_rows(final).sum())
+        tags = [(int(a), int(q)) for a, q in final["action"][:, :2].tolist()]
+        duplicates = len(tags) - len(set(tags))
+        foreign = sum(1 for a, q in tags if a not in reports or q >= reports[a][2])
+        expected_valid = min(total_rows, ROWS)
+        say(f"check  : torn rows among {len(ms) * SAMPLE_BATCH:,} sampled valid rows: {sample_violations}")
         say(
-            f"         every row vs its writer's last write ({ROWS - never} written, {never} never written): "
-            f"violations={final_violations}"
+            f"         ring: {state.total:,} rows appended (actors reported {total_rows:,}), {state.valid} valid "
+            f"(expected {expected_valid}); torn={torn} duplicate={duplicates} foreign={foreign}"
         )
+        final_violations = torn + duplicates + foreign + int(state.valid != expected_valid) + int(state.total != total_rows)
+        say(f"         violations={sample_violations + final_violations}")
         ok = sample_violations == 0 and final_violations == 0
         return 0 if ok else 1
     finally:
