@@ -3,7 +3,8 @@ Deletes every key of one store as one step.
 
 KEYS[1]   meta hash of the store
 KEYS[2]   registry hash
-KEYS[3..] the data key of every entry
+KEYS[3..] the store's other keys: its write-version counter, its ring cursor and the
+          data key of every entry
 
 ARGV[1]   expected layout version (decimal string; "" skips the check)
 ARGV[2]   the number of registry entries the client knows of (leaves and nested nodes)

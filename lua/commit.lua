@@ -2,16 +2,17 @@
 Applies entry writes, deletions and store metadata changes of one store as one step:
 the bytes, the registry and the layout version change together or not at all.
 
-KEYS[1]   meta hash of the store
+KEYS[1]   meta hash of the store (layout: batch size, names, lock, layout version)
 KEYS[2]   registry hash (entry path -> JSON metadata)
-KEYS[3..] data keys and tmp keys, referred to by their index in the ops
+KEYS[3]   write-version counter of the store (a string key, bumped by every write)
+KEYS[4..] data keys and tmp keys, referred to by their index in the ops
 
 ARGV[1]   expected layout version: a decimal string; "" skips the check; "new" creates
           the store and requires that it does not exist
 ARGV[2]   "1" bumps the layout version (any change of keys, shapes, dtypes or sizes)
 ARGV[3]   "1" refuses the change when the store is locked
-ARGV[4]   JSON object of meta hash fields to set (string values; not lv, wv, cursor
-          or fmt, which only the scripts change), or ""
+ARGV[4]   JSON object of meta hash fields to set (string values; not lv or fmt,
+          which only the scripts change), or ""
 ARGV[5]   JSON array of ops, applied in order, each an object with string fields:
             {"op":"put",  "f":path, "m":meta, "src":i, "dst":j}  rename tmp KEYS[i] to KEYS[j]
             {"op":"zero", "f":path, "m":meta, "dst":j, "n":bytes} zero-filled string
@@ -19,8 +20,8 @@ ARGV[5]   JSON array of ops, applied in order, each an object with string fields
             {"op":"node", "f":path, "m":meta}    register a nested tensordict (no bytes)
             {"op":"move", "f":old, "t":new, "m":meta, "src":i, "dst":j}  rename an entry
 ARGV[6]   the format version written into a new store
-ARGV[7]   expected write version (the "wv" field, bumped by every write of any
-          process): a decimal string, or "" to skip the check. Read-modify-write
+ARGV[7]   expected write version (KEYS[3], bumped by every write of any process;
+          missing reads as "0"): a decimal string, or "" to skip the check. Read-modify-write
           methods send the one they read with their snapshot (compare-and-set).
           Not checked when ARGV[1] is "new".
 ARGV[8]   the first layout version of a new store (decimal string; default "0"). The
@@ -42,7 +43,7 @@ On every error the tmp keys of the "put" ops are deleted and nothing else change
 ]]
 --@include lib/common.lua
 
-local meta_key, reg_key = KEYS[1], KEYS[2]
+local meta_key, reg_key, wv_key = KEYS[1], KEYS[2], KEYS[3]
 local expected, bump, check_lock = ARGV[1], ARGV[2], ARGV[3]
 local meta_updates = {}
 if ARGV[4] ~= '' then meta_updates = cjson.decode(ARGV[4]) end
@@ -50,7 +51,7 @@ local ops = cjson.decode(ARGV[5])
 
 local function key_at(op, name)
   local idx = tonumber(op[name])
-  if idx == nil or idx < 3 or idx > #KEYS then return nil end
+  if idx == nil or idx < 4 or idx > #KEYS then return nil end
   return KEYS[idx]
 end
 
@@ -92,7 +93,7 @@ local function op_error(op)
   return nil
 end
 -- the counters are owned by the scripts: a meta update must not overwrite them
-for _, reserved in ipairs({'lv', 'wv', 'cursor', 'fmt'}) do
+for _, reserved in ipairs({'lv', 'fmt'}) do
   if meta_updates[reserved] ~= nil then
     drop_tmps()
     return fail('TDS_BADARG', 'meta field ' .. reserved .. ' cannot be set')
@@ -127,7 +128,7 @@ else
     drop_tmps()
     return err
   end
-  if (ARGV[7] or '') ~= '' and (rcall('HGET', meta_key, 'wv') or '0') ~= ARGV[7] then
+  if (ARGV[7] or '') ~= '' and (rcall('GET', wv_key) or '0') ~= ARGV[7] then
     drop_tmps()
     return fail('TDS_CONFLICT', 'the store was written since the client read it')
   end
@@ -183,7 +184,7 @@ for _, op in ipairs(ops) do
   end
 end
 if #ops > 0 then
-  rcall('HINCRBY', meta_key, 'wv', 1)
+  rcall('INCR', wv_key)
 end
 if bump == '1' then
   return rcall('HINCRBY', meta_key, 'lv', 1)

@@ -3,13 +3,15 @@ Appends rows to a ring buffer as one step: reserves them through the store's cur
 writes every entry's rows in the same script, so concurrent appenders never get the same
 rows and a reader never sees a reserved but unwritten row.
 
-KEYS[1]   meta hash of the store (fields "cursor": rows ever appended; "wv": write version)
-KEYS[2..] the data key of each entry written, in the order of the ARGV groups
+KEYS[1]   meta hash of the store
+KEYS[2]   write-version counter of the store (bumped once)
+KEYS[3]   ring cursor of the store: rows ever appended (a string key)
+KEYS[4..] the data key of each entry written, in the order of the ARGV groups
 
 ARGV[1]   expected layout version (decimal string)
 ARGV[2]   number of rows n appended (1 <= n <= capacity)
 ARGV[3]   capacity: the size of the first batch dim
-ARGV[4..] one group per entry: the bytes of one row, then the payload of n rows
+ARGV[4..] one group per data key: the bytes of one row, then the payload of n rows
 
 Returns: the cursor before the append (integer); the rows written are
          (cursor + i) % capacity for i = 0 .. n-1
@@ -33,14 +35,14 @@ if n == nil or capacity == nil or n ~= n or capacity ~= capacity or capacity > 9
     or n < 1 or n ~= math.floor(n) or capacity ~= math.floor(capacity) or n > capacity then
   return fail('TDS_BADARG', 'need 1 <= rows <= capacity, got ' .. tostring(ARGV[2]) .. ' and ' .. tostring(ARGV[3]))
 end
-if #ARGV ~= 3 + 2 * (#KEYS - 1) then
-  return fail('TDS_BADARG', 'expected ' .. (#KEYS - 1) .. ' groups of (row bytes, payload)')
+if #ARGV ~= 3 + 2 * (#KEYS - 3) then
+  return fail('TDS_BADARG', 'expected ' .. (#KEYS - 3) .. ' groups of (row bytes, payload)')
 end
 
 -- validate every group before the first write
-for k = 2, #KEYS do
-  local row_bytes = tonumber(ARGV[2 + 2 * (k - 1)])
-  local payload = ARGV[3 + 2 * (k - 1)]
+for k = 4, #KEYS do
+  local row_bytes = tonumber(ARGV[2 * k - 4])
+  local payload = ARGV[2 * k - 3]
   if row_bytes == nil or row_bytes < 0 or row_bytes ~= math.floor(row_bytes) or #payload ~= n * row_bytes then
     return fail('TDS_BADARG', 'payload of ' .. KEYS[k] .. ' does not hold ' .. int_str(n) .. ' rows')
   end
@@ -53,15 +55,15 @@ for k = 2, #KEYS do
   end
 end
 
-local cursor = tonumber(rcall('HGET', KEYS[1], 'cursor') or '0')
+local cursor = tonumber(rcall('GET', KEYS[3]) or '0')
 if cursor == nil or cursor < 0 or cursor ~= math.floor(cursor) then
   return fail('TDS_BADARG', 'the cursor of ' .. KEYS[1] .. ' is not a row count')
 end
 local start = cursor % capacity
 local first = math.min(n, capacity - start)
-for k = 2, #KEYS do
-  local row_bytes = tonumber(ARGV[2 + 2 * (k - 1)])
-  local payload = ARGV[3 + 2 * (k - 1)]
+for k = 4, #KEYS do
+  local row_bytes = tonumber(ARGV[2 * k - 4])
+  local payload = ARGV[2 * k - 3]
   if row_bytes > 0 then
     if first == n then
       rcall('SETRANGE', KEYS[k], int_str(start * row_bytes), payload)
@@ -71,6 +73,6 @@ for k = 2, #KEYS do
     end
   end
 end
-rcall('HSET', KEYS[1], 'cursor', int_str(cursor + n))
-rcall('HINCRBY', KEYS[1], 'wv', 1)
+rcall('SET', KEYS[3], int_str(cursor + n))
+rcall('INCR', KEYS[2])
 return cursor

@@ -3,7 +3,8 @@ Writes byte runs into the entries of one store as one step: every run of every e
 lands, or none does. Used for indexed writes (store[idx] = value) with many small runs.
 
 KEYS[1]   meta hash of the store
-KEYS[2..] the data key of each entry written, in the order of the ARGV groups
+KEYS[2]   write-version counter of the store (bumped once)
+KEYS[3..] the data key of each entry written, in the order of the ARGV groups
 
 ARGV[1]   expected layout version (decimal string; "" skips the check)
 ARGV[2..] one group per entry: the number of runs r, then r pairs of decimal
@@ -27,7 +28,7 @@ if err then return err end
 -- parse and validate every group before the first write
 local groups = {}
 local pos = 2
-for k = 2, #KEYS do
+for k = 3, #KEYS do
   local nruns = tonumber(ARGV[pos])
   if nruns == nil or nruns < 0 or nruns ~= math.floor(nruns) then
     return fail('TDS_BADARG', 'bad run count for ' .. KEYS[k])
@@ -58,7 +59,7 @@ for k = 2, #KEYS do
   pos = pos + 2 * nruns + 2
 end
 if pos ~= #ARGV + 1 then
-  return fail('TDS_BADARG', 'expected ' .. (#KEYS - 1) .. ' groups, ARGV has extra values')
+  return fail('TDS_BADARG', 'expected ' .. (#KEYS - 2) .. ' groups, ARGV has extra values')
 end
 
 local count = 0
@@ -75,5 +76,5 @@ for _, group in ipairs(groups) do
   end
   count = count + #runs
 end
-rcall('HINCRBY', KEYS[1], 'wv', 1)
+rcall('INCR', KEYS[2])
 return count

@@ -50,6 +50,7 @@ class Layout:
     lv: int
     meta: dict[str, str]
     entries: dict[tuple[str, ...], dict[str, Any]]
+    wv: str = "0"  #: the write version, when read with the snapshot
 
 
 def _s(value: bytes | str | None) -> str | None:
@@ -104,6 +105,7 @@ async def read_entries(
         if with_layout:
             pipe.hgetall(keys.meta)
             pipe.hgetall(keys.reg)
+            pipe.get(keys.wv)
         else:
             pipe.hget(keys.meta, "lv")
             if paths:
@@ -114,9 +116,11 @@ async def read_entries(
     _raise_first_error(replies)
     if with_layout:
         layout = parse_layout(replies[0], replies[1])
+        if layout is not None:
+            layout.wv = _s(replies[2]) or "0"
         lv = None if layout is None else layout.lv
         metas = [None if layout is None else layout.entries.get(p) for p in paths]
-        return lv, metas, replies[2:], layout
+        return lv, metas, replies[3:], layout
     lv = None if replies[0] is None else int(replies[0])
     metas = [json.loads(m) if m is not None else None for m in replies[1]] if paths else []
     return lv, metas, replies[2:], None
@@ -238,7 +242,7 @@ async def commit(
     The bytes of "put" ops are SET into tmp keys (with a TTL, in case the MULTI is cut
     short) inside the same MULTI as the script that renames them into place.
     """
-    key_list: list[str] = [keys.meta, keys.reg]
+    key_list: list[str] = [keys.meta, keys.reg, keys.wv]
     tmp_payloads: list[tuple[str, Any]] = []
     wire_ops: list[dict[str, str]] = []
 
@@ -319,7 +323,7 @@ async def write_runs(
     expected: str,
 ) -> int:
     """Writes ``(path, runs, payload)`` groups in one atomic script call."""
-    key_list: list[str] = [keys.meta]
+    key_list: list[str] = [keys.meta, keys.wv]
     args: list[Any] = [expected]
     for path, runs, payload in groups:
         key_list.append(keys.data(path))
@@ -338,7 +342,7 @@ async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layo
         await runner.call(
             client,
             "clear",
-            [keys.meta, keys.reg, *data_keys],
+            [keys.meta, keys.reg, keys.wv, keys.ring, *data_keys],
             [str(layout.lv), str(len(layout.entries))],
         )
     )

@@ -128,13 +128,13 @@ def write_index(
 async def _create_then_write(client: Any, store: TensorDictStore, create: list[_backend.Op], groups: Any, lv: int) -> None:
     conn = store._conn
     keys = conn.keys
-    key_list = [keys.meta, keys.reg]
+    key_list = [keys.meta, keys.reg, keys.wv]
     wire_ops = []
     for op in create:
         key_list.append(keys.data(op.path))
         wire_ops.append({"op": "zero", "f": _keys_encode(op.path), "m": json.dumps(op.meta, separators=(",", ":")), "dst": str(len(key_list)), "n": str(op.nbytes)})
     commit_args = [str(lv), "1", "1", "", json.dumps(wire_ops, separators=(",", ":")), _backend.FORMAT_VERSION, ""]
-    run_keys = [keys.meta]
+    run_keys = [keys.meta, keys.wv]
     run_args: list[Any] = [str(lv + 1)]
     for path, runs, payload in groups:
         run_keys.append(keys.data(path))

@@ -5,6 +5,8 @@ Redis Cluster slot and every script and transaction over them stays legal::
 
     <prefix>:{<td_id>}:meta          hash: batch size, device, names, layout version, lock ...
     <prefix>:{<td_id>}:reg           hash: one field per entry path -> JSON entry metadata
+    <prefix>:{<td_id>}:wv            string: write version, bumped by every write (compare-and-set)
+    <prefix>:{<td_id>}:ring          string: ring-buffer cursor, rows ever appended by extend()
     <prefix>:{<td_id>}:d:<path>      string: the raw bytes of one entry
     <prefix>:{<td_id>}:tmp:<nonce>   string: bytes in flight inside one MULTI (never outlives it)
 
@@ -73,7 +75,7 @@ def new_td_id() -> str:
 class StoreKeys:
     """Builds the server keys of one store."""
 
-    __slots__ = ("prefix", "td_id", "base", "meta", "reg")
+    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring")
 
     def __init__(self, prefix: str, td_id: str) -> None:
         self.prefix = validate_prefix(prefix)
@@ -81,6 +83,8 @@ class StoreKeys:
         self.base = f"{prefix}:{{{td_id}}}"
         self.meta = f"{self.base}:meta"
         self.reg = f"{self.base}:reg"
+        self.wv = f"{self.base}:wv"
+        self.ring = f"{self.base}:ring"
 
     def data(self, path: tuple[str, ...]) -> str:
         return f"{self.base}:d:{encode_path(path)}"

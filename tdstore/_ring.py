@@ -35,7 +35,7 @@ class RingState(NamedTuple):
 
 
 async def _extend(client: Any, conn: Any, groups: list[tuple[str, int, Any]], lv: int, n: int, capacity: int) -> int:
-    keys = [conn.keys.meta] + [key for key, _, _ in groups]
+    keys = [conn.keys.meta, conn.keys.wv, conn.keys.ring] + [key for key, _, _ in groups]
     args: list[Any] = [str(lv), str(n), str(capacity)]
     for _, row_bytes, payload in groups:
         args.append(str(row_bytes))
@@ -123,7 +123,10 @@ class RingBufferAPI:
         conn = self._conn
 
         async def read(client: Any) -> Any:
-            return await client.hmget(conn.keys.meta, ["cursor", "lv"])
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.get(conn.keys.ring)
+                pipe.hget(conn.keys.meta, "lv")
+                return await pipe.execute()
 
         cursor, lv = conn.run(read)
         if lv is None:

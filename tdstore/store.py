@@ -637,7 +637,7 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
                 conn.run(
                     lambda c: _backend.commit(
                         c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
-                        check_lock=False, expected_wv=snap.meta.get("wv", "0"),
+                        check_lock=False, expected_wv=snap.wv,
                     )
                 )
             except (WriteConflictError, StaleLayoutError):

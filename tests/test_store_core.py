@@ -280,8 +280,8 @@ class TestEntries:
         store.del_("m")
         del store["c"]
         assert list(store.keys()) == []
-        # only the store's meta and registry hashes remain (no orphaned data key)
-        assert {k.rsplit(b":", 1)[-1] for k in _keys(server)} <= {b"meta", b"reg"}
+        # only the store's meta, registry and write counter remain (no orphaned data key)
+        assert {k.rsplit(b":", 1)[-1] for k in _keys(server)} <= {b"meta", b"reg", b"wv"}
         with pytest.raises(KeyError, match="zz"):
             store.del_("zz")
 
@@ -437,8 +437,8 @@ class TestWholeStore:
     def test_from_tensordict_is_one_step(self, make, server):
         td = TensorDict({"a": torch.randn(4, 2), "n": {"b": torch.arange(4)}, "s": "str"}, [4])
         store = make(cls_method="from_tensordict", td=td)
-        meta = server.sync_client().hgetall(f"tensordict:{{{store.td_id}}}:meta")
-        assert meta[b"wv"] == b"1"  # created with all its leaves in a single commit
+        wv = server.sync_client().get(f"tensordict:{{{store.td_id}}}:wv")
+        assert wv == b"1"  # created with all its leaves in a single commit
         assert (store.to_tensordict() == td).all()
         assert store.to_tensordict()["s"] == "str"
 
