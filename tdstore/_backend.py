@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import redis.exceptions
 
 from tdstore._keys import StoreKeys, decode_path, encode_path
-from tdstore._scripts import ScriptRunner
+from tdstore._scripts import ScriptRunner, get_script
 from tdstore.errors import PartialWriteError, translate_response_error
 
 __all__ = [
@@ -323,6 +323,11 @@ async def write_runs(
     expected: str,
 ) -> int:
     """Writes ``(path, runs, payload)`` groups in one atomic script call."""
+    key_list, args = _write_runs_args(keys, groups, expected)
+    return int(await runner.call(client, "write_runs", key_list, args))
+
+
+def _write_runs_args(keys: StoreKeys, groups: Sequence[Any], expected: str) -> tuple[list[str], list[Any]]:
     key_list: list[str] = [keys.meta, keys.wv]
     args: list[Any] = [expected]
     for path, runs, payload in groups:
@@ -332,7 +337,81 @@ async def write_runs(
             args.append(str(offset))
             args.append(str(length))
         args.append(payload)
-    return int(await runner.call(client, "write_runs", key_list, args))
+    return key_list, args
+
+
+#: Runs at least this long (bytes, on average) are written by SETRANGE commands in a
+#: WATCH-guarded MULTI instead of through the write_runs script.
+MULTI_MIN_RUN = 4096
+
+
+def choose_write(groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]]) -> str:
+    """How to write indexed runs: "lua" (the write_runs script) or "multi" (SETRANGEs).
+
+    Measured (benchmarks/bench_index.py): Lua costs little per command but copies every
+    byte twice more than a plain SETRANGE, so few large runs go faster as commands whose
+    bytes come straight from the tensor's memory, and many small runs through Lua.
+    """
+    return "multi" if any(_large_runs(runs) for _, runs, _ in groups) else "lua"
+
+
+def _large_runs(runs: Sequence[tuple[int, int]]) -> bool:
+    total = sum(length for _, length in runs)
+    return bool(runs) and total >= MULTI_MIN_RUN * len(runs)
+
+
+async def write_runs_watched(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]],
+    *,
+    expected: str,
+) -> None:
+    """Writes runs with SETRANGE in one MULTI, guarded by WATCH on the store's meta hash.
+
+    The meta hash changes only with the layout (keys, shapes, dtypes, lock, batch size),
+    so the server runs the transaction only if the layout is still the one the runs
+    were planned against; concurrent row writers do not abort each other. Same guarantee
+    as the write_runs script: all runs of all entries land in one step, or none. Entries
+    with small runs go through the write_runs script inside the same MULTI (its script is
+    checked to be loaded before MULTI, so it cannot fail there with NOSCRIPT).
+
+    Raises:
+        StaleLayoutError: the layout version differs, or changed before EXEC.
+        StoreNotFoundError: the store does not exist.
+    """
+    from tdstore.errors import StaleLayoutError, StoreNotFoundError
+
+    async with client.pipeline(transaction=True) as pipe:
+        await pipe.watch(keys.meta)
+        lv = await pipe.hget(keys.meta, "lv")
+        if lv is None:
+            raise StoreNotFoundError(f"no store at {keys.meta}")
+        if _s(lv) != expected:
+            raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {expected}")
+        small = [g for g in groups if not _large_runs(g[1])]
+        if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
+            await pipe.script_load(get_script("write_runs").text(runner.shebang))
+        pipe.multi()
+        for path, runs, payload in groups:
+            if not _large_runs(runs):
+                continue
+            data_key = keys.data(path)
+            pos = 0
+            for offset, length in runs:
+                if length:
+                    pipe.setrange(data_key, offset, payload[pos : pos + length])
+                pos += length
+        if small:
+            key_list, args = _write_runs_args(keys, small, expected)
+            runner.queue(pipe, "write_runs", key_list, args)  # bumps the write version
+        else:
+            pipe.incr(keys.wv)
+        try:
+            await pipe.execute()
+        except redis.exceptions.WatchError:
+            raise StaleLayoutError("the layout changed during an indexed write") from None
 
 
 async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout) -> int:

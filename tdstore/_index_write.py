@@ -114,6 +114,8 @@ def write_index(
             if create:
                 conn.run(lambda c: _create_then_write(c, store, create, groups, layout.lv))
                 conn.layout = None
+            elif _backend.choose_write(groups) == "multi":
+                conn.run(lambda c: _backend.write_runs_watched(c, conn.keys, conn.runner, groups, expected=str(layout.lv)))
             else:
                 conn.run(
                     lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=str(layout.lv))

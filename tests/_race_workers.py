@@ -89,7 +89,7 @@ def const_writer(conn: dict[str, Any], td_id: str, proc: int, rounds: int, durat
         c = float(proc * 100_000 + k)
         m = len(rows)
         store[torch.tensor(rows)] = TensorDict(
-            obs=torch.full((m, 16), c, dtype=torch.float64), act=torch.full((m, 4), int(c)), batch_size=[m]
+            obs=torch.full((m, 1024), c, dtype=torch.float64), act=torch.full((m, 4), int(c)), batch_size=[m]
         )
         done += 1
     store.close()

@@ -61,7 +61,8 @@ def test_disjoint_rows_never_revert(race_server, pool, request, mode):
 
 def test_overlapping_rows_never_torn(race_server, pool, request):
     conn = race_server.connection_kwargs()
-    store = TensorDictStore.from_schema({"obs": ([16], torch.float64), "act": ([4], torch.int64)}, batch_size=[64], **conn)
+    # 8 KB obs rows take the WATCH-guarded MULTI path, 32 B act rows the Lua path, in one step
+    store = TensorDictStore.from_schema({"obs": ([1024], torch.float64), "act": ([4], torch.int64)}, batch_size=[64], **conn)
     readers = [pool.submit(w.row_reader, conn, store.td_id, DURATION, s) for s in range(1)]
     writers = [pool.submit(w.const_writer, conn, store.td_id, p, 10_000, DURATION) for p in range(NPROC)]
     writes = sum(f.result(60) for f in writers)

@@ -626,6 +626,22 @@ class TestConsistency:
         local = store.to_tensordict()
         assert set(local.keys()) == {"a", "new"}
 
+    @pytest.mark.parametrize("idx", [3, slice(2, 9), slice(1, None, 3), [7, 0, 7, 2], "mask"])
+    def test_index_writes_of_large_and_small_rows(self, make, server, idx):
+        # obs rows (8 KB) go through SETRANGE in a WATCH-guarded MULTI, act rows through Lua
+        ref = TensorDict(obs=torch.zeros(10, 2048), act=torch.zeros(10, 2, dtype=torch.int16), batch_size=[10])
+        store = make(cls_method="from_tensordict", td=ref)
+        if idx == "mask":
+            idx = torch.arange(10) % 3 == 0
+        n = ref[idx].batch_size
+        value = TensorDict(obs=torch.randn(*n, 2048), act=torch.randint(0, 99, (*n, 2), dtype=torch.int16), batch_size=n)
+        wv = f"tensordict:{{{store.td_id}}}:wv"
+        before = int(server.sync_client().get(wv))
+        store[idx] = value
+        ref[idx] = value
+        assert int(server.sync_client().get(wv)) == before + 1  # one write step
+        assert (store.to_tensordict() == ref).all()
+
     def test_recreated_store_never_matches_a_stale_cache(self, make):
         store = make(td_id="again", batch_size=[4])
         store["x"] = torch.arange(4.0)
