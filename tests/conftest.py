@@ -406,10 +406,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
     """Prints the violation counts recorded by the race and fault tests."""
-    from _counts import COUNTS
+    from _counts import COUNTS, TOTALS
 
     lines = config.stash.get(COUNTS, [])
     if lines:
         terminalreporter.section("violation counts")
         for line in lines:
             terminalreporter.write_line(line)
+    totals = config.stash.get(TOTALS, {})
+    if totals:
+        terminalreporter.section("case counts")
+        for label, counts in sorted(totals.items()):
+            text = " ".join(f"{k}={v}" for k, v in counts.items())
+            terminalreporter.write_line(f"{label}: {sum(counts.values())} cases ({text})")

@@ -291,6 +291,7 @@ class LuaRedis:
             # name: (handler, min args, max args) counting arguments after the name
             b"GET": (self._cmd_get, 1, 1),
             b"SET": (self._cmd_set, 2, None),
+            b"INCR": (self._cmd_incr, 1, 1),
             b"DEL": (self._cmd_del, 1, None),
             b"EXISTS": (self._cmd_exists, 1, None),
             b"RENAME": (self._cmd_rename, 2, 2),
@@ -539,6 +540,17 @@ class LuaRedis:
         elif not keepttl:
             self.ttls.pop(key, None)
         return old if get else _OK
+
+    def _cmd_incr(self, key: bytes) -> int:
+        """INCR: a missing key counts as 0; the TTL stays (Redis keeps it on INCR)."""
+        current = self._string(key)
+        if isinstance(current, VirtualString):
+            raise ShimError("INCR of a virtual string")
+        value = 0 if current is None else _parse_int(current)
+        if value == _INT64_MAX:
+            raise RedisCommandError("ERR increment or decrement would overflow")
+        self.data[key] = str(value + 1).encode()
+        return value + 1
 
     def _cmd_del(self, *keys: bytes) -> int:
         return sum(self._delete(key) for key in keys)

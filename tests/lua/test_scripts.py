@@ -31,11 +31,14 @@ from .shim import (
 
 pytestmark = pytest.mark.lua
 
-# keys of the store under test, and of a neighbour store no script may touch
-META, REG = b"td:{s}:meta", b"td:{s}:reg"
+# keys of the store under test (see tdstore/_keys.py), and of a neighbour store no
+# script may touch
+META, REG, WV, RING = b"td:{s}:meta", b"td:{s}:reg", b"td:{s}:wv", b"td:{s}:ring"
 OTHER = {
     b"td:{o}:meta": {b"lv": b"5", b"fmt": b"1", b"lock": b"0"},
     b"td:{o}:reg": {b"a": b'{"k":"t"}'},
+    b"td:{o}:wv": b"9",
+    b"td:{o}:ring": b"6",
     b"td:{o}:d:a": b"neighbour bytes",
 }
 
@@ -74,15 +77,19 @@ def make_store(
     entries: dict[str, bytes] | None = None,
     nodes: tuple[str, ...] = (),
     wv: str | None = None,
+    cursor: int | None = None,
 ) -> None:
     """A store at layout version ``lv`` with leaf ``entries`` (path -> bytes) and ``nodes``.
 
-    ``wv``: the write version field of the meta hash; None leaves it out (a store no
-    write reached yet, which the scripts read as "0").
+    ``wv``: the write-version key ``WV``; None leaves it out (a store no write reached
+    yet, which the scripts read as "0"). ``cursor``: the ring cursor key ``RING``; None
+    leaves it out (no append yet).
     """
     r.data[META] = {b"lv": str(lv).encode(), b"fmt": b"1", b"lock": lock.encode(), b"bs": b"[4]"}
     if wv is not None:
-        r.data[META][b"wv"] = wv.encode()
+        r.data[WV] = wv.encode()
+    if cursor is not None:
+        r.data[RING] = str(cursor).encode()
     reg: dict[bytes, bytes] = {}
     for path, data in (entries or {}).items():
         reg[path.encode()] = M(path).encode()
@@ -101,14 +108,14 @@ def state(r: LuaRedis) -> dict[bytes, Any]:
 
 
 def wv_bumped(snapshot: tuple[dict[bytes, Any], dict[bytes, int]], by: int = 1) -> tuple[dict[bytes, Any], dict[bytes, int]]:
-    """``snapshot`` (of ``r.snapshot()``) with the store's write version ``wv`` raised by ``by``."""
+    """``snapshot`` (of ``r.snapshot()``) with the store's write-version key raised by ``by``."""
     data, ttls = copy.deepcopy(snapshot)
-    data[META][b"wv"] = str(int(data[META].get(b"wv", b"0")) + by).encode()
+    data[WV] = str(int(data.get(WV, b"0")) + by).encode()
     return data, ttls
 
 
 def wv_of(r: LuaRedis) -> bytes | None:
-    return r.data[META].get(b"wv")
+    return r.data.get(WV)
 
 
 def expect_error(

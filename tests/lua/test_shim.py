@@ -177,6 +177,31 @@ def test_keyspace_commands() -> None:
     assert r.call("GETRANGE", "s", "-3", "-1") == b"789" and r.call("GETRANGE", "s", "5", "100") == b"56789"
 
 
+def test_incr_and_plain_string_keys(lua_version: str) -> None:
+    r = LuaRedis()
+    assert r.call("INCR", "c") == 1 and r.data[b"c"] == b"1"
+    assert r.call("INCR", "c") == 2 and r.call("GET", "c") == b"2"
+    r.call("SET", "t", "41", "PX", "500")
+    assert r.call("INCR", "t") == 42 and r.ttls == {b"t": 500}, "INCR keeps the TTL"
+    for bad in (b"x", b"1.5", b" 1", b"+1", b"01", b"", b"9223372036854775808"):
+        r.data[b"b"] = bad
+        with pytest.raises(RedisCommandError, match="^ERR value is not an integer or out of range$"):
+            r.call("INCR", "b")
+        assert r.data[b"b"] == bad
+    r.data[b"b"] = b"9223372036854775807"
+    with pytest.raises(RedisCommandError, match="^ERR increment or decrement would overflow$"):
+        r.call("INCR", "b")
+    r.data[b"b"] = b"-5"
+    assert r.call("INCR", "b") == -4
+    r.call("HSET", "h", "f", "1")
+    with pytest.raises(RedisCommandError, match="^WRONGTYPE"):
+        r.call("INCR", "h")
+    with pytest.raises(RedisCommandError, match="wrong number of arguments for 'incr'"):
+        r.call("INCR", "c", "2")
+    src = "local n = redis.call('INCR', KEYS[1]) return {n, type(n), redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}"
+    assert r.eval(src, ["c", "missing"], [], lua_version) == [3, b"number", b"3", None]
+
+
 @pytest.mark.parametrize("code", sorted(LUA_ERRORS))
 def test_tdstore_error_maps_every_code(code: str) -> None:
     exc = tdstore_error(LuaScriptError(f"{code} something happened"))
