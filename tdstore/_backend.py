@@ -367,6 +367,8 @@ async def write_runs_watched(
     groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]],
     *,
     expected: str,
+    check_lock: bool = False,
+    small_via_script: bool = True,
 ) -> None:
     """Writes runs with SETRANGE in one MULTI, guarded by WATCH on the store's meta hash.
 
@@ -381,21 +383,26 @@ async def write_runs_watched(
         StaleLayoutError: the layout version differs, or changed before EXEC.
         StoreNotFoundError: the store does not exist.
     """
-    from tdstore.errors import StaleLayoutError, StoreNotFoundError
+    from tdstore.errors import StaleLayoutError, StoreLockedError, StoreNotFoundError
+
+    def large(runs: Sequence[tuple[int, int]]) -> bool:
+        return not small_via_script or _large_runs(runs)
 
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(keys.meta)
-        lv = await pipe.hget(keys.meta, "lv")
+        lv, lock = await pipe.hmget(keys.meta, ["lv", "lock"])
         if lv is None:
             raise StoreNotFoundError(f"no store at {keys.meta}")
         if _s(lv) != expected:
             raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {expected}")
-        small = [g for g in groups if not _large_runs(g[1])]
+        if check_lock and _s(lock) == "1":
+            raise StoreLockedError(f"the store at {keys.meta} is locked")
+        small = [g for g in groups if not large(g[1])]
         if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
             await pipe.script_load(get_script("write_runs").text(runner.shebang))
         pipe.multi()
         for path, runs, payload in groups:
-            if not _large_runs(runs):
+            if not large(runs):
                 continue
             data_key = keys.data(path)
             pos = 0

@@ -798,11 +798,27 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
             if not ops:
                 return
             bump = self._last_plan_bumps
+            check_lock = not inplace and not ignore_lock
             try:
+                if not bump and all(
+                    op.op == "put" and op.meta is not None and op.meta.get("k") == "t"
+                    and layout.entries.get(op.path) == op.meta
+                    for op in ops
+                ):
+                    # new values of existing tensors, same shapes and dtypes: written in place
+                    # (SETRANGE at 0 in a WATCH-guarded MULTI), with no tmp key and no rename
+                    groups = [(op.path, [(0, len(op.payload))], op.payload) for op in ops]
+                    conn.run(
+                        lambda c: _backend.write_runs_watched(
+                            c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=check_lock,
+                            small_via_script=False,
+                        )
+                    )
+                    return
                 lv = conn.run(
                     lambda c: _backend.commit(
                         c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=bump,
-                        check_lock=not inplace and not ignore_lock,
+                        check_lock=check_lock,
                     )
                 )
             except StaleLayoutError:

@@ -182,9 +182,11 @@ def commit_argv(
     ops: list[dict[str, Any]] | str = (),  # type: ignore[assignment]
     fmt: str = "1",
     wv: str = "",
+    first: str | None = None,
 ) -> list[str]:
-    """ARGV of commit; ``wv`` is ARGV[7], the expected write version ("" skips the check)."""
-    return [
+    """ARGV of commit; ``wv`` is ARGV[7], the expected write version ("" skips the check);
+    ``first`` is ARGV[8], the first layout version of a new store (None leaves it out)."""
+    argv = [
         expected,
         bump,
         lock,
@@ -193,6 +195,9 @@ def commit_argv(
         fmt,
         wv,
     ]
+    if first is not None:
+        argv.append(first)
+    return argv
 
 
 def put(f: str, src: int, dst: int, m: str | None = None) -> dict[str, str]:
@@ -208,37 +213,125 @@ def set_tmp(r: LuaRedis, nonce: str, payload: bytes) -> bytes:
     return TMP(nonce)
 
 
+# KEYS[1..3] of every commit: data and tmp keys start at KEYS[4]
+CK = [META, REG, WV]
+META2 = {b"lv": b"2", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]"}  # make_store()'s meta hash
+
+
+def meta_at(lv: int) -> dict[bytes, bytes]:
+    """make_store()'s meta hash at layout version ``lv``."""
+    return {**META2, b"lv": str(lv).encode()}
+
+
 class TestCommitCreate:
     def test_new_store_with_entries(self, r: LuaRedis, lua_version: str) -> None:
         tmp = set_tmp(r, "1", b"\x00\x01payload\xff")
-        keys = [META, REG, tmp, D("a"), D("z")]
-        ops = [put("a", 3, 4), zero("z", 5, "3"), {"op": "node", "f": "n", "m": '{"k":"td"}'}]
+        keys = [*CK, tmp, D("a"), D("z")]
+        ops = [put("a", 4, 5), zero("z", 6, "3"), {"op": "node", "f": "n", "m": '{"k":"td"}'}]
         result = r.run("commit", keys, commit_argv("new", meta={"bs": "[4]", "dev": "cpu"}, ops=ops, fmt="7"), lua_version)
         assert result == 1 and type(result) is int
         assert state(r) == {
-            META: {b"lv": b"1", b"fmt": b"7", b"lock": b"0", b"wv": b"1", b"bs": b"[4]", b"dev": b"cpu"},
+            META: {b"lv": b"1", b"fmt": b"7", b"lock": b"0", b"bs": b"[4]", b"dev": b"cpu"},
             REG: {b"a": M("a").encode(), b"z": M("z").encode(), b"n": b'{"k":"td"}'},
+            WV: b"1",
             D("a"): b"\x00\x01payload\xff",
             D("z"): b"\0\0\0",
         }
         assert r.ttls == {}, "the tmp TTL must not follow the bytes into the entry"
 
     def test_new_store_without_bump_is_version_0(self, r: LuaRedis, lua_version: str) -> None:
-        assert r.run("commit", [META, REG], commit_argv("new", bump="0"), lua_version) == 0
+        assert r.run("commit", CK, commit_argv("new", bump="0"), lua_version) == 0
         assert state(r) == {META: {b"lv": b"0", b"fmt": b"1", b"lock": b"0"}}
 
     def test_new_on_existing_store(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"a": b"old"})
+        make_store(r, entries={"a": b"old"}, wv="4")
         tmp = set_tmp(r, "1", b"new")
         exc = expect_error(
-            r, "TDS_EXISTS", "commit", [META, REG, tmp, D("a")], commit_argv("new", ops=[put("a", 3, 4)]), lua_version,
+            r, "TDS_EXISTS", "commit", [*CK, tmp, D("a")], commit_argv("new", ops=[put("a", 4, 5)]), lua_version,
             deleted=(tmp,),
         )
         assert exc.message == "TDS_EXISTS a store already exists at td:{s}:meta"
 
     def test_new_on_existing_store_even_if_locked_or_stale_args(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, lock="1")
-        expect_error(r, "TDS_EXISTS", "commit", [META, REG], commit_argv("new", lock="1"), lua_version)
+        expect_error(r, "TDS_EXISTS", "commit", CK, commit_argv("new", lock="1", wv="99", first="5"), lua_version)
+
+    def test_new_ignores_ARGV7_and_continues_a_leftover_counter(self, r: LuaRedis, lua_version: str) -> None:
+        """ARGV[7] is not checked for "new"; a wv key left behind keeps counting up (never repeats)."""
+        r.data[WV] = b"5"
+        ops = [{"op": "node", "f": "n", "m": "{}"}]
+        assert r.run("commit", CK, commit_argv("new", bump="0", ops=ops, wv="3"), lua_version) == 0
+        assert wv_of(r) == b"6"
+        assert r.commands("GET") == []
+
+
+class TestCommitFirstVersion:
+    """ARGV[8]: the first layout version of a new store (default "0")."""
+
+    @pytest.mark.parametrize("first", ["0", "7", str((2**40 - 1) * 1024)], ids=["zero", "small", "client_max"])
+    @pytest.mark.parametrize("bump", ["0", "1"])
+    def test_set(self, r: LuaRedis, lua_version: str, first: str, bump: str) -> None:
+        result = r.run("commit", CK, commit_argv("new", bump=bump, first=first), lua_version)
+        assert result == int(first) + int(bump) and type(result) is int
+        assert state(r) == {META: {b"lv": str(result).encode(), b"fmt": b"1", b"lock": b"0"}}
+
+    def test_set_with_ops(self, r: LuaRedis, lua_version: str) -> None:
+        tmp = set_tmp(r, "1", b"abc")
+        argv = commit_argv("new", ops=[put("a", 4, 5)], meta={"bs": "[3]"}, first="123456")
+        assert r.run("commit", [*CK, tmp, D("a")], argv, lua_version) == 123457
+        assert state(r) == {
+            META: {b"lv": b"123457", b"fmt": b"1", b"lock": b"0", b"bs": b"[3]"},
+            REG: {b"a": M("a").encode()},
+            WV: b"1",
+            D("a"): b"abc",
+        }
+        # the store then takes the version it returned
+        assert r.run("commit", CK, commit_argv("123457", bump="0", meta={"x": "1"}), lua_version) == 123457
+
+    @pytest.mark.parametrize("bump", ["0", "1"])
+    def test_default(self, r: LuaRedis, lua_version: str, bump: str) -> None:
+        argv = commit_argv("new", bump=bump)
+        assert len(argv) == 7, "ARGV[8] left out"
+        assert r.run("commit", CK, argv, lua_version) == int(bump)
+        assert r.data[META][b"lv"] == bump.encode()
+
+    @pytest.mark.parametrize("first", ["-1", "1.5", "-0.5", "x", "", "nan", "1 2"])
+    def test_invalid(self, r: LuaRedis, lua_version: str, first: str) -> None:
+        tmp = set_tmp(r, "1", b"abc")
+        argv = commit_argv("new", ops=[put("a", 4, 5)], first=first)
+        exc = expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+        assert exc.message == "TDS_BADARG the first layout version must be a non-negative integer"
+        assert META not in r.data
+
+    def test_invalid_is_reported_before_exists(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r)
+        tmp = set_tmp(r, "1", b"abc")
+        argv = commit_argv("new", ops=[put("a", 4, 5)], first="-3")
+        expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+
+    @pytest.mark.parametrize("first", ["x", "-1", "", "9"])
+    def test_ignored_unless_new(self, r: LuaRedis, lua_version: str, first: str) -> None:
+        make_store(r)
+        assert r.run("commit", CK, commit_argv("2", first=first), lua_version) == 3
+        assert r.run("commit", CK, commit_argv("", bump="0", first=first), lua_version) == 3
+
+    @pytest.mark.parametrize(
+        "lua_version,first",
+        [
+            pytest.param(v, f, marks=pytest.mark.xfail(strict=True, raises=LuaRuntimeError, reason=(
+                "script bug: is_count() uses tonumber(), which accepts non-canonical forms; the raw "
+                "string becomes the lv field (HINCRBY then fails mid-commit, or every later call is STALE)"
+            )))
+            for v in LUA_VERSIONS
+            for f in ["007", "1e3", "0x10", " 5", "5 ", "5.0", "+5", "-0"] + (["inf"] if v == "5.1" else [])
+        ]
+        + [pytest.param("5.4", "inf")],
+    )
+    def test_non_canonical_integer_is_refused(self, r: LuaRedis, lua_version: str, first: str) -> None:
+        """Only a canonical decimal can become the lv field: check_layout compares strings."""
+        tmp = set_tmp(r, "1", b"abc")
+        argv = commit_argv("new", ops=[put("a", 4, 5)], first=first)
+        expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
 
 
 class TestCommitPut:
@@ -247,11 +340,12 @@ class TestCommitPut:
         r.ttls[D("a")] = 5000  # even a TTL on the old entry must not survive
         tmp = set_tmp(r, "1", b"new")
         m = M("a", shape=[3])
-        result = r.run("commit", [META, REG, tmp, D("a")], commit_argv(ops=[put("a", 3, 4, m)]), lua_version)
+        result = r.run("commit", [*CK, tmp, D("a")], commit_argv(ops=[put("a", 4, 5, m)]), lua_version)
         assert result == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
+            META: meta_at(3),
             REG: {b"a": m.encode(), b"b": M("b").encode()},
+            WV: b"1",
             D("a"): b"new",
             D("b"): b"bbb",
         }
@@ -263,8 +357,8 @@ class TestCommitPut:
         make_store(r)
         t1, t2 = set_tmp(r, "1", b"x" * 1000), set_tmp(r, "2", bytes(range(256)))
         f2 = "d%2Ee.\u00e9"
-        keys = [META, REG, t1, D("a"), t2, D(f2)]
-        assert r.run("commit", keys, commit_argv(bump="0", ops=[put("a", 3, 4), put(f2, 5, 6)]), lua_version) == 2
+        keys = [*CK, t1, D("a"), t2, D(f2)]
+        assert r.run("commit", keys, commit_argv(bump="0", ops=[put("a", 4, 5), put(f2, 6, 7)]), lua_version) == 2
         assert r.data[D("a")] == b"x" * 1000
         assert r.data[D(f2)] == bytes(range(256))
         assert r.data[REG] == {b"a": M("a").encode(), f2.encode(): M(f2).encode()}
@@ -273,25 +367,26 @@ class TestCommitPut:
     def test_indices_as_json_numbers(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r)
         tmp = set_tmp(r, "1", b"abc")
-        op = {"op": "put", "f": "a", "m": M("a"), "src": 3, "dst": 4}
-        assert r.run("commit", [META, REG, tmp, D("a")], commit_argv(ops=[op]), lua_version) == 3
+        op = {"op": "put", "f": "a", "m": M("a"), "src": 4, "dst": 5}
+        assert r.run("commit", [*CK, tmp, D("a")], commit_argv(ops=[op]), lua_version) == 3
         assert r.data[D("a")] == b"abc"
 
     def test_missing_tmp_is_partial_and_drops_every_tmp(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"a": b"old", "m": b"moved"})
+        make_store(r, entries={"a": b"old", "m": b"moved"}, wv="3")
         t1 = set_tmp(r, "1", b"new a")
         missing = TMP("2")  # its SET was refused
         t3 = set_tmp(r, "3", b"new c")
-        keys = [META, REG, t1, D("a"), missing, D("b"), t3, D("c"), D("m"), D("m2")]
+        keys = [*CK, t1, D("a"), missing, D("b"), t3, D("c"), D("m"), D("m2")]
         ops = [
-            put("a", 3, 4),
-            put("b", 5, 6),
-            put("c", 7, 8),
-            {"op": "move", "f": "m", "t": "m2", "m": M("m2"), "src": "9", "dst": "10"},
+            put("a", 4, 5),
+            put("b", 6, 7),
+            put("c", 8, 9),
+            {"op": "move", "f": "m", "t": "m2", "m": M("m2"), "src": "10", "dst": "11"},
         ]
         exc = expect_error(r, "TDS_PARTIAL", "commit", keys, commit_argv(ops=ops), lua_version, deleted=(t1, t3))
         assert exc.message == "TDS_PARTIAL the bytes of b did not reach the server"
         assert D("m") in r.data, "only the tmp keys of put ops may be deleted"
+        assert wv_of(r) == b"3"
 
 
 class TestCommitZero:
@@ -300,7 +395,7 @@ class TestCommitZero:
     def test_zero_filled_entry(self, r: LuaRedis, lua_version: str, n: int, as_number: bool) -> None:
         make_store(r, entries={"a": b"previous content that is longer"})
         r.ttls[D("a")] = 1000
-        result = r.run("commit", [META, REG, D("a")], commit_argv(ops=[zero("a", 3, n if as_number else str(n))]), lua_version)
+        result = r.run("commit", [*CK, D("a")], commit_argv(ops=[zero("a", 4, n if as_number else str(n))]), lua_version)
         assert result == 3
         assert r.data[D("a")] == b"\0" * n
         assert r.ttls == {}
@@ -314,7 +409,7 @@ class TestCommitZero:
         r = LuaRedis(proto_max_bulk_len=1 << 40, virtual_above=1 << 20)
         make_store(r)
         n = 3_000_000_001
-        r.run("commit", [META, REG, D("big")], commit_argv(ops=[zero("big", 3, n)]), lua_version)
+        r.run("commit", [*CK, D("big")], commit_argv(ops=[zero("big", 4, n)]), lua_version)
         assert r.commands("SETRANGE") == [(D("big"), b"3000000000", b"\0")]
         assert r.data[D("big")] == VirtualString(n, [(3_000_000_000, b"\0")])
 
@@ -322,107 +417,150 @@ class TestCommitZero:
 class TestCommitDelNodeMove:
     def test_del_with_and_without_data_key(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa", "b": b"bbb"}, nodes=("n",))
-        ops = [{"op": "del", "f": "a", "dst": "3"}, {"op": "del", "f": "n"}]
-        assert r.run("commit", [META, REG, D("a")], commit_argv(ops=ops), lua_version) == 3
+        ops = [{"op": "del", "f": "a", "dst": "4"}, {"op": "del", "f": "n"}]
+        assert r.run("commit", [*CK, D("a")], commit_argv(ops=ops), lua_version) == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
+            META: meta_at(3),
             REG: {b"b": M("b").encode()},
+            WV: b"1",
             D("b"): b"bbb",
         }
 
     def test_del_of_the_last_entry_removes_the_registry(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
-        assert r.run("commit", [META, REG, D("a")], commit_argv(ops=[{"op": "del", "f": "a", "dst": "3"}]), lua_version) == 3
-        assert state(r) == {META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"}}
+        assert r.run("commit", [*CK, D("a")], commit_argv(ops=[{"op": "del", "f": "a", "dst": "4"}]), lua_version) == 3
+        assert state(r) == {META: meta_at(3), WV: b"1"}
 
     def test_node(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
         m = '{"k":"td","bs":[4]}'
-        assert r.run("commit", [META, REG], commit_argv(bump="0", ops=[{"op": "node", "f": "n", "m": m}]), lua_version) == 2
+        assert r.run("commit", CK, commit_argv(bump="0", ops=[{"op": "node", "f": "n", "m": m}]), lua_version) == 2
         assert state(r) == {
-            META: {b"lv": b"2", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
+            META: META2,
             REG: {b"a": M("a").encode(), b"n": m.encode()},
+            WV: b"1",
             D("a"): b"aaa",
         }
 
     def test_move_renames_bytes_and_registry(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa", "b": b"bbb"})
-        op = {"op": "move", "f": "a", "t": "c", "m": M("c"), "src": "3", "dst": "4"}
-        assert r.run("commit", [META, REG, D("a"), D("c")], commit_argv(ops=[op]), lua_version) == 3
+        op = {"op": "move", "f": "a", "t": "c", "m": M("c"), "src": "4", "dst": "5"}
+        assert r.run("commit", [*CK, D("a"), D("c")], commit_argv(ops=[op]), lua_version) == 3
         assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
+            META: meta_at(3),
             REG: {b"b": M("b").encode(), b"c": M("c").encode()},
+            WV: b"1",
             D("b"): b"bbb",
             D("c"): b"aaa",
         }
 
     def test_move_without_bytes_moves_the_registry_only(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, nodes=("n",))
-        op = {"op": "move", "f": "n", "t": "n2", "m": '{"k":"td"}', "src": "3", "dst": "4"}
-        assert r.run("commit", [META, REG, D("n"), D("n2")], commit_argv(ops=[op]), lua_version) == 3
-        assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
-            REG: {b"n2": b'{"k":"td"}'},
-        }
+        op = {"op": "move", "f": "n", "t": "n2", "m": '{"k":"td"}', "src": "4", "dst": "5"}
+        assert r.run("commit", [*CK, D("n"), D("n2")], commit_argv(ops=[op]), lua_version) == 3
+        assert state(r) == {META: meta_at(3), REG: {b"n2": b'{"k":"td"}'}, WV: b"1"}
 
     def test_ops_apply_in_order(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
         tmp = set_tmp(r, "1", b"fresh")
         ops = [
-            {"op": "move", "f": "a", "t": "b", "m": M("b"), "src": "3", "dst": "4"},
-            put("a", 5, 3),
-            {"op": "del", "f": "b", "dst": "4"},
+            {"op": "move", "f": "a", "t": "b", "m": M("b"), "src": "4", "dst": "5"},
+            put("a", 6, 4),
+            {"op": "del", "f": "b", "dst": "5"},
         ]
-        assert r.run("commit", [META, REG, D("a"), D("b"), tmp], commit_argv(ops=ops), lua_version) == 3
-        assert state(r) == {
-            META: {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"wv": b"1", b"bs": b"[4]"},
-            REG: {b"a": M("a").encode()},
-            D("a"): b"fresh",
-        }
+        assert r.run("commit", [*CK, D("a"), D("b"), tmp], commit_argv(ops=ops), lua_version) == 3
+        assert state(r) == {META: meta_at(3), REG: {b"a": M("a").encode()}, WV: b"1", D("a"): b"fresh"}
 
 
 class TestCommitMetaAndVersion:
     def test_meta_updates_only(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
         meta = {"bs": "[2,3]", "names": '["x", null]', "dev": "caf\u00e9"}
-        assert r.run("commit", [META, REG], commit_argv(bump="0", meta=meta), lua_version) == 2
+        assert r.run("commit", CK, commit_argv(bump="0", meta=meta), lua_version) == 2
         assert r.data[META] == {
             b"lv": b"2", b"fmt": b"1", b"lock": b"0", b"bs": b"[2,3]", b"names": b'["x", null]', b"dev": "caf\u00e9".encode()
         }
         assert r.data[REG] == {b"a": M("a").encode()} and r.data[D("a")] == b"aaa"
+        assert WV not in r.data, "a commit without ops writes no entry: wv stays"
+
+    @pytest.mark.parametrize("field", ["lv", "fmt"])
+    @pytest.mark.parametrize("expected", ["2", "", "new"])
+    def test_meta_update_of_lv_or_fmt_is_refused(self, r: LuaRedis, lua_version: str, field: str, expected: str) -> None:
+        """lv and fmt belong to the scripts: a meta update setting one refuses the whole commit."""
+        if expected != "new":
+            make_store(r, entries={"a": b"aaa"})
+        tmp = set_tmp(r, "1", b"new")
+        argv = commit_argv(expected, meta={"bs": "[5]", field: "9"}, ops=[put("a", 4, 5)])
+        exc = expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+        assert exc.message == f"TDS_BADARG meta field {field} cannot be set"
+        assert r.commands("HSET") == [] and r.commands("INCR") == [] and r.commands("HINCRBY") == []
+
+    @pytest.mark.parametrize("value", ["2", "", 3], ids=["same_value", "empty", "number"])
+    def test_meta_update_of_lv_is_refused_whatever_the_value(self, r: LuaRedis, lua_version: str, value: Any) -> None:
+        make_store(r)
+        exc = expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(bump="0", meta={"lv": value}), lua_version)
+        assert exc.message == "TDS_BADARG meta field lv cannot be set"
+
+    def test_reserved_meta_field_is_reported_before_missing_store(self, r: LuaRedis, lua_version: str) -> None:
+        expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(meta={"fmt": "2"}), lua_version)
+
+    def test_wv_and_cursor_are_ordinary_meta_fields(self, r: LuaRedis, lua_version: str) -> None:
+        """The counters live in their own keys: meta fields of the same names do not touch them."""
+        make_store(r, wv="4", cursor=9)
+        assert r.run("commit", CK, commit_argv(bump="0", meta={"wv": "x", "cursor": "7"}, wv="4"), lua_version) == 2
+        assert r.data[META] == {**META2, b"wv": b"x", b"cursor": b"7"}
+        assert r.data[WV] == b"4" and r.data[RING] == b"9"
+
+    @pytest.mark.parametrize("meta", ['{"bs": 4}', '{"bs": ["x"]}', '{"bs": true}', '[1]'], ids=["number", "list", "bool", "array"])
+    def test_meta_values_must_be_strings(self, r: LuaRedis, lua_version: str, meta: str) -> None:
+        make_store(r)
+        tmp = set_tmp(r, "1", b"new")
+        argv = commit_argv(ops=[put("a", 4, 5)])
+        argv[3] = meta
+        exc = expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+        assert exc.message == "TDS_BADARG meta updates must map strings to strings"
+
+    def test_data_only_commit_leaves_the_meta_hash_alone(self, r: LuaRedis, lua_version: str) -> None:
+        """Without a bump or meta updates, a commit writes no field of the meta hash."""
+        make_store(r, entries={"a": b"aaa"}, wv="6")
+        tmp = set_tmp(r, "1", b"new")
+        assert r.run("commit", [*CK, tmp, D("a")], commit_argv("2", bump="0", ops=[put("a", 4, 5)], wv="6"), lua_version) == 2
+        assert r.data[META] == META2 and r.data[WV] == b"7"
+        assert {c[0] for c in r.commands("HSET")} == {REG} and r.commands("HINCRBY") == []
 
     def test_empty_commit(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
         before = r.snapshot()
-        assert r.run("commit", [META, REG], commit_argv(bump="0"), lua_version) == 2
+        assert r.run("commit", CK, commit_argv(bump="0"), lua_version) == 2
         assert r.snapshot() == before
 
     @pytest.mark.parametrize("lv", [0, 2, 41, 2**40])
     def test_bump_returns_the_new_version(self, r: LuaRedis, lua_version: str, lv: int) -> None:
         make_store(r, lv=lv)
-        assert r.run("commit", [META, REG], commit_argv(str(lv)), lua_version) == lv + 1
+        assert r.run("commit", CK, commit_argv(str(lv)), lua_version) == lv + 1
         assert r.data[META][b"lv"] == str(lv + 1).encode()
-        assert r.run("commit", [META, REG], commit_argv(str(lv + 1), bump="0"), lua_version) == lv + 1
+        assert r.run("commit", CK, commit_argv(str(lv + 1), bump="0"), lua_version) == lv + 1
         assert r.data[META][b"lv"] == str(lv + 1).encode()
 
     def test_empty_expected_version_skips_the_check(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, lv=7)
-        assert r.run("commit", [META, REG], commit_argv(""), lua_version) == 8
+        assert r.run("commit", CK, commit_argv(""), lua_version) == 8
 
     def test_stale_version(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, lv=3, entries={"a": b"aaa"})
         tmp = set_tmp(r, "1", b"new")
         exc = expect_error(
-            r, "TDS_STALE", "commit", [META, REG, tmp, D("a")], commit_argv("2", ops=[put("a", 3, 4)]), lua_version,
+            r, "TDS_STALE", "commit", [*CK, tmp, D("a")], commit_argv("2", ops=[put("a", 4, 5)]), lua_version,
             deleted=(tmp,),
         )
         assert exc.message == "TDS_STALE layout version is 3, client assumed 2"
 
     @pytest.mark.parametrize("expected", ["2", ""])
     def test_missing_store(self, r: LuaRedis, lua_version: str, expected: str) -> None:
+        r.data[WV] = b"3"  # a counter without a store does not make one
         tmp = set_tmp(r, "1", b"new")
         exc = expect_error(
-            r, "TDS_NOSTORE", "commit", [META, REG, tmp, D("a")], commit_argv(expected, ops=[put("a", 3, 4)]),
+            r, "TDS_NOSTORE", "commit", [*CK, tmp, D("a")], commit_argv(expected, ops=[put("a", 4, 5)]),
             lua_version, deleted=(tmp,),
         )
         assert exc.message == "TDS_NOSTORE no store at td:{s}:meta"
@@ -433,46 +571,53 @@ class TestCommitLock:
         make_store(r, lock="1", entries={"a": b"aaa"})
         tmp = set_tmp(r, "1", b"new")
         exc = expect_error(
-            r, "TDS_LOCKED", "commit", [META, REG, tmp, D("a")], commit_argv(lock="1", ops=[put("a", 3, 4)]),
+            r, "TDS_LOCKED", "commit", [*CK, tmp, D("a")], commit_argv(lock="1", ops=[put("a", 4, 5)]),
             lua_version, deleted=(tmp,),
         )
         assert exc.message == "TDS_LOCKED the store at td:{s}:meta is locked"
 
     def test_locked_store_accepts_without_the_check(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, lock="1")
-        assert r.run("commit", [META, REG], commit_argv(lock="0", meta={"lock": "0"}), lua_version) == 3
+        assert r.run("commit", CK, commit_argv(lock="0", meta={"lock": "0"}), lua_version) == 3
         assert r.data[META][b"lock"] == b"0"
 
     @pytest.mark.parametrize("lock", ["0", "", "yes"])
     def test_unlocked_store_accepts_the_check(self, r: LuaRedis, lua_version: str, lock: str) -> None:
         make_store(r, lock=lock)
-        assert r.run("commit", [META, REG], commit_argv(lock="1"), lua_version) == 3
+        assert r.run("commit", CK, commit_argv(lock="1"), lua_version) == 3
 
     def test_lock_check_skipped_for_other_flag_values(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, lock="1")
-        assert r.run("commit", [META, REG], commit_argv(lock="true"), lua_version) == 3
+        assert r.run("commit", CK, commit_argv(lock="true"), lua_version) == 3
 
     def test_stale_is_reported_before_locked(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, lv=3, lock="1")
-        expect_error(r, "TDS_STALE", "commit", [META, REG], commit_argv("2", lock="1"), lua_version)
+        expect_error(r, "TDS_STALE", "commit", CK, commit_argv("2", lock="1"), lua_version)
 
 
+# each used as the third op of [put("a", 4, 5), del a, <bad>] with KEYS = [META, REG, WV, tmp, D("a")]
 _BAD_OPS = {
-    "unknown_kind": {"op": "copy", "f": "a", "src": "3", "dst": "4"},
+    "unknown_kind": {"op": "copy", "f": "a", "src": "4", "dst": "5"},
     "no_kind": {"f": "a"},
     "no_field": {"op": "node", "m": "{}"},
     "numeric_field": {"op": "node", "f": 5, "m": "{}"},
-    "put_no_src": {"op": "put", "f": "a", "m": "{}", "dst": "4"},
-    "put_no_dst": {"op": "put", "f": "a", "m": "{}", "src": "3"},
-    "put_src_is_meta": {"op": "put", "f": "a", "m": "{}", "src": "1", "dst": "4"},
-    "put_src_is_registry": {"op": "put", "f": "a", "m": "{}", "src": "2", "dst": "4"},
-    "put_dst_out_of_range": {"op": "put", "f": "a", "m": "{}", "src": "3", "dst": "9"},
-    "put_src_not_a_number": {"op": "put", "f": "a", "m": "{}", "src": "x", "dst": "4"},
-    "move_no_dst": {"op": "move", "f": "a", "t": "b", "m": "{}", "src": "4"},
-    "move_no_src": {"op": "move", "f": "a", "t": "b", "m": "{}", "dst": "4"},
-    "zero_no_n": {"op": "zero", "f": "a", "m": "{}", "dst": "4"},
-    "zero_bad_n": {"op": "zero", "f": "a", "m": "{}", "dst": "4", "n": "many"},
+    "put_no_src": {"op": "put", "f": "a", "m": "{}", "dst": "5"},
+    "put_no_dst": {"op": "put", "f": "a", "m": "{}", "src": "4"},
+    "put_src_is_meta": {"op": "put", "f": "a", "m": "{}", "src": "1", "dst": "5"},
+    "put_src_is_registry": {"op": "put", "f": "a", "m": "{}", "src": "2", "dst": "5"},
+    "put_src_is_wv": {"op": "put", "f": "a", "m": "{}", "src": "3", "dst": "5"},
+    "put_dst_is_wv": {"op": "put", "f": "a", "m": "{}", "src": "4", "dst": "3"},
+    "put_dst_out_of_range": {"op": "put", "f": "a", "m": "{}", "src": "4", "dst": "9"},
+    "put_src_not_a_number": {"op": "put", "f": "a", "m": "{}", "src": "x", "dst": "5"},
+    "move_no_dst": {"op": "move", "f": "a", "t": "b", "m": "{}", "src": "5"},
+    "move_no_src": {"op": "move", "f": "a", "t": "b", "m": "{}", "dst": "5"},
+    "move_src_is_wv": {"op": "move", "f": "a", "t": "b", "m": "{}", "src": "3", "dst": "5"},
+    "zero_no_n": {"op": "zero", "f": "a", "m": "{}", "dst": "5"},
+    "zero_bad_n": {"op": "zero", "f": "a", "m": "{}", "dst": "5", "n": "many"},
     "zero_no_dst": {"op": "zero", "f": "a", "m": "{}", "n": "3"},
+    "zero_dst_is_wv": {"op": "zero", "f": "a", "m": "{}", "dst": "3", "n": "3"},
+    "del_dst_is_wv": {"op": "del", "f": "a", "dst": "3"},
+    "del_dst_is_registry": {"op": "del", "f": "a", "dst": "2"},
 }
 
 
@@ -480,52 +625,62 @@ class TestCommitBadArg:
     @pytest.mark.parametrize("bad", list(_BAD_OPS), ids=list(_BAD_OPS))
     def test_malformed_op_applies_nothing(self, r: LuaRedis, lua_version: str, bad: str) -> None:
         """A malformed op anywhere refuses the whole commit, before any write."""
-        make_store(r, entries={"a": b"aaa"})
+        make_store(r, entries={"a": b"aaa"}, wv="2")
         tmp = set_tmp(r, "1", b"new")
-        ops = [put("a", 3, 4), {"op": "del", "f": "a", "dst": "4"}, _BAD_OPS[bad]]
-        exc = expect_error(r, "TDS_BADARG", "commit", [META, REG, tmp, D("a")], commit_argv(ops=ops), lua_version, deleted=(tmp,))
+        ops = [put("a", 4, 5), {"op": "del", "f": "a", "dst": "5"}, _BAD_OPS[bad]]
+        exc = expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], commit_argv(ops=ops), lua_version, deleted=(tmp,))
         assert "TDS_BADARG" in exc.message
 
     def test_badarg_wins_over_missing_store(self, r: LuaRedis, lua_version: str) -> None:
-        expect_error(r, "TDS_BADARG", "commit", [META, REG], commit_argv(ops=[_BAD_OPS["unknown_kind"]]), lua_version)
+        expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(ops=[_BAD_OPS["unknown_kind"]]), lua_version)
 
     def test_badarg_message_names_the_op(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r)
-        exc = expect_error(r, "TDS_BADARG", "commit", [META, REG], commit_argv(ops=[_BAD_OPS["put_no_src"]]), lua_version)
+        exc = expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(ops=[_BAD_OPS["put_no_src"]]), lua_version)
         assert exc.message.startswith("TDS_BADARG op put needs src and dst keys")
 
     def test_string_op(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r)
-        exc = expect_error(r, "TDS_BADARG", "commit", [META, REG], commit_argv(ops='["put"]'), lua_version)
+        exc = expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(ops='["put"]'), lua_version)
         assert exc.message == 'TDS_BADARG malformed op: "put"'
 
     @pytest.mark.parametrize("ops", ["[1]", "[true]"])
     def test_non_object_op(self, r: LuaRedis, lua_version: str, ops: str) -> None:
         make_store(r)
-        expect_error(r, "TDS_BADARG", "commit", [META, REG], commit_argv(ops=ops), lua_version)
+        expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(ops=ops), lua_version)
 
     @pytest.mark.parametrize(
         "bad",
         [
-            {"op": "move", "f": "a", "m": "{}", "src": "3", "dst": "4"},
+            {"op": "move", "f": "a", "m": "{}", "src": "4", "dst": "5"},
             {"op": "node", "f": "n"},
-            {"op": "zero", "f": "z", "dst": "5", "n": "3"},
+            {"op": "zero", "f": "z", "dst": "6", "n": "3"},
         ],
         ids=["move_no_t", "node_no_m", "zero_no_m"],
     )
     def test_op_missing_a_string_field(self, r: LuaRedis, lua_version: str, bad: dict[str, str]) -> None:
         make_store(r, entries={"a": b"aaa"})
-        expect_error(r, "TDS_BADARG", "commit", [META, REG, D("a"), D("b"), D("z")], commit_argv(ops=[bad]), lua_version)
+        expect_error(r, "TDS_BADARG", "commit", [*CK, D("a"), D("b"), D("z")], commit_argv(ops=[bad]), lua_version)
 
     @pytest.mark.parametrize("n", ["-1", "2.5"])
     def test_zero_with_a_count_that_is_not_a_byte_count(self, r: LuaRedis, lua_version: str, n: str) -> None:
         make_store(r, entries={"z": b"zzz"})
-        expect_error(r, "TDS_BADARG", "commit", [META, REG, D("z")], commit_argv(ops=[zero("z", 3, n)]), lua_version)
+        expect_error(r, "TDS_BADARG", "commit", [*CK, D("z")], commit_argv(ops=[zero("z", 4, n)]), lua_version)
 
     def test_del_with_a_dst_out_of_range(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})
         ops = [{"op": "del", "f": "a", "dst": "9"}]
-        expect_error(r, "TDS_BADARG", "commit", [META, REG, D("a")], commit_argv(ops=ops), lua_version)
+        expect_error(r, "TDS_BADARG", "commit", [*CK, D("a")], commit_argv(ops=ops), lua_version)
+
+    def test_old_key_layout_is_refused(self, r: LuaRedis, lua_version: str) -> None:
+        """A client still sending tmp and data keys from KEYS[3] cannot make KEYS[3] an entry
+        (its tmp key, KEYS[3] there, is not a valid src, so it stays until its TTL ends)."""
+        make_store(r, entries={"a": b"aaa"})
+        tmp = set_tmp(r, "1", b"new")
+        argv = commit_argv(ops=[put("a", 3, 4)])
+        exc = expect_error(r, "TDS_BADARG", "commit", [META, REG, tmp, D("a")], argv, lua_version)
+        assert exc.message.startswith("TDS_BADARG op put needs src and dst keys")
+        assert r.ttls[tmp] == 60000
 
 
 class TestCommitErrorPrecedence:
@@ -549,13 +704,13 @@ class TestCommitErrorPrecedence:
         self, r: LuaRedis, lua_version: str, setup: str, expected: str, lock: str, wv: str, code: str
     ) -> None:
         if setup != "none":
-            make_store(r, lock="1" if setup == "locked" else "0", entries={"m": b"mmm"}, wv="3")
+            make_store(r, lock="1" if setup == "locked" else "0", entries={"m": b"mmm"}, wv="3", cursor=5)
         t1, t2 = set_tmp(r, "1", b"one"), set_tmp(r, "2", b"two")
-        keys = [META, REG, t1, D("a"), t2, D("b"), D("m"), D("m2")]
+        keys = [*CK, t1, D("a"), t2, D("b"), D("m"), D("m2")]
         ops = [
-            put("a", 3, 4),
-            {"op": "move", "f": "m", "t": "m2", "m": M("m2"), "src": "7", "dst": "8"},
-            put("b", 5, 6),
+            put("a", 4, 5),
+            {"op": "move", "f": "m", "t": "m2", "m": M("m2"), "src": "8", "dst": "9"},
+            put("b", 6, 7),
         ]
         argv = commit_argv(expected, lock=lock, ops=ops, wv=wv)
         expect_error(r, code, "commit", keys, argv, lua_version, deleted=(t1, t2))
@@ -563,48 +718,57 @@ class TestCommitErrorPrecedence:
     def test_badarg_before_conflict(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, wv="3")
         tmp = set_tmp(r, "1", b"new")
-        ops = [put("a", 3, 4), _BAD_OPS["unknown_kind"]]
+        ops = [put("a", 4, 5), _BAD_OPS["unknown_kind"]]
         argv = commit_argv(ops=ops, wv="2")
-        expect_error(r, "TDS_BADARG", "commit", [META, REG, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+        expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+
+    def test_reserved_meta_field_before_conflict_and_lock(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, wv="3", lock="1")
+        tmp = set_tmp(r, "1", b"new")
+        argv = commit_argv(meta={"lv": "5"}, ops=[put("a", 4, 5)], wv="2", lock="1")
+        expect_error(r, "TDS_BADARG", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
 
     def test_conflict_before_partial(self, r: LuaRedis, lua_version: str) -> None:
         """A missing tmp key is not reported when the write version already conflicts."""
         make_store(r, wv="3")
         t1 = set_tmp(r, "1", b"one")
-        keys = [META, REG, t1, D("a"), TMP("2"), D("b")]
-        argv = commit_argv(ops=[put("a", 3, 4), put("b", 5, 6)], wv="2")
+        keys = [*CK, t1, D("a"), TMP("2"), D("b")]
+        argv = commit_argv(ops=[put("a", 4, 5), put("b", 6, 7)], wv="2")
         expect_error(r, "TDS_CONFLICT", "commit", keys, argv, lua_version, deleted=(t1,))
 
 
 class TestCommitWriteVersion:
-    """ARGV[7] compares with the meta field "wv" (missing = "0"); a commit with ops bumps it once."""
+    """ARGV[7] compares with GET KEYS[3] (missing = "0"); a commit with ops INCRs it once."""
 
     @pytest.mark.parametrize("stored,sent", [("5", "4"), ("5", "6"), ("5", "0"), ("0", "1"), ("12", "1")])
     def test_conflict(self, r: LuaRedis, lua_version: str, stored: str, sent: str) -> None:
         make_store(r, entries={"a": b"old", "b": b"bbb"}, wv=stored)
         tmp = set_tmp(r, "1", b"new")
-        keys = [META, REG, tmp, D("a"), D("b")]
-        ops = [put("a", 3, 4), {"op": "del", "f": "b", "dst": "5"}]
+        keys = [*CK, tmp, D("a"), D("b")]
+        ops = [put("a", 4, 5), {"op": "del", "f": "b", "dst": "6"}]
         exc = expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(ops=ops, wv=sent), lua_version, deleted=(tmp,))
         assert exc.message == "TDS_CONFLICT the store was written since the client read it"
-        assert r.data[META][b"wv"] == stored.encode()
-        assert r.commands("RENAME") == [] and r.commands("HINCRBY") == [] and r.commands("HSET") == []
+        assert r.data[WV] == stored.encode()
+        assert r.commands("GET") == [(WV,)]
+        assert r.commands("RENAME") == [] and r.commands("INCR") == [] and r.commands("HINCRBY") == []
+        assert r.commands("HSET") == []
 
     def test_conflict_without_ops(self, r: LuaRedis, lua_version: str) -> None:
         """The check does not depend on the commit writing anything."""
         make_store(r, wv="2")
-        expect_error(r, "TDS_CONFLICT", "commit", [META, REG], commit_argv(bump="0", meta={"x": "1"}, wv="1"), lua_version)
+        expect_error(r, "TDS_CONFLICT", "commit", CK, commit_argv(bump="0", meta={"x": "1"}, wv="1"), lua_version)
 
     def test_missing_wv_reads_as_zero(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"old"})
-        assert b"wv" not in r.data[META]
+        assert WV not in r.data
         tmp = set_tmp(r, "1", b"new")
-        keys = [META, REG, tmp, D("a")]
+        keys = [*CK, tmp, D("a")]
         for sent in ("1", "00", " 0"):  # the comparison is of strings: only "0" matches
-            expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(ops=[put("a", 3, 4)], wv=sent), lua_version, deleted=(tmp,))
+            expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(ops=[put("a", 4, 5)], wv=sent), lua_version, deleted=(tmp,))
             tmp = set_tmp(r, "1", b"new")
-        assert r.run("commit", keys, commit_argv(ops=[put("a", 3, 4)], wv="0"), lua_version) == 3
-        assert r.data[META] == {b"lv": b"3", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]", b"wv": b"1"}
+        assert r.run("commit", keys, commit_argv(ops=[put("a", 4, 5)], wv="0"), lua_version) == 3
+        assert r.data[META] == meta_at(3), "the write version is not a field of the meta hash"
+        assert r.data[WV] == b"1"
         assert r.data[D("a")] == b"new" and tmp not in r.data
 
     @pytest.mark.parametrize("stored", [None, "0", "7"])
@@ -612,16 +776,24 @@ class TestCommitWriteVersion:
         make_store(r, entries={"a": b"old"}, wv=stored)
         tmp = set_tmp(r, "1", b"new")
         sent = stored or "0"
-        assert r.run("commit", [META, REG, tmp, D("a")], commit_argv(ops=[put("a", 3, 4)], wv=sent), lua_version) == 3
-        assert r.data[META][b"wv"] == str(int(sent) + 1).encode()
+        assert r.run("commit", [*CK, tmp, D("a")], commit_argv(ops=[put("a", 4, 5)], wv=sent), lua_version) == 3
+        assert r.data[WV] == str(int(sent) + 1).encode()
         assert r.data[D("a")] == b"new"
 
     @pytest.mark.parametrize("stored", [None, "0", "7", "garbage"])
     def test_empty_wv_skips_the_check(self, r: LuaRedis, lua_version: str, stored: str | None) -> None:
         make_store(r, wv=stored)
-        assert r.run("commit", [META, REG], commit_argv(bump="0", meta={"x": "1"}, wv=""), lua_version) == 2
-        assert r.data[META].get(b"wv") == (None if stored is None else stored.encode())
+        assert r.run("commit", CK, commit_argv(bump="0", meta={"x": "1"}, wv=""), lua_version) == 2
+        assert wv_of(r) == (None if stored is None else stored.encode())
         assert r.data[META][b"x"] == b"1"
+        assert r.commands("GET") == [], "the wv key is not even read"
+
+    def test_wv_ttl_survives_the_bump(self, r: LuaRedis, lua_version: str) -> None:
+        """INCR keeps the key's TTL (the scripts never set one; they must not clear one either)."""
+        make_store(r, wv="3")
+        r.ttls[WV] = 9000
+        r.run("commit", CK, commit_argv(bump="0", ops=[{"op": "node", "f": "n", "m": "{}"}], wv="3"), lua_version)
+        assert r.data[WV] == b"4" and r.ttls == {WV: 9000}
 
     @pytest.mark.parametrize("nops", [1, 2, 5])
     @pytest.mark.parametrize("bump", ["0", "1"])
@@ -629,11 +801,12 @@ class TestCommitWriteVersion:
         make_store(r, wv="41")
         ops = [{"op": "node", "f": f"n{i}", "m": '{"k":"td"}'} for i in range(nops)]
         before = r.snapshot()
-        lv = r.run("commit", [META, REG], commit_argv(bump=bump, ops=ops, meta={"y": "2"}, wv="41"), lua_version)
+        lv = r.run("commit", CK, commit_argv(bump=bump, ops=ops, meta={"y": "2"}, wv="41"), lua_version)
         assert lv == (3 if bump == "1" else 2)
-        assert r.commands("HINCRBY").count((META, b"wv", b"1")) == 1
-        assert [c for c in r.commands("HINCRBY") if c[1] == b"wv"] == [(META, b"wv", b"1")]
+        assert r.commands("INCR") == [(WV,)]
+        assert r.commands("HINCRBY") == ([(META, b"lv", b"1")] if bump == "1" else [])
         expected, _ = wv_bumped(before)
+        assert expected[WV] == b"42"
         expected[META][b"y"] = b"2"
         expected[META][b"lv"] = str(lv).encode()
         expected[REG] = {f"n{i}".encode(): b'{"k":"td"}' for i in range(nops)}
@@ -643,43 +816,46 @@ class TestCommitWriteVersion:
     @pytest.mark.parametrize("bump", ["0", "1"])
     def test_commit_without_ops_keeps_wv(self, r: LuaRedis, lua_version: str, meta: Any, bump: str) -> None:
         make_store(r, entries={"a": b"aaa"}, wv="9")
-        r.run("commit", [META, REG], commit_argv(bump=bump, meta=meta, ops=[], wv="9"), lua_version)
+        r.run("commit", CK, commit_argv(bump=bump, meta=meta, ops=[], wv="9"), lua_version)
         assert wv_of(r) == b"9"
-        assert [c for c in r.commands("HINCRBY") if c[1] == b"wv"] == []
+        assert r.commands("INCR") == []
 
     def test_new_store(self, r: LuaRedis, lua_version: str) -> None:
-        r.run("commit", [META, REG], commit_argv("new", ops=[{"op": "node", "f": "n", "m": "{}"}]), lua_version)
+        r.run("commit", CK, commit_argv("new", ops=[{"op": "node", "f": "n", "m": "{}"}]), lua_version)
         assert wv_of(r) == b"1"
+        assert b"wv" not in r.data[META]
         other = LuaRedis()
-        other.run("commit", [META, REG], commit_argv("new", meta={"bs": "[]"}), lua_version)
-        assert b"wv" not in other.data[META]
+        other.run("commit", CK, commit_argv("new", meta={"bs": "[]"}), lua_version)
+        assert WV not in other.data and b"wv" not in other.data[META]
 
     def test_read_modify_write_sequence(self, r: LuaRedis, lua_version: str) -> None:
         """Two clients read wv 0; the first to commit wins, the second conflicts and retries."""
         make_store(r, entries={"a": b"aaaa"})
-        seen = (r.data[META].get(b"wv") or b"0").decode()
+        seen = (r.data.get(WV) or b"0").decode()
         first = set_tmp(r, "1", b"AAAA")
-        assert r.run("commit", [META, REG, first, D("a")], commit_argv(bump="0", ops=[put("a", 3, 4)], wv=seen), lua_version) == 2
+        assert r.run("commit", [*CK, first, D("a")], commit_argv(bump="0", ops=[put("a", 4, 5)], wv=seen), lua_version) == 2
         second = set_tmp(r, "2", b"BBBB")
-        keys = [META, REG, second, D("a")]
-        expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(bump="0", ops=[put("a", 3, 4)], wv=seen), lua_version, deleted=(second,))
+        keys = [*CK, second, D("a")]
+        expect_error(r, "TDS_CONFLICT", "commit", keys, commit_argv(bump="0", ops=[put("a", 4, 5)], wv=seen), lua_version, deleted=(second,))
         assert r.data[D("a")] == b"AAAA"
-        seen = r.data[META][b"wv"].decode()
+        seen = r.data[WV].decode()
         assert seen == "1"
         second = set_tmp(r, "2", b"BBBB")
-        assert r.run("commit", keys, commit_argv(bump="0", ops=[put("a", 3, 4)], wv=seen), lua_version) == 2
+        assert r.run("commit", keys, commit_argv(bump="0", ops=[put("a", 4, 5)], wv=seen), lua_version) == 2
         assert r.data[D("a")] == b"BBBB" and wv_of(r) == b"2"
 
     def test_write_runs_and_extend_invalidate_a_snapshot(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"\0" * 8}, wv="4")
-        r.run("write_runs", [META, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
+        node = [{"op": "node", "f": "n", "m": "{}"}]
+        r.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
         assert wv_of(r) == b"5"
-        expect_error(r, "TDS_CONFLICT", "commit", [META, REG], commit_argv(ops=[{"op": "node", "f": "n", "m": "{}"}], wv="4"), lua_version)
-        r.run("extend", [META, D("a")], extend_argv("2", 1, 4, (2, b"yy")), lua_version)
+        expect_error(r, "TDS_CONFLICT", "commit", CK, commit_argv(ops=node, wv="4"), lua_version)
+        r.run("extend", [META, WV, RING, D("a")], extend_argv("2", 1, 4, (2, b"yy")), lua_version)
         assert wv_of(r) == b"6"
-        expect_error(r, "TDS_CONFLICT", "commit", [META, REG], commit_argv(ops=[{"op": "node", "f": "n", "m": "{}"}], wv="5"), lua_version)
-        assert r.run("commit", [META, REG], commit_argv(bump="0", ops=[{"op": "node", "f": "n", "m": "{}"}], wv="6"), lua_version) == 2
+        expect_error(r, "TDS_CONFLICT", "commit", CK, commit_argv(ops=node, wv="5"), lua_version)
+        assert r.run("commit", CK, commit_argv(bump="0", ops=node, wv="6"), lua_version) == 2
         assert wv_of(r) == b"7"
+        assert r.data[META] == META2, "none of these writes changed the layout"
 
 
 # =========================================================================== #
@@ -706,7 +882,7 @@ def wstore(r: LuaRedis) -> LuaRedis:
 class TestWriteRuns:
     def test_single_run(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        assert r.run("write_runs", [META, D("a")], runs_argv("2", ([(3, 2)], b"XY")), lua_version) == 1
+        assert r.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(3, 2)], b"XY")), lua_version) == 1
         assert r.data[D("a")] == b"012XY56789"
         assert r.commands("SETRANGE") == [(D("a"), b"3", b"XY")]
         assert state(r)[D("b")] == b"abcdefghij"
@@ -715,32 +891,32 @@ class TestWriteRuns:
         r = wstore
         before = copy.deepcopy(state(r))
         argv = runs_argv("2", ([(0, 1), (4, 2), (9, 1)], b"ABCD"), ([(1, 3), (8, 2)], b"XYZuv"))
-        assert r.run("write_runs", [META, D("a"), D("b")], argv, lua_version) == 5
+        assert r.run("write_runs", [META, WV, D("a"), D("b")], argv, lua_version) == 5
         before[D("a")], before[D("b")] = b"A123BC678D", b"aXYZefghuv"
-        before[META][b"wv"] = b"1"
+        before[WV] = b"1"
         assert state(r) == before
         assert r.ttls == {}
 
     def test_overlapping_runs_last_wins(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        assert r.run("write_runs", [META, D("a")], runs_argv("2", ([(2, 4), (4, 3), (3, 1)], b"AAAABBBC")), lua_version) == 3
+        assert r.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(2, 4), (4, 3), (3, 1)], b"AAAABBBC")), lua_version) == 3
         assert r.data[D("a")] == b"01ACBBB789"
 
     def test_run_covering_the_whole_entry(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        assert r.run("write_runs", [META, D("a")], runs_argv("2", ([(0, 10)], bytes(range(246, 256)))), lua_version) == 1
+        assert r.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(0, 10)], bytes(range(246, 256)))), lua_version) == 1
         assert r.data[D("a")] == bytes(range(246, 256))
 
     def test_zero_groups(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
         before = r.snapshot()
-        assert r.run("write_runs", [META], ["2"], lua_version) == 0
+        assert r.run("write_runs", [META, WV], ["2"], lua_version) == 0
         assert r.snapshot() == wv_bumped(before), "a write of nothing changes nothing but wv"
 
     def test_group_with_zero_runs(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
         before = r.snapshot()
-        assert r.run("write_runs", [META, D("a"), D("e")], runs_argv("2", ([], b""), ([], b"")), lua_version) == 0
+        assert r.run("write_runs", [META, WV, D("a"), D("e")], runs_argv("2", ([], b""), ([], b"")), lua_version) == 0
         assert r.snapshot() == wv_bumped(before)
         assert r.commands("SETRANGE") == []
 
@@ -748,87 +924,87 @@ class TestWriteRuns:
     def test_runs_of_length_zero_write_nothing(self, wstore: LuaRedis, lua_version: str, runs: list[tuple[int, int]]) -> None:
         r = wstore
         before = r.snapshot()
-        assert r.run("write_runs", [META, D("a")], runs_argv("2", (runs, b"")), lua_version) == len(runs)
+        assert r.run("write_runs", [META, WV, D("a")], runs_argv("2", (runs, b"")), lua_version) == len(runs)
         assert r.snapshot() == wv_bumped(before)
 
     def test_zero_length_run_among_others(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        assert r.run("write_runs", [META, D("a")], runs_argv("2", ([(0, 2), (5, 0), (8, 2)], b"ABCD")), lua_version) == 3
+        assert r.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(0, 2), (5, 0), (8, 2)], b"ABCD")), lua_version) == 3
         assert r.data[D("a")] == b"AB234567CD"
 
     def test_run_ending_exactly_at_the_end(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        assert r.run("write_runs", [META, D("a")], runs_argv("2", ([(8, 2)], b"YZ")), lua_version) == 1
+        assert r.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(8, 2)], b"YZ")), lua_version) == 1
         assert r.data[D("a")] == b"01234567YZ"
 
     @pytest.mark.parametrize("run", [(9, 2), (10, 1), (11, 0), (0, 11), (3_000_000_000, 1)])
     def test_run_past_the_end(self, wstore: LuaRedis, lua_version: str, run: tuple[int, int]) -> None:
         r = wstore
         payload = b"x" * run[1]
-        exc = expect_error(r, "TDS_RANGE", "write_runs", [META, D("a")], runs_argv("2", ([run], payload)), lua_version)
+        exc = expect_error(r, "TDS_RANGE", "write_runs", [META, WV, D("a")], runs_argv("2", ([run], payload)), lua_version)
         assert exc.message == f"TDS_RANGE run {run[0]}+{run[1]} past the end (10) of td:{{s}}:d:a"
 
     def test_empty_entry_accepts_no_bytes(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        assert r.run("write_runs", [META, D("e")], runs_argv("2", ([(0, 0)], b"")), lua_version) == 1
+        assert r.run("write_runs", [META, WV, D("e")], runs_argv("2", ([(0, 0)], b"")), lua_version) == 1
         assert r.data[D("e")] == b""
-        expect_error(r, "TDS_RANGE", "write_runs", [META, D("e")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
+        expect_error(r, "TDS_RANGE", "write_runs", [META, WV, D("e")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
 
     def test_missing_data_key(self, wstore: LuaRedis, lua_version: str) -> None:
         r = wstore
-        exc = expect_error(r, "TDS_NOENTRY", "write_runs", [META, D("nope")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
+        exc = expect_error(r, "TDS_NOENTRY", "write_runs", [META, WV, D("nope")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
         assert exc.message == "TDS_NOENTRY no data at td:{s}:d:nope"
 
     def test_missing_data_key_even_without_runs(self, wstore: LuaRedis, lua_version: str) -> None:
-        expect_error(wstore, "TDS_NOENTRY", "write_runs", [META, D("nope")], runs_argv("2", ([], b"")), lua_version)
+        expect_error(wstore, "TDS_NOENTRY", "write_runs", [META, WV, D("nope")], runs_argv("2", ([], b"")), lua_version)
 
     @pytest.mark.parametrize("payload", [b"", b"X", b"XYZ"], ids=["empty", "short", "long"])
     def test_payload_size_mismatch(self, wstore: LuaRedis, lua_version: str, payload: bytes) -> None:
         r = wstore
-        exc = expect_error(r, "TDS_BADARG", "write_runs", [META, D("a")], runs_argv("2", ([(3, 2)], payload)), lua_version)
+        exc = expect_error(r, "TDS_BADARG", "write_runs", [META, WV, D("a")], runs_argv("2", ([(3, 2)], payload)), lua_version)
         assert exc.message == f"TDS_BADARG payload of td:{{s}}:d:a has {len(payload)} bytes, runs need 2"
 
     def test_payload_missing(self, wstore: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, D("a")], ["2", "1", "3", "2"], lua_version)
+        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, WV, D("a")], ["2", "1", "3", "2"], lua_version)
         assert exc.message == "TDS_BADARG payload of td:{s}:d:a has nil bytes, runs need 2"
 
     @pytest.mark.parametrize("extra", [[b"junk"], [b"", b""]], ids=["one", "two"])
     def test_extra_argv(self, wstore: LuaRedis, lua_version: str, extra: list[bytes]) -> None:
         argv = runs_argv("2", ([(3, 2)], b"XY")) + extra
-        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, D("a")], argv, lua_version)
+        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, WV, D("a")], argv, lua_version)
         assert exc.message == "TDS_BADARG expected 1 groups, ARGV has extra values"
 
     def test_fewer_groups_than_keys(self, wstore: LuaRedis, lua_version: str) -> None:
         argv = runs_argv("2", ([(3, 2)], b"XY"))
-        expect_error(wstore, "TDS_BADARG", "write_runs", [META, D("a"), D("b")], argv, lua_version)
+        expect_error(wstore, "TDS_BADARG", "write_runs", [META, WV, D("a"), D("b")], argv, lua_version)
 
     @pytest.mark.parametrize("count", ["x", "-1", ""])
     def test_bad_run_count(self, wstore: LuaRedis, lua_version: str, count: str) -> None:
-        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, D("a")], ["2", count, b""], lua_version)
+        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, WV, D("a")], ["2", count, b""], lua_version)
         assert exc.message == "TDS_BADARG bad run count for td:{s}:d:a"
 
     @pytest.mark.parametrize("run", [("x", "1"), ("1", "y"), ("-1", "1"), ("1", "-1"), ("", "1")])
     def test_bad_run(self, wstore: LuaRedis, lua_version: str, run: tuple[str, str]) -> None:
         argv = ["2", "2", "0", "1", run[0], run[1], b"AB"]
-        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, D("a")], argv, lua_version)
+        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, WV, D("a")], argv, lua_version)
         assert exc.message == "TDS_BADARG bad run 2 for td:{s}:d:a"
 
     def test_fractional_offset(self, wstore: LuaRedis, lua_version: str) -> None:
         argv = runs_argv("2", ([(0, 1)], b"A")) + ["1", "0.5", "1", b"B"]
-        expect_error(wstore, "TDS_BADARG", "write_runs", [META, D("a"), D("b")], argv, lua_version)
+        expect_error(wstore, "TDS_BADARG", "write_runs", [META, WV, D("a"), D("b")], argv, lua_version)
 
     def test_stale_version(self, wstore: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(wstore, "TDS_STALE", "write_runs", [META, D("a")], runs_argv("1", ([(0, 1)], b"x")), lua_version)
+        exc = expect_error(wstore, "TDS_STALE", "write_runs", [META, WV, D("a")], runs_argv("1", ([(0, 1)], b"x")), lua_version)
         assert exc.message == "TDS_STALE layout version is 2, client assumed 1"
 
     def test_empty_expected_version_skips_the_check(self, wstore: LuaRedis, lua_version: str) -> None:
-        assert wstore.run("write_runs", [META, D("a")], runs_argv("", ([(0, 1)], b"x")), lua_version) == 1
+        assert wstore.run("write_runs", [META, WV, D("a")], runs_argv("", ([(0, 1)], b"x")), lua_version) == 1
         assert wstore.data[D("a")] == b"x123456789"
 
     @pytest.mark.parametrize("expected", ["2", ""])
     def test_missing_store(self, r: LuaRedis, lua_version: str, expected: str) -> None:
         r.data[D("a")] = b"0123456789"
-        exc = expect_error(r, "TDS_NOSTORE", "write_runs", [META, D("a")], runs_argv(expected, ([(0, 1)], b"x")), lua_version)
+        exc = expect_error(r, "TDS_NOSTORE", "write_runs", [META, WV, D("a")], runs_argv(expected, ([(0, 1)], b"x")), lua_version)
         assert exc.message == "TDS_NOSTORE no store at td:{s}:meta"
 
     @pytest.mark.parametrize(
@@ -841,7 +1017,7 @@ class TestWriteRuns:
         ids=["range", "badarg", "noentry"],
     )
     def test_second_group_bad_writes_nothing(self, wstore: LuaRedis, lua_version: str, second: Any, code: str) -> None:
-        keys = [META, D("a"), D("b") if second is not None else D("nope"), D("b")]
+        keys = [META, WV, D("a"), D("b") if second is not None else D("nope"), D("b")]
         argv = runs_argv("2", ([(0, 3)], b"AAA"), second or ([(0, 1)], b"z"), ([(1, 1)], b"B"))
         expect_error(wstore, code, "write_runs", keys, argv, lua_version)
         assert wstore.commands("SETRANGE") == []
@@ -850,12 +1026,12 @@ class TestWriteRuns:
         make_store(r, entries={"a": bytes(512)})
         payload = bytes(range(256)) * 2
         runs = [(0, 256), (256, 256)]
-        assert r.run("write_runs", [META, D("a")], runs_argv("2", (runs, payload)), lua_version) == 2
+        assert r.run("write_runs", [META, WV, D("a")], runs_argv("2", (runs, payload)), lua_version) == 2
         assert r.data[D("a")] == payload
 
     def test_ttl_of_the_entry_is_untouched(self, wstore: LuaRedis, lua_version: str) -> None:
         wstore.ttls[D("a")] = 1234
-        wstore.run("write_runs", [META, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
+        wstore.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
         assert wstore.ttls == {D("a"): 1234}
 
 
@@ -865,17 +1041,29 @@ class TestWriteRunsWriteVersion:
         make_store(r, entries={"a": b"0123456789", "b": b"abcdefghij"}, wv=stored)
         before = r.snapshot()
         argv = runs_argv("2", ([(0, 1), (5, 2)], b"ABC"), ([(9, 1)], b"Z"))
-        assert r.run("write_runs", [META, D("a"), D("b")], argv, lua_version) == 3
+        assert r.run("write_runs", [META, WV, D("a"), D("b")], argv, lua_version) == 3
         expected, ttls = wv_bumped(before)
         expected[D("a")], expected[D("b")] = b"A1234BC789", b"abcdefghiZ"
         assert r.snapshot() == (expected, ttls)
         assert wv_of(r) == after
-        assert r.commands("HINCRBY") == [(META, b"wv", b"1")]
+        assert r.commands("INCR") == [(WV,)]
+        assert r.commands("HINCRBY") == [] and r.commands("HSET") == [], "the meta hash is not written"
 
     def test_each_call_bumps_wv(self, wstore: LuaRedis, lua_version: str) -> None:
         for i in range(1, 4):
-            wstore.run("write_runs", [META, D("a")], runs_argv("2", ([(i, 1)], b"x")), lua_version)
+            wstore.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(i, 1)], b"x")), lua_version)
             assert wv_of(wstore) == str(i).encode()
+
+    @pytest.mark.parametrize("expected,code", [("1", "TDS_STALE"), ("2", "TDS_RANGE")])
+    def test_an_error_leaves_wv_alone(self, wstore: LuaRedis, lua_version: str, expected: str, code: str) -> None:
+        wstore.data[WV] = b"5"
+        expect_error(wstore, code, "write_runs", [META, WV, D("a")], runs_argv(expected, ([(9, 2)], b"xx")), lua_version)
+        assert wstore.commands("INCR") == []
+
+    def test_old_key_layout_is_refused(self, wstore: LuaRedis, lua_version: str) -> None:
+        """KEYS without the wv key: the first data key would be taken for it; the groups do not fit."""
+        exc = expect_error(wstore, "TDS_BADARG", "write_runs", [META, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
+        assert exc.message == "TDS_BADARG expected 0 groups, ARGV has extra values"
 
 
 class TestWriteRunsLargeOffsets:
@@ -889,14 +1077,14 @@ class TestWriteRunsLargeOffsets:
 
     def test_single_run(self, big: LuaRedis, lua_version: str) -> None:
         argv = runs_argv("2", ([(3_000_000_000, 3)], b"xyz"))
-        assert big.run("write_runs", [META, D("big")], argv, lua_version) == 1
+        assert big.run("write_runs", [META, WV, D("big")], argv, lua_version) == 1
         assert big.commands("SETRANGE") == [(D("big"), b"3000000000", b"xyz")]
         assert big.data[D("big")] == VirtualString(5_000_000_000, [(3_000_000_000, b"xyz")])
 
     def test_many_runs(self, big: LuaRedis, lua_version: str) -> None:
         offsets = [2**31 - 1, 2**31, 2**32 + 7, 4_999_999_998]
         argv = runs_argv("2", ([(o, 2) for o in offsets], b"aabbccdd"))
-        assert big.run("write_runs", [META, D("big")], argv, lua_version) == 4
+        assert big.run("write_runs", [META, WV, D("big")], argv, lua_version) == 4
         assert big.commands("SETRANGE") == [
             (D("big"), str(o).encode(), chunk) for o, chunk in zip(offsets, [b"aa", b"bb", b"cc", b"dd"])
         ]
@@ -904,7 +1092,7 @@ class TestWriteRunsLargeOffsets:
 
     def test_range_message(self, big: LuaRedis, lua_version: str) -> None:
         argv = runs_argv("2", ([(4_999_999_999, 2)], b"zz"))
-        exc = expect_error(big, "TDS_RANGE", "write_runs", [META, D("big")], argv, lua_version)
+        exc = expect_error(big, "TDS_RANGE", "write_runs", [META, WV, D("big")], argv, lua_version)
         assert exc.message == "TDS_RANGE run 4999999999+2 past the end (5000000000) of td:{s}:d:big"
 
 
@@ -942,31 +1130,32 @@ def ring(r: LuaRedis) -> LuaRedis:
 
 
 def set_cursor(r: LuaRedis, cursor: int) -> None:
-    r.data[META][b"cursor"] = str(cursor).encode()
+    r.data[RING] = str(cursor).encode()
 
 
 class TestExtend:
     def test_first_append(self, ring: LuaRedis, lua_version: str) -> None:
         r = ring
         before = r.snapshot()
-        result = r.run("extend", [META, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
+        result = r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
         assert result == 0 and type(result) is int
         expected, ttls = wv_bumped(before)
-        expected[META][b"cursor"] = b"2"
+        expected[RING] = b"2"
         expected[D("x")] = b"1122efgh"
         assert r.snapshot() == (expected, ttls)
         assert r.commands("SETRANGE") == [(D("x"), b"0", b"1122")]
-        assert r.commands("HINCRBY") == [(META, b"wv", b"1")]
+        assert r.commands("INCR") == [(WV,)] and r.commands("SET") == [(RING, b"2")]
+        assert r.commands("HINCRBY") == [] and r.commands("HSET") == [], "the meta hash is not written"
 
     def test_several_entries(self, ring: LuaRedis, lua_version: str) -> None:
         r = ring
         set_cursor(r, 1)
-        r.data[META][b"wv"] = b"10"
+        r.data[WV] = b"10"
         before = r.snapshot()
         argv = extend_argv("2", 3, CAP, (2, b"112233"), (3, b"111222333"), (0, b""))
-        assert r.run("extend", [META, D("x"), D("y"), D("z")], argv, lua_version) == 1
+        assert r.run("extend", [META, WV, RING, D("x"), D("y"), D("z")], argv, lua_version) == 1
         expected, ttls = wv_bumped(before)
-        expected[META][b"cursor"] = b"4"
+        expected[RING] = b"4"
         expected[D("x")] = b"ab112233"
         expected[D("y")] = b"ABC111222333"
         assert r.snapshot() == (expected, ttls)
@@ -980,10 +1169,10 @@ class TestExtend:
             px = bytes([0x41 + i]) * (2 * n)
             py = bytes([0x61 + i]) * (3 * n)
             argv = extend_argv("2", n, CAP, (2, px), (3, py))
-            assert r.run("extend", [META, D("x"), D("y")], argv, lua_version) == start
+            assert r.run("extend", [META, WV, RING, D("x"), D("y")], argv, lua_version) == start
             x, y = ring_model(x, start, CAP, 2, px), ring_model(y, start, CAP, 3, py)
             assert (r.data[D("x")], r.data[D("y")]) == (x, y)
-            assert r.data[META][b"cursor"] == str(start + n).encode()
+            assert r.data[RING] == str(start + n).encode()
             assert wv_of(r) == str(i + 1).encode()
         assert x == b"EEDDDDEE" and y == b"eeeddddddeee"  # rows 3, 0 of the last append, 1, 2 of the one before
 
@@ -996,9 +1185,9 @@ class TestExtend:
         px = bytes(range(100, 100 + 2 * n))
         py = bytes(range(200, 200 + 3 * n))
         before = r.snapshot()
-        assert r.run("extend", [META, D("x"), D("y")], extend_argv("2", n, CAP, (2, px), (3, py)), lua_version) == cursor
+        assert r.run("extend", [META, WV, RING, D("x"), D("y")], extend_argv("2", n, CAP, (2, px), (3, py)), lua_version) == cursor
         expected, ttls = wv_bumped(before)
-        expected[META][b"cursor"] = str(cursor + n).encode()
+        expected[RING] = str(cursor + n).encode()
         expected[D("x")] = ring_model(X0, cursor, CAP, 2, px)
         expected[D("y")] = ring_model(Y0, cursor, CAP, 3, py)
         assert r.snapshot() == (expected, ttls)
@@ -1017,15 +1206,15 @@ class TestExtend:
     def test_wrap_around(self, ring: LuaRedis, lua_version: str) -> None:
         r = ring
         set_cursor(r, 3)
-        assert r.run("extend", [META, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 3
+        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 3
         assert r.data[D("x")] == b"2233ef11"
         assert r.commands("SETRANGE") == [(D("x"), b"6", b"11"), (D("x"), b"0", b"2233")]
-        assert r.data[META][b"cursor"] == b"6"
+        assert r.data[RING] == b"6"
 
     def test_append_ending_exactly_at_the_end_does_not_wrap(self, ring: LuaRedis, lua_version: str) -> None:
         r = ring
         set_cursor(r, 5)
-        assert r.run("extend", [META, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 5
+        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 5
         assert r.data[D("x")] == b"ab112233"
         assert r.commands("SETRANGE") == [(D("x"), b"2", b"112233")]
 
@@ -1038,22 +1227,22 @@ class TestExtend:
     def test_n_equal_to_capacity(self, ring: LuaRedis, lua_version: str, cursor: int, data: bytes, calls: list[Any]) -> None:
         r = ring
         set_cursor(r, cursor)
-        assert r.run("extend", [META, D("x")], extend_argv("2", 4, CAP, (2, b"11223344")), lua_version) == cursor
+        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 4, CAP, (2, b"11223344")), lua_version) == cursor
         assert r.data[D("x")] == data
         assert r.commands("SETRANGE") == [(D("x"), off, chunk) for off, chunk in calls]
-        assert r.data[META][b"cursor"] == str(cursor + 4).encode()
+        assert r.data[RING] == str(cursor + 4).encode()
 
     def test_capacity_one(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"x": b"ab"})
         for i in range(3):
-            assert r.run("extend", [META, D("x")], extend_argv("2", 1, 1, (2, b"%d%d" % (i, i))), lua_version) == i
+            assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, 1, (2, b"%d%d" % (i, i))), lua_version) == i
         assert r.data[D("x")] == b"22"
-        assert r.data[META][b"cursor"] == b"3"
+        assert r.data[RING] == b"3"
 
     def test_rows_of_one_byte(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"u": b"wxyz"})
         set_cursor(r, 2)
-        assert r.run("extend", [META, D("u")], extend_argv("2", 3, CAP, (1, b"123")), lua_version) == 2
+        assert r.run("extend", [META, WV, RING, D("u")], extend_argv("2", 3, CAP, (1, b"123")), lua_version) == 2
         assert r.data[D("u")] == b"3x12"
         assert r.commands("SETRANGE") == [(D("u"), b"2", b"12"), (D("u"), b"0", b"3")]
 
@@ -1062,9 +1251,9 @@ class TestExtend:
         r = ring
         set_cursor(r, 3)
         before = r.snapshot()
-        assert r.run("extend", [META, D("z")], extend_argv("2", 2, CAP, (0, b"")), lua_version) == 3
+        assert r.run("extend", [META, WV, RING, D("z")], extend_argv("2", 2, CAP, (0, b"")), lua_version) == 3
         expected, ttls = wv_bumped(before)
-        expected[META][b"cursor"] = b"5"
+        expected[RING] = b"5"
         assert r.snapshot() == (expected, ttls)
         assert r.commands("SETRANGE") == []
 
@@ -1072,43 +1261,50 @@ class TestExtend:
         r = ring
         set_cursor(r, 3)
         argv = extend_argv("2", 2, CAP, (0, b""), (2, b"1122"), (0, b""))
-        assert r.run("extend", [META, D("z"), D("x"), D("z")], argv, lua_version) == 3
+        assert r.run("extend", [META, WV, RING, D("z"), D("x"), D("z")], argv, lua_version) == 3
         assert r.data[D("x")] == b"22cdef11" and r.data[D("z")] == b""
         assert r.commands("SETRANGE") == [(D("x"), b"6", b"11"), (D("x"), b"0", b"22")]
 
     def test_rows_of_zero_bytes_need_the_key(self, ring: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, D("nope")], extend_argv("2", 1, CAP, (0, b"")), lua_version)
+        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, WV, RING, D("nope")], extend_argv("2", 1, CAP, (0, b"")), lua_version)
         assert exc.message == "TDS_NOENTRY no data at td:{s}:d:nope"
 
     def test_no_entries_advances_the_cursor(self, ring: LuaRedis, lua_version: str) -> None:
         r = ring
         before = r.snapshot()
-        assert r.run("extend", [META], extend_argv("2", 3, CAP), lua_version) == 0
+        assert r.run("extend", [META, WV, RING], extend_argv("2", 3, CAP), lua_version) == 0
         expected, ttls = wv_bumped(before)
-        expected[META][b"cursor"] = b"3"
+        expected[RING] = b"3"
         assert r.snapshot() == (expected, ttls)
 
     def test_data_longer_than_capacity_rows(self, r: LuaRedis, lua_version: str) -> None:
         """Only a short string is refused; bytes past the last row stay as they are."""
         make_store(r, entries={"x": b"abcdefgh++"})
         set_cursor(r, 3)
-        assert r.run("extend", [META, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version) == 3
+        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version) == 3
         assert r.data[D("x")] == b"22cdef11++"
 
     def test_binary_payload(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"x": bytes(1024)})
         payload = bytes(range(256)) * 3
         set_cursor(r, 2)
-        assert r.run("extend", [META, D("x")], extend_argv("2", 3, 4, (256, payload)), lua_version) == 2
+        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 3, 4, (256, payload)), lua_version) == 2
         assert r.data[D("x")] == bytes(range(256)) + bytes(256) + bytes(range(256)) * 2
 
     def test_empty_expected_version_skips_the_check(self, ring: LuaRedis, lua_version: str) -> None:
-        assert ring.run("extend", [META, D("x")], extend_argv("", 1, CAP, (2, b"11")), lua_version) == 0
+        assert ring.run("extend", [META, WV, RING, D("x")], extend_argv("", 1, CAP, (2, b"11")), lua_version) == 0
+        assert ring.data[D("x")] == b"11cdefgh"
+
+    def test_a_cursor_field_in_the_meta_hash_is_not_the_cursor(self, ring: LuaRedis, lua_version: str) -> None:
+        """The cursor lives in KEYS[3]; a "cursor" field of the meta hash is left alone."""
+        ring.data[META][b"cursor"] = b"3"
+        assert ring.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version) == 0
+        assert ring.data[RING] == b"1" and ring.data[META][b"cursor"] == b"3"
         assert ring.data[D("x")] == b"11cdefgh"
 
     def test_ttl_of_the_entry_is_untouched(self, ring: LuaRedis, lua_version: str) -> None:
         ring.ttls[D("x")] = 1234
-        ring.run("extend", [META, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
+        ring.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
         assert ring.ttls == {D("x"): 1234}
 
 
@@ -1117,75 +1313,90 @@ class TestExtendErrors:
     def test_bad_row_count(self, ring: LuaRedis, lua_version: str, n: str) -> None:
         set_cursor(ring, 2)
         argv = ["2", n, str(CAP), "2", b"11"]
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], argv, lua_version)
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
         assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got {n} and 4"
 
     @pytest.mark.parametrize("capacity", ["4.5", "x", "", "0", "-4", "nan"])
     def test_bad_capacity(self, ring: LuaRedis, lua_version: str, capacity: str) -> None:
         argv = ["2", "1", capacity, "2", b"11"]
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], argv, lua_version)
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
         assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got 1 and {capacity}"
 
     @pytest.mark.parametrize("payload", [b"", b"1", b"112", b"11223"], ids=["empty", "short", "one_row_more", "long"])
     def test_payload_size_mismatch(self, ring: LuaRedis, lua_version: str, payload: bytes) -> None:
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], extend_argv("2", 2, CAP, (2, payload)), lua_version)
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, payload)), lua_version)
         assert exc.message == "TDS_BADARG payload of td:{s}:d:x does not hold 2 rows"
 
     def test_payload_for_rows_of_zero_bytes(self, ring: LuaRedis, lua_version: str) -> None:
-        expect_error(ring, "TDS_BADARG", "extend", [META, D("z")], extend_argv("2", 1, CAP, (0, b"x")), lua_version)
+        expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("z")], extend_argv("2", 1, CAP, (0, b"x")), lua_version)
 
     @pytest.mark.parametrize("row_bytes", ["-1", "1.5", "x", ""])
     def test_bad_row_bytes(self, ring: LuaRedis, lua_version: str, row_bytes: str) -> None:
         argv = ["2", "2", str(CAP), row_bytes, b"11"]
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, D("x")], argv, lua_version)
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
         assert exc.message == "TDS_BADARG payload of td:{s}:d:x does not hold 2 rows"
 
     @pytest.mark.parametrize(
         "keys,argv",
         [
-            ([META, D("x")], ["2", "1", "4", "2"]),  # payload missing
-            ([META, D("x")], ["2", "1", "4", "2", b"11", b"junk"]),  # one extra value
-            ([META, D("x")], ["2", "1", "4", "2", b"11", "2", b"11"]),  # more groups than keys
-            ([META, D("x"), D("y")], ["2", "1", "4", "2", b"11"]),  # fewer groups than keys
-            ([META, D("x")], ["2", "1", "4"]),
-            ([META], ["2", "1", "4", "2", b"11"]),
-            ([META], ["2", "1"]),
+            ([META, WV, RING, D("x")], ["2", "1", "4", "2"]),  # payload missing
+            ([META, WV, RING, D("x")], ["2", "1", "4", "2", b"11", b"junk"]),  # one extra value
+            ([META, WV, RING, D("x")], ["2", "1", "4", "2", b"11", "2", b"11"]),  # more groups than keys
+            ([META, WV, RING, D("x"), D("y")], ["2", "1", "4", "2", b"11"]),  # fewer groups than keys
+            ([META, WV, RING, D("x")], ["2", "1", "4"]),
+            ([META, WV, RING], ["2", "1", "4", "2", b"11"]),
+            ([META, WV, RING], ["2", "1"]),
         ],
         ids=["no_payload", "extra", "more_groups", "fewer_groups", "no_group", "group_without_key", "no_capacity"],
     )
     def test_argv_count_mismatch(self, ring: LuaRedis, lua_version: str, keys: list[bytes], argv: list[Any]) -> None:
         exc = expect_error(ring, "TDS_BADARG", "extend", keys, argv, lua_version)
         if len(argv) >= 3:
-            assert exc.message == f"TDS_BADARG expected {len(keys) - 1} groups of (row bytes, payload)"
+            assert exc.message == f"TDS_BADARG expected {len(keys) - 3} groups of (row bytes, payload)"
 
     def test_missing_data_key(self, ring: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, D("nope")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
+        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, WV, RING, D("nope")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
         assert exc.message == "TDS_NOENTRY no data at td:{s}:d:nope"
 
     @pytest.mark.parametrize("data", [b"", b"abcdefg", b"ab"], ids=["empty", "one_byte_short", "one_row"])
     def test_data_shorter_than_capacity_rows(self, r: LuaRedis, lua_version: str, data: bytes) -> None:
         make_store(r, entries={"x": data})
-        exc = expect_error(r, "TDS_RANGE", "extend", [META, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
+        exc = expect_error(r, "TDS_RANGE", "extend", [META, WV, RING, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
         assert exc.message == f"TDS_RANGE td:{{s}}:d:x holds {len(data)} bytes, less than 4 rows"
 
     def test_short_data_even_when_the_rows_written_fit(self, ring: LuaRedis, lua_version: str) -> None:
         """The check is of the whole ring, not of the rows this append touches."""
-        expect_error(ring, "TDS_RANGE", "extend", [META, D("x")], extend_argv("2", 1, 5, (2, b"11")), lua_version)
+        expect_error(ring, "TDS_RANGE", "extend", [META, WV, RING, D("x")], extend_argv("2", 1, 5, (2, b"11")), lua_version)
 
     def test_stale_version(self, ring: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(ring, "TDS_STALE", "extend", [META, D("x")], extend_argv("1", 1, CAP, (2, b"11")), lua_version)
+        exc = expect_error(ring, "TDS_STALE", "extend", [META, WV, RING, D("x")], extend_argv("1", 1, CAP, (2, b"11")), lua_version)
         assert exc.message == "TDS_STALE layout version is 2, client assumed 1"
 
     @pytest.mark.parametrize("expected", ["2", ""])
     def test_missing_store(self, r: LuaRedis, lua_version: str, expected: str) -> None:
         r.data[D("x")] = X0
-        exc = expect_error(r, "TDS_NOSTORE", "extend", [META, D("x")], extend_argv(expected, 1, CAP, (2, b"11")), lua_version)
+        exc = expect_error(r, "TDS_NOSTORE", "extend", [META, WV, RING, D("x")], extend_argv(expected, 1, CAP, (2, b"11")), lua_version)
         assert exc.message == "TDS_NOSTORE no store at td:{s}:meta"
 
     def test_store_errors_come_before_argument_errors(self, r: LuaRedis, lua_version: str) -> None:
-        expect_error(r, "TDS_NOSTORE", "extend", [META, D("x")], ["2", "0", "4"], lua_version)
+        expect_error(r, "TDS_NOSTORE", "extend", [META, WV, RING, D("x")], ["2", "0", "4"], lua_version)
         make_store(r, lv=3)
-        expect_error(r, "TDS_STALE", "extend", [META, D("x")], ["2", "9", "4", "junk"], lua_version)
+        expect_error(r, "TDS_STALE", "extend", [META, WV, RING, D("x")], ["2", "9", "4", "junk"], lua_version)
+
+    @pytest.mark.parametrize("cursor", [b"x", b"-1", b"1.5", b""], ids=["text", "negative", "fraction", "empty"])
+    def test_corrupt_cursor(self, ring: LuaRedis, lua_version: str, cursor: bytes) -> None:
+        ring.data[RING] = cursor
+        ring.data[WV] = b"3"
+        argv = extend_argv("2", 1, CAP, (2, b"11"))
+        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
+        assert exc.message == "TDS_BADARG the cursor of td:{s}:meta is not a row count"
+
+    @pytest.mark.parametrize("nkeys", [1, 2, 3])
+    def test_old_key_layout_is_refused(self, ring: LuaRedis, lua_version: str, nkeys: int) -> None:
+        """Data keys from KEYS[2] on (no wv and ring keys) never match the ARGV groups."""
+        keys = [META, D("x"), D("y"), D("z")][: nkeys + 1]
+        groups = [(2, b"11"), (3, b"111"), (0, b"")][:nkeys]
+        expect_error(ring, "TDS_BADARG", "extend", keys, extend_argv("2", 1, CAP, *groups), lua_version)
 
     @pytest.mark.parametrize(
         "second,code",
@@ -1203,12 +1414,12 @@ class TestExtendErrors:
     ) -> None:
         r = ring
         set_cursor(r, cursor)
-        r.data[META][b"wv"] = b"5"
+        r.data[WV] = b"5"
         key, row_bytes, payload = second
-        keys = [META, D("x"), key, D("y")]
+        keys = [META, WV, RING, D("x"), key, D("y")]
         argv = ["2", "2", str(CAP), "2", b"1122", row_bytes, payload, "3", b"111222"]
         expect_error(r, code, "extend", keys, argv, lua_version)
-        assert r.commands("SETRANGE") == [] and r.commands("HSET") == [] and r.commands("HINCRBY") == []
+        assert r.commands("SETRANGE") == [] and r.commands("SET") == [] and r.commands("INCR") == []
 
 
 class TestExtendLargeOffsets:
@@ -1220,17 +1431,17 @@ class TestExtendLargeOffsets:
         make_store(r)
         set_cursor(r, 3 * capacity - 1)  # the last row, on the third lap
         argv = extend_argv("2", 2, capacity, (row_bytes, b"a" * row_bytes + b"b" * row_bytes))
-        assert r.run("extend", [META, D("big")], argv, lua_version) == 3 * capacity - 1
+        assert r.run("extend", [META, WV, RING, D("big")], argv, lua_version) == 3 * capacity - 1
         assert r.commands("SETRANGE") == [(D("big"), b"4999999000", b"a" * row_bytes), (D("big"), b"0", b"b" * row_bytes)]
         assert r.data[D("big")] == VirtualString(5_000_000_000, [(4_999_999_000, b"a" * row_bytes), (0, b"b" * row_bytes)])
-        assert r.data[META][b"cursor"] == b"15000001"
+        assert r.data[RING] == b"15000001"
 
     @pytest.mark.parametrize("cursor", [2**31 - 1, 2**32 + 5, 2**40 + 3])
     def test_large_cursor(self, ring: LuaRedis, lua_version: str, cursor: int) -> None:
         set_cursor(ring, cursor)
-        result = ring.run("extend", [META, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
+        result = ring.run("extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
         assert result == cursor and type(result) is int
-        assert ring.data[META][b"cursor"] == str(cursor + 2).encode()
+        assert ring.data[RING] == str(cursor + 2).encode()
         assert ring.data[D("x")] == ring_model(X0, cursor, CAP, 2, b"1122")
 
 
@@ -1241,48 +1452,71 @@ class TestExtendLargeOffsets:
 
 class TestClear:
     def test_deletes_exactly_the_listed_keys(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"a": b"aaa", "b": b"bbb"}, nodes=("n",))
+        make_store(r, entries={"a": b"aaa", "b": b"bbb"}, nodes=("n",), wv="7", cursor=12)
         stray = b"td:{s}:tmp:abandoned"
         r.data[stray] = b"tmp"
-        assert r.run("clear", [META, REG, D("a"), D("b")], ["2", "3"], lua_version) == 4
+        assert r.run("clear", [META, REG, WV, RING, D("a"), D("b")], ["2", "3"], lua_version) == 6
         assert state(r) == {stray: b"tmp"}
 
     def test_counts_only_keys_that_existed(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"a": b"aaa"})
-        assert r.run("clear", [META, REG, D("a"), D("gone")], ["", "1"], lua_version) == 3
+        make_store(r, entries={"a": b"aaa"})  # no write version, no cursor yet
+        assert r.run("clear", [META, REG, WV, RING, D("a"), D("gone")], ["", "1"], lua_version) == 3
         assert state(r) == {}
 
     def test_store_without_registry(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r)
-        assert r.run("clear", [META, REG], ["2", "0"], lua_version) == 1
+        make_store(r, wv="1")
+        assert r.run("clear", [META, REG, WV, RING], ["2", "0"], lua_version) == 2
         assert state(r) == {}
 
+    def test_keys_are_whatever_the_client_lists(self, r: LuaRedis, lua_version: str) -> None:
+        """KEYS[3..] is a list of keys to delete: the wv and ring keys may come in any position."""
+        make_store(r, entries={"a": b"aaa"}, wv="2", cursor=5)
+        assert r.run("clear", [META, REG, D("a"), RING, WV], ["2", "1"], lua_version) == 5
+        assert state(r) == {}
+
+    def test_keys_left_off_stay(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"aaa"}, wv="2", cursor=5)
+        assert r.run("clear", [META, REG, D("a")], ["2", "1"], lua_version) == 3
+        assert state(r) == {WV: b"2", RING: b"5"}
+
     def test_registry_size_mismatch(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"a": b"aaa", "b": b"bbb"}, nodes=("n",))
-        exc = expect_error(r, "TDS_STALE", "clear", [META, REG, D("a")], ["2", "2"], lua_version)
+        make_store(r, entries={"a": b"aaa", "b": b"bbb"}, nodes=("n",), wv="3", cursor=1)
+        exc = expect_error(r, "TDS_STALE", "clear", [META, REG, WV, RING, D("a")], ["2", "2"], lua_version)
         assert exc.message == "TDS_STALE registry has 3 entries, client knows of 2"
         assert r.commands("DEL") == []
 
     def test_stale_version(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, lv=4, entries={"a": b"aaa"})
-        exc = expect_error(r, "TDS_STALE", "clear", [META, REG, D("a")], ["3", "1"], lua_version)
+        make_store(r, lv=4, entries={"a": b"aaa"}, wv="3")
+        exc = expect_error(r, "TDS_STALE", "clear", [META, REG, WV, RING, D("a")], ["3", "1"], lua_version)
         assert exc.message == "TDS_STALE layout version is 4, client assumed 3"
 
     @pytest.mark.parametrize("expected", ["2", ""])
     def test_missing_store(self, r: LuaRedis, lua_version: str, expected: str) -> None:
         r.data[REG] = {b"a": b"{}"}
+        r.data[WV] = b"4"
+        r.data[RING] = b"2"
         r.data[D("a")] = b"orphan"
-        exc = expect_error(r, "TDS_NOSTORE", "clear", [META, REG, D("a")], [expected, "1"], lua_version)
+        exc = expect_error(r, "TDS_NOSTORE", "clear", [META, REG, WV, RING, D("a")], [expected, "1"], lua_version)
         assert exc.message == "TDS_NOSTORE no store at td:{s}:meta"
 
-    @pytest.mark.parametrize("entries,batches", [(998, [1000]), (999, [1000, 1]), (2500, [1000, 1000, 502])])
+    @pytest.mark.parametrize("entries,batches", [(996, [1000]), (997, [1000, 1]), (2500, [1000, 1000, 504])])
     def test_deletes_in_batches(self, r: LuaRedis, lua_version: str, entries: int, batches: list[int]) -> None:
         paths = [f"e{i}" for i in range(entries)]
-        make_store(r, entries={p: b"x" for p in paths})
-        keys = [META, REG] + [D(p) for p in paths]
-        assert r.run("clear", keys, ["2", str(entries)], lua_version) == entries + 2
+        make_store(r, entries={p: b"x" for p in paths}, wv="9", cursor=3)
+        keys = [META, REG, WV, RING] + [D(p) for p in paths]
+        assert r.run("clear", keys, ["2", str(entries)], lua_version) == entries + 4
         assert [len(args) for args in r.commands("DEL")] == batches
         assert state(r) == {}
+
+    def test_new_store_after_clear_starts_without_counters(self, r: LuaRedis, lua_version: str) -> None:
+        """clear removes the counters with the store, so a re-created store starts from scratch."""
+        make_store(r, entries={"a": b"aaa"}, wv="8", cursor=6)
+        r.run("clear", [META, REG, WV, RING, D("a")], ["2", "1"], lua_version)
+        tmp = set_tmp(r, "1", b"abcd")
+        argv = commit_argv("new", ops=[put("a", 4, 5)], first="1024")
+        assert r.run("commit", [*CK, tmp, D("a")], argv, lua_version) == 1025
+        assert r.data[WV] == b"1" and RING not in r.data
+        assert r.run("extend", [META, WV, RING, D("a")], extend_argv("1025", 1, 2, (2, b"zz")), lua_version) == 0
 
 
 # =========================================================================== #
