@@ -114,7 +114,8 @@ for _, op in ipairs(ops) do
 end
 
 if expected == 'new' then
-  if ARGV[8] ~= nil and not is_count(ARGV[8]) then
+  -- a plain decimal: the value is stored as is and later bumped with HINCRBY
+  if ARGV[8] ~= nil and not (string.match(ARGV[8], '^[1-9]%d*$') or ARGV[8] == '0') then
     drop_tmps()
     return fail('TDS_BADARG', 'the first layout version must be a non-negative integer')
   end

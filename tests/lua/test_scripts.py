@@ -318,10 +318,7 @@ class TestCommitFirstVersion:
     @pytest.mark.parametrize(
         "lua_version,first",
         [
-            pytest.param(v, f, marks=pytest.mark.xfail(strict=True, raises=LuaRuntimeError, reason=(
-                "script bug: is_count() uses tonumber(), which accepts non-canonical forms; the raw "
-                "string becomes the lv field (HINCRBY then fails mid-commit, or every later call is STALE)"
-            )))
+            pytest.param(v, f)
             for v in LUA_VERSIONS
             for f in ["007", "1e3", "0x10", " 5", "5 ", "5.0", "+5", "-0"] + (["inf"] if v == "5.1" else [])
         ]
