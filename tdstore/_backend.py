@@ -369,7 +369,9 @@ async def write_runs_watched(
     expected: str,
     check_lock: bool = False,
     small_via_script: bool = True,
-) -> None:
+    creates: Sequence[Op] = (),
+    nontensor: Sequence[tuple[tuple[str, ...], Any]] = (),
+) -> bool:
     """Writes runs with SETRANGE in one MULTI, guarded by WATCH on the store's meta hash.
 
     The meta hash changes only with the layout (keys, shapes, dtypes, lock, batch size),
@@ -379,8 +381,17 @@ async def write_runs_watched(
     with small runs go through the write_runs script inside the same MULTI (its script is
     checked to be loaded before MULTI, so it cannot fail there with NOSCRIPT).
 
+    In the same step it can create zero-filled entries (``creates``: "zero" ops) and
+    update non-tensor entries element-wise: for each ``(path, update)`` of ``nontensor``
+    the current bytes and metadata are read under WATCH (so a concurrent write of that
+    entry aborts and retries this one), ``update(meta, bytes)`` returns the new
+    ``(meta, bytes)``, and both are written in the MULTI.
+
+    Returns:
+        True when the layout changed (new entries, or a non-tensor entry's metadata).
+
     Raises:
-        StaleLayoutError: the layout version differs, or changed before EXEC.
+        StaleLayoutError: the layout version differs, or something watched changed.
         StoreNotFoundError: the store does not exist.
     """
     from tdstore.errors import StaleLayoutError, StoreLockedError, StoreNotFoundError
@@ -388,8 +399,9 @@ async def write_runs_watched(
     def large(runs: Sequence[tuple[int, int]]) -> bool:
         return not small_via_script or _large_runs(runs)
 
+    nt_keys = [keys.data(path) for path, _ in nontensor]
     async with client.pipeline(transaction=True) as pipe:
-        await pipe.watch(keys.meta)
+        await pipe.watch(keys.meta, *nt_keys)
         lv, lock = await pipe.hmget(keys.meta, ["lv", "lock"])
         if lv is None:
             raise StoreNotFoundError(f"no store at {keys.meta}")
@@ -397,10 +409,35 @@ async def write_runs_watched(
             raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {expected}")
         if check_lock and _s(lock) == "1":
             raise StoreLockedError(f"the store at {keys.meta} is locked")
+        nt_writes = []
+        layout_changed = bool(creates)
+        if nontensor:
+            fields = [encode_path(path) for path, _ in nontensor]
+            metas = await pipe.hmget(keys.reg, fields)
+            for (path, update), key, field, meta_raw in zip(nontensor, nt_keys, fields, metas):
+                old_meta = json.loads(meta_raw) if meta_raw is not None else None
+                old = await pipe.get(key) if old_meta is not None else None
+                new_meta, payload = update(old_meta, old)
+                nt_writes.append((key, field, new_meta, payload))
+                if new_meta != old_meta:
+                    layout_changed = True
         small = [g for g in groups if not large(g[1])]
         if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
             await pipe.script_load(get_script("write_runs").text(runner.shebang))
         pipe.multi()
+        for op in creates:
+            data_key = keys.data(op.path)
+            pipe.delete(data_key)
+            if op.nbytes:
+                pipe.setrange(data_key, int(op.nbytes) - 1, b"\0")
+            else:
+                pipe.set(data_key, b"")
+            pipe.hset(keys.reg, encode_path(op.path), json.dumps(op.meta, separators=(",", ":")))
+        if small:
+            key_list, args = _write_runs_args(keys, small, expected)
+            runner.queue(pipe, "write_runs", key_list, args)  # checks the version, bumps wv
+        else:
+            pipe.incr(keys.wv)
         for path, runs, payload in groups:
             if not large(runs):
                 continue
@@ -410,15 +447,17 @@ async def write_runs_watched(
                 if length:
                     pipe.setrange(data_key, offset, payload[pos : pos + length])
                 pos += length
-        if small:
-            key_list, args = _write_runs_args(keys, small, expected)
-            runner.queue(pipe, "write_runs", key_list, args)  # bumps the write version
-        else:
-            pipe.incr(keys.wv)
+        for key, field, new_meta, payload in nt_writes:
+            pipe.set(key, payload)
+            pipe.hset(keys.reg, field, json.dumps(new_meta, separators=(",", ":")))
+        if layout_changed:
+            pipe.hincrby(keys.meta, "lv", 1)
         try:
-            await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
         except redis.exceptions.WatchError:
             raise StaleLayoutError("the layout changed during an indexed write") from None
+    _raise_first_error(replies)
+    return layout_changed
 
 
 async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout) -> int:

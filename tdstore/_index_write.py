@@ -16,7 +16,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack
 
 from tdstore import _backend, _codec, _values
-from tdstore._indexing import is_full_index, normalize_index, row_runs, select_rows
+from tdstore._indexing import normalize_index, row_runs, select_rows
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -60,29 +60,29 @@ def write_index(
         groups: list[tuple[tuple[str, ...], list[tuple[int, int]], Any]] = []
         keep: list[Any] = []
         create: list[_backend.Op] = []
-        whole: dict[tuple[str, ...], Any] = {}
+        nontensor: list[tuple[tuple[str, ...], Any]] = []
         seq = 0
         for path, value in targets.items():
             meta = layout.entries.get(path)
             if isinstance(value, (NonTensorData, NonTensorStack)):
-                if meta is not None and meta["k"] == "nt" and isinstance(value, NonTensorData) and not meta.get("stack"):
-                    current = store._read_values([path])[0]
-                    if current.data == value.data:
-                        continue
-                if is_full_index(index, nb) or (meta is None and value_batch is not None):
-                    whole[path] = value
-                    continue
-                raise UnsupportedOperationError(
-                    f"writing the non-tensor entry {path!r} of {where} at an index is not supported "
-                    "yet; write the whole entry (store[key] = value)"
-                )
+                if meta is not None and meta["k"] != "nt":
+                    raise UnsupportedOperationError(
+                        f"cannot write a non-tensor value into the {'tensor' if meta['k'] == 't' else 'nested'} "
+                        f"entry {path!r} of {where} at an index"
+                    )
+                if store._owner_batch_size(layout, path) != batch_size:
+                    raise UnsupportedOperationError(
+                        f"non-tensor entry {path!r} of {where} lives in a nested tensordict with more batch "
+                        "dims; write it through that nested store"
+                    )
+                seq += 1
+                nontensor.append((path, _nontensor_update(path, value, rows, batch_size, [layout.lv + 1, seq], where)))
+                continue
             if meta is None:
                 # a new key written through an index: created zero-filled in the same step
                 tensor = torch.as_tensor(value)
                 owner_bs = store._owner_batch_size(layout, path)
-                feat = tuple(tensor.shape[len(new_bs):]) if not broadcast else ()
                 shape = tuple(owner_bs) + tuple(tensor.shape[len(new_bs):]) if tensor.dim() >= len(new_bs) else tuple(owner_bs)
-                del feat
                 if len(path) - len(store._path) > 1 and layout.entries.get(path[:-1]) is None:
                     raise UnsupportedOperationError(
                         f"writing the new nested key {path!r} of {where} through an index needs its "
@@ -93,7 +93,7 @@ def write_index(
                 create.append(_backend.Op("zero", path, meta, nbytes=_codec.tensor_nbytes(shape, tensor.dtype)))
             elif meta["k"] != "t":
                 raise UnsupportedOperationError(
-                    f"entry {path!r} of {where} is not a tensor; write whole values into it"
+                    f"entry {path!r} of {where} is a nested tensordict; write a TensorDict into it"
                 )
             dtype = _codec.dtype_from_name(meta["dtype"])
             feat_shape = tuple(meta["shape"][nb:])
@@ -102,29 +102,39 @@ def write_index(
             flat, view = _codec.tensor_view(payload)
             keep.append(flat)
             groups.append((path, row_runs(rows, row_bytes), view))
-        if whole:
-            store._write(whole, inplace=False)
-            whole = {}
-            if not groups and not create:
-                return
-            continue
-        if not groups:
+        if not groups and not nontensor:
             return
+        expected = str(layout.lv)
         try:
-            if create:
+            if nontensor or (create and _backend.choose_write(groups) == "multi"):
+                changed = conn.run(
+                    lambda c: _backend.write_runs_watched(
+                        c, conn.keys, conn.runner, groups, expected=expected, creates=create, nontensor=nontensor
+                    )
+                )
+                if changed:
+                    conn.layout = None
+            elif create:
                 conn.run(lambda c: _create_then_write(c, store, create, groups, layout.lv))
                 conn.layout = None
             elif _backend.choose_write(groups) == "multi":
-                conn.run(lambda c: _backend.write_runs_watched(c, conn.keys, conn.runner, groups, expected=str(layout.lv)))
+                conn.run(lambda c: _backend.write_runs_watched(c, conn.keys, conn.runner, groups, expected=expected))
             else:
-                conn.run(
-                    lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=str(layout.lv))
-                )
+                conn.run(lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
         except StaleLayoutError:
             store._layout(refresh=True)
             continue
         return
     raise StaleLayoutError(f"the layout of {where} kept changing during an indexed write")
+
+
+def _nontensor_update(
+    path: tuple[str, ...], value: Any, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str
+) -> Any:
+    def update(old_meta: dict[str, Any] | None, old: bytes | None) -> tuple[dict[str, Any], bytes]:
+        return _values.nontensor_after_index_write(path, old_meta, old, value, rows, batch_size, order, where)
+
+    return update
 
 
 async def _create_then_write(client: Any, store: TensorDictStore, create: list[_backend.Op], groups: Any, lv: int) -> None:

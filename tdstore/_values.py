@@ -13,6 +13,7 @@ No I/O. Registry metadata (one JSON object per entry path, see ``_keys``):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -111,3 +112,82 @@ def decode_value(
             return out
         return NonTensorData(data=value, batch_size=owner_batch_size, device=device)
     raise SchemaError(f"entry {path!r} is a nested tensordict, not a value")
+
+
+def _flatten_nested(value: Any, ndim: int) -> list[Any]:
+    if ndim == 0:
+        return [value]
+    out: list[Any] = []
+    for item in value:
+        out.extend(_flatten_nested(item, ndim - 1))
+    return out
+
+
+def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
+    if not shape:
+        return flat[0]
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def _all_equal(values: list[Any]) -> bool:
+    try:
+        return all(type(v) is type(values[0]) and bool(v == values[0]) for v in values[1:])
+    except Exception:  # noqa: BLE001 - values without a plain truth value differ
+        return False
+
+
+def nontensor_after_index_write(
+    path: tuple[str, ...],
+    old_meta: dict[str, Any] | None,
+    old_payload: bytes | None,
+    value: Any,
+    rows: torch.Tensor,
+    batch_size: torch.Size,
+    order: list[int],
+    where: str,
+) -> tuple[dict[str, Any], bytes]:
+    """Metadata and payload of a non-tensor entry after ``entry[idx] = value``.
+
+    ``rows`` are the flat batch rows the index selects, in result order (repeated rows:
+    the last write wins, as in torch). As in TensorDict, a ``NonTensorData`` written at
+    some rows of an entry that holds another value becomes a stack (one value per row);
+    a new ``NonTensorStack`` key holds ``None`` in the rows not written.
+    """
+    from tensordict import NonTensorData, NonTensorStack
+
+    numel = math.prod(batch_size)
+    nb = len(batch_size)
+    if old_meta is None:
+        if isinstance(value, NonTensorData):
+            return nontensor_parts(NonTensorData(data=value.data, batch_size=batch_size), order)
+        flat: list[Any] = [None] * numel
+    else:
+        old = _codec.decode_non_tensor(old_meta["enc"], bytes(old_payload or b""))
+        stack = int(old_meta.get("stack", 0))
+        if stack == 0:
+            flat = [old] * numel
+        elif stack == nb:
+            flat = _flatten_nested(old, nb)
+        else:
+            raise SchemaError(
+                f"non-tensor entry {path!r} of {where} is a stack over {stack} of {nb} batch dims; "
+                "write the whole entry instead"
+            )
+        order = old_meta.get("o", order)
+    n = rows.numel()
+    if isinstance(value, NonTensorStack):
+        new = _flatten_nested(value.tolist(), value.batch_dims)
+        if len(new) != n:
+            raise RuntimeError(
+                f"cannot write a stack of {len(new)} non-tensor values into {n} rows of {path!r} in {where}"
+            )
+    else:
+        new = [value.data] * n
+    for row, item in zip(rows.reshape(-1).tolist(), new):
+        flat[row] = item
+    if old_meta is not None and int(old_meta.get("stack", 0)) == 0 and numel and _all_equal(flat):
+        enc, payload = _codec.encode_non_tensor(flat[0])
+        return {"k": "nt", "enc": enc, "stack": 0, "o": order}, payload
+    enc, payload = _codec.encode_non_tensor(_nest(flat, tuple(batch_size)) if nb else flat[0])
+    return {"k": "nt", "enc": enc, "stack": nb, "o": order}, payload

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
 
@@ -88,9 +88,11 @@ def const_writer(conn: dict[str, Any], td_id: str, proc: int, rounds: int, durat
         rows = rng.sample(range(n), rng.randint(1, 8))
         c = float(proc * 100_000 + k)
         m = len(rows)
-        store[torch.tensor(rows)] = TensorDict(
+        value = TensorDict(
             obs=torch.full((m, 1024), c, dtype=torch.float64), act=torch.full((m, 4), int(c)), batch_size=[m]
         )
+        value["tag"] = NonTensorStack(*[f"w{int(c)}" for _ in range(m)])  # a non-tensor entry of the same row
+        store[torch.tensor(rows)] = value
         done += 1
     store.close()
     return done
@@ -106,6 +108,8 @@ def row_reader(conn: dict[str, Any], td_id: str, duration: float, seed: int) -> 
         rows = store[torch.randint(0, n, (32,), generator=gen)]
         obs, act = rows["obs"], rows["act"]
         bad = (obs != obs[:, :1]).any(dim=1) | (act != act[:, :1]).any(dim=1) | (act[:, 0].to(torch.float64) != obs[:, 0])
+        tags = rows["tag"]
+        bad |= torch.tensor([tag != f"w{int(a)}" for tag, a in zip(tags, act[:, 0].tolist())])
         torn += int(bad.sum())
         checked += 32
     store.close()
@@ -152,14 +156,31 @@ def key_creator(conn: dict[str, Any], td_id: str, proc: int, count: int) -> int:
 
 
 def rmw_worker(conn: dict[str, Any], td_id: str, proc: int, count: int) -> int:
+    """Increments the "n" sub-store with apply_, += and add_ (read-modify-write)."""
     store = _open(conn, td_id)
+    counters = store["n"]
     for j in range(count):
         if (proc + j) % 3 == 0:
-            store.apply_(lambda t: t + 1)
+            counters.apply_(lambda t: t + 1)
         elif (proc + j) % 3 == 1:
-            store += 1
+            counters += 1
         else:
-            store.add_(1)
+            counters.add_(1)
+    store.close()
+    return count
+
+
+def blind_writer(conn: dict[str, Any], td_id: str, proc: int, count: int) -> int:
+    """Meanwhile runs update_, fill_ and zero_ on the "z" sub-store (writes without a read)."""
+    store = _open(conn, td_id)
+    other = store["z"]
+    for j in range(count):
+        if j % 3 == 0:
+            other.update_({"v": torch.full((4,), float(j))})
+        elif j % 3 == 1:
+            other.fill_("v", float(proc))
+        else:
+            other.zero_()
     store.close()
     return count
 

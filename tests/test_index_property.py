@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
 
@@ -190,3 +190,37 @@ def test_get_at_past_the_batch_dims(server):
     for idx in [(slice(1, 3), 2), (torch.tensor([4, 0]), 3), (0, slice(None), 1), (Ellipsis, 1), (torch.tensor([1, 2]), torch.tensor([0, 3]))]:
         assert torch.equal(store.get_at("obs", idx), x[idx]), idx
     store.close()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_non_tensor_elements_written_at_an_index_match_tensordict(server, seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 6)
+    ref = TensorDict(a=torch.zeros(n), batch_size=[n])
+    ref["info"] = "start"
+    store = TensorDictStore.from_tensordict(ref, **server.connection_kwargs())
+    try:
+        for step in range(6):
+            idx = rand_component(rng, n, unique=True)
+            if isinstance(idx, torch.Tensor) and idx.dim() > 1:
+                idx = idx.reshape(-1)
+            sub = ref[_index_for_torch(idx)]
+            k = sub.batch_size[0] if sub.batch_dims else 0
+            if rng.random() < 0.5 and sub.batch_dims:
+                info = NonTensorStack(*[f"s{seed}-{step}-{i}" for i in range(k)]) if k else NonTensorData("e", batch_size=[0])
+            else:
+                info = NonTensorData(data={"step": step, "seed": seed}, batch_size=sub.batch_size)
+            value = TensorDict(a=torch.full(sub.batch_size, float(step)), batch_size=sub.batch_size)
+            value["info"] = info
+            store[idx] = value
+            ref[_index_for_torch(idx)] = value
+            want = ref.get("info")
+            got = store.get("info")
+            want_list = want.tolist() if isinstance(want, NonTensorStack) else [want.data] * n
+            got_list = got.tolist() if isinstance(got, NonTensorStack) else [got.data] * n
+            assert got_list == want_list, (seed, step, idx)
+            assert torch.equal(store["a"], ref["a"])
+            for i in range(n):
+                assert store[i]["info"] == ref[i]["info"]
+    finally:
+        store.close()

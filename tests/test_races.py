@@ -17,7 +17,7 @@ import _race_workers as w
 from _counts import record as _record
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
 
@@ -63,6 +63,7 @@ def test_overlapping_rows_never_torn(race_server, pool, request):
     conn = race_server.connection_kwargs()
     # 8 KB obs rows take the WATCH-guarded MULTI path, 32 B act rows the Lua path, in one step
     store = TensorDictStore.from_schema({"obs": ([1024], torch.float64), "act": ([4], torch.int64)}, batch_size=[64], **conn)
+    store["tag"] = NonTensorStack(*["w0"] * 64)  # rows start as obs=0, act=0, tag="w0"
     readers = [pool.submit(w.row_reader, conn, store.td_id, DURATION, s) for s in range(1)]
     writers = [pool.submit(w.const_writer, conn, store.td_id, p, 10_000, DURATION) for p in range(NPROC)]
     writes = sum(f.result(60) for f in writers)
@@ -118,13 +119,17 @@ def test_concurrent_new_keys_all_visible(race_server, pool, request):
 def test_read_modify_write_loses_no_update(race_server, pool, request):
     conn = race_server.connection_kwargs()
     store = TensorDictStore(batch_size=[4], **conn)
-    store["a"] = torch.zeros(4)
+    store["n", "a"] = torch.zeros(4)
     store["n", "b"] = torch.zeros(4, 2, dtype=torch.int64)
+    store["z", "v"] = torch.zeros(4)
     count = 15
-    list(pool.map(w.rmw_worker, [conn] * NPROC, [store.td_id] * NPROC, range(NPROC), [count] * NPROC))
-    total = NPROC * count
-    lost = int((store["a"] != total).sum()) + int((store["n", "b"] != total).sum())
-    _record(request, increments=total, lost_updates=lost, final=int(store["a"][0]))
+    incrementers = NPROC - 1
+    blind = pool.submit(w.blind_writer, conn, store.td_id, 0, 3 * count)
+    list(pool.map(w.rmw_worker, [conn] * incrementers, [store.td_id] * incrementers, range(incrementers), [count] * incrementers))
+    blind.result(120)
+    total = incrementers * count
+    lost = int((store["n", "a"] != total).sum()) + int((store["n", "b"] != total).sum())
+    _record(request, increments=total, blind_writes=3 * count, lost_updates=lost, final=int(store["n", "a"][0]))
     assert lost == 0
     store.clear_redis()
     store.close()
