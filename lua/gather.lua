@@ -1,26 +1,30 @@
 --[[ gather
-Reads many byte runs of one string and returns them concatenated, in order. Cheaper than
-one GETRANGE command per run when the runs are small (see _backend.choose_read).
+Reads rows of one string and returns them concatenated, in the order given. Cheaper than
+one GETRANGE command per row when the rows are small (see _backend.choose_read).
 
 KEYS[1]   the data key of the entry
 
-ARGV[1..] pairs of decimal (offset, length), in the order of the result
+ARGV[1]   the bytes of one row (decimal)
+ARGV[2]   the row numbers, decimal, separated by single spaces (repeats allowed)
 
-Returns: the runs' bytes concatenated (bulk string); a missing key reads as ""
+Returns: the rows' bytes concatenated (bulk string); a missing key reads as ""
 
 Errors:
-  TDS_BADARG   an offset or length is not a non-negative integer
+  TDS_BADARG   the row size is not a positive integer, or the row list is malformed
 ]]
 --@include lib/common.lua
 
+local row_bytes = tonumber(ARGV[1])
+if row_bytes == nil or row_bytes < 1 or row_bytes ~= math.floor(row_bytes) then
+  return fail('TDS_BADARG', 'bad row size ' .. tostring(ARGV[1]))
+end
+local rows = ARGV[2] or ''
+if string.find(rows, '[^0-9 ]') then
+  return fail('TDS_BADARG', 'row numbers must be decimal, separated by spaces')
+end
 local parts = {}
-for i = 1, #ARGV, 2 do
-  local off, len = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
-  if off == nil or len == nil or off < 0 or len < 0 or off ~= math.floor(off) or len ~= math.floor(len) then
-    return fail('TDS_BADARG', 'bad run ' .. tostring(ARGV[i]) .. '+' .. tostring(ARGV[i + 1]))
-  end
-  if len > 0 then
-    parts[#parts + 1] = rcall('GETRANGE', KEYS[1], ARGV[i], int_str(off + len - 1))
-  end
+for row in string.gmatch(rows, '%d+') do
+  local off = tonumber(row) * row_bytes
+  parts[#parts + 1] = rcall('GETRANGE', KEYS[1], int_str(off), int_str(off + row_bytes - 1))
 end
 return table.concat(parts)

@@ -131,15 +131,19 @@ async def read_runs(
     keys: StoreKeys,
     runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None] | None = None,
 ) -> tuple[int | None, list[list[bytes]]]:
     """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
 
-    ``length`` None reads the whole string. The layout version comes back with the runs:
-    the caller decodes them only if it is the version it planned with.
+    ``length`` None reads the whole string. ``gathers[i]``, when given, is ``(row bytes,
+    "row row ...")``: plan ``i`` is then read by the gather script in one call (the runs
+    are still what it reads). The layout version comes back with the runs: the caller
+    decodes them only if it is the version it planned with.
 
     Returns:
         (layout version, list of run bytes per entry).
     """
+    gathers = list(gathers) if gathers is not None else [None] * len(plans)
     nruns = sum(len(runs) for _, runs in plans)
     if nruns == 1:
         # One run: no transaction needed. The version is read after the bytes; it only
@@ -155,11 +159,10 @@ async def read_runs(
     for attempt in range(2):
         async with client.pipeline(transaction=True) as pipe:
             pipe.hget(keys.meta, "lv")
-            for path, runs in plans:
+            for (path, runs), gather in zip(plans, gathers):
                 data_key = keys.data(path)
-                if choose_read(runs) == "gather":
-                    args = [str(v) for run in runs for v in run]
-                    runner.queue(pipe, "gather", [data_key], args)
+                if gather is not None:
+                    runner.queue(pipe, "gather", [data_key], [str(gather[0]), gather[1]])
                     continue
                 for offset, length in runs:
                     # length None reads the whole string (non-tensor entries)
@@ -173,8 +176,8 @@ async def read_runs(
     lv = None if replies[0] is None else int(replies[0])
     out: list[list[bytes]] = []
     pos = 1
-    for _, runs in plans:
-        if choose_read(runs) == "gather":
+    for (_, runs), gather in zip(plans, gathers):
+        if gather is not None:
             out.append([replies[pos]])
             pos += 1
         else:
@@ -191,6 +194,9 @@ GATHER_MIN_RUNS = 8
 
 def choose_read(runs: Sequence[tuple[int, int | None]]) -> str:
     """How to read the runs of one entry: "gather" (one Lua call) or "getrange" (a command each).
+
+    The gather script takes the row numbers as one argument, so the choice also saves
+    redis-py from packing two arguments per run.
 
     Measured (benchmarks/bench_index.py): redis-py spends 15-20 us of Python per pipelined
     command, while Lua concatenates small runs cheaply but is slow per byte; over 256

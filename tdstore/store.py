@@ -679,14 +679,24 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
             new_bs = rows.shape
             items = [(only, layout.entries[only])] if only is not None else self._descendants(layout, self._path)
             plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
+            gathers: list[tuple[int, str] | None] = []
+            rows_arg: str | None = None
             for path, meta in items:
                 if meta["k"] == "t":
                     dtype = _codec.dtype_from_name(meta["dtype"])
                     row_bytes = _codec.tensor_nbytes(tuple(meta["shape"][nb:]), dtype)
-                    plans.append((path, row_runs(rows, row_bytes)))
+                    runs = row_runs(rows, row_bytes)
+                    plans.append((path, runs))
+                    if row_bytes and _backend.choose_read(runs) == "gather":
+                        if rows_arg is None:
+                            rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
+                        gathers.append((row_bytes, rows_arg))
+                    else:
+                        gathers.append(None)
                 elif meta["k"] == "nt":
                     plans.append((path, [(0, None)]))
-            lv, parts = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans))
+                    gathers.append(None)
+            lv, parts = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers))
             if lv is None:
                 raise self._not_found()
             if lv != layout.lv:
