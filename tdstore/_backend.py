@@ -146,15 +146,12 @@ async def read_runs(
     gathers = list(gathers) if gathers is not None else [None] * len(plans)
     nruns = sum(len(runs) for _, runs in plans)
     if nruns == 1:
-        # One run: no transaction needed. The version is read after the bytes; it only
-        # grows, so if it is the planned one, no layout change happened before the read.
+        # One run: one script call returns the version with the bytes (cheaper for the
+        # client than a MULTI of two commands).
         which = next(i for i, (_, runs) in enumerate(plans) if runs)
         path, ((offset, length),) = plans[which][0], plans[which][1]
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.getrange(keys.data(path), offset, -1 if length is None else offset + length - 1)
-            pipe.hget(keys.meta, "lv")
-            data, lv = await _exec(pipe)
-        _raise_first_error([data, lv])
+        last = -1 if length is None else offset + length - 1
+        lv, data = await runner.call(client, "read_one", [keys.meta, keys.data(path)], [str(offset), str(last)])
         return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
     for attempt in range(2):
         async with client.pipeline(transaction=True) as pipe:

@@ -1542,7 +1542,27 @@ class TestGather:
         expect_error(r, "TDS_BADARG", "gather", [D("g")], list(args), lua_version)
 
 
+class TestReadOne:
+    """read_one: one byte range of an entry with the store's layout version."""
+
+    def test_range_and_version(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"0123456789"})
+        lv, data = r.run("read_one", [META, D("a")], ["2", "5"], lua_version)
+        assert data == b"2345" and lv == r.data[META][b"lv"]
+
+    def test_whole_string_and_missing_store(self, r: LuaRedis, lua_version: str) -> None:
+        r.data[D("a")] = b"abc"
+        lv, data = r.run("read_one", [META, D("a")], ["0", "-1"], lua_version)
+        assert lv is None and data == b"abc"
+
+    @pytest.mark.parametrize("bounds", [("x", "1"), ("0", "1.5"), ("", "2")])
+    def test_bad_range(self, r: LuaRedis, lua_version: str, bounds: tuple[str, str]) -> None:
+        make_store(r, entries={"a": b"0123"})
+        expect_error(r, "TDS_BADARG", "read_one", [META, D("a")], list(bounds), lua_version)
+
+
 ERROR_TESTS = {
+    "read_one": {"TDS_BADARG": TestReadOne.test_bad_range},
     "gather": {"TDS_BADARG": TestGather.test_bad_run},
     "commit": {
         "TDS_NOSTORE": TestCommitMetaAndVersion.test_missing_store,
