@@ -51,6 +51,9 @@ class Layout:
     meta: dict[str, str]
     entries: dict[tuple[str, ...], dict[str, Any]]
     wv: str = "0"  #: the write version, when read with the snapshot
+    #: values derived from this snapshot (sorted key lists, parsed batch sizes), computed
+    #: once per layout: a layout is never changed in place, a new one replaces it
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _s(value: bytes | str | None) -> str | None:

@@ -262,26 +262,37 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
 
     @staticmethod
     def _children(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+        memo = layout.memo.get(("children", path))
+        if memo is not None:
+            return memo
         n = len(path)
         items = [(p, m) for p, m in layout.entries.items() if len(p) == n + 1 and p[:n] == path]
         items.sort(key=lambda item: _values.order_key(item[1]))
+        layout.memo[("children", path)] = items
         return items
 
     @staticmethod
     def _descendants(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+        memo = layout.memo.get(("descendants", path))
+        if memo is not None:
+            return memo
         n = len(path)
         items = [(p, m) for p, m in layout.entries.items() if len(p) > n and p[:n] == path]
         items.sort(key=lambda item: (len(item[0]), _values.order_key(item[1])))
+        layout.memo[("descendants", path)] = items
         return items
 
     def _node(self, layout: _backend.Layout | None = None) -> dict[str, Any]:
         layout = layout if layout is not None else self._layout()
         if not self._path:
-            meta = layout.meta
-            return {
-                "batch_size": json.loads(meta.get("batch_size", "[]")),
-                "names": json.loads(meta.get("names") or "null"),
-            }
+            root = layout.memo.get("root")
+            if root is None:
+                meta = layout.meta
+                root = layout.memo["root"] = {
+                    "batch_size": json.loads(meta.get("batch_size", "[]")),
+                    "names": json.loads(meta.get("names") or "null"),
+                }
+            return root
         node = layout.entries.get(self._path)
         if node is None or node.get("k") != "td":
             # the sub-store was deleted or replaced by another client: refresh once
@@ -293,7 +304,9 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
 
     def _owner_batch_size(self, layout: _backend.Layout, path: tuple[str, ...]) -> torch.Size:
         if len(path) <= 1:
-            return torch.Size(json.loads(layout.meta.get("batch_size", "[]")))
+            return torch.Size(self._node(layout)["batch_size"]) if not self._path else torch.Size(
+                json.loads(layout.meta.get("batch_size", "[]"))
+            )
         node = layout.entries.get(path[:-1])
         return torch.Size(node["batch_size"]) if node else torch.Size([])
 
@@ -332,8 +345,11 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
     def device(self) -> torch.device | None:
         if self._device_override is not None:
             return self._device_override
-        dev = self._layout().meta.get("device") or ""
-        return torch.device(dev) if dev else None
+        layout = self._layout()
+        if "device" not in layout.memo:
+            dev = layout.meta.get("device") or ""
+            layout.memo["device"] = torch.device(dev) if dev else None
+        return layout.memo["device"]
 
     @device.setter
     def device(self, value: Any) -> None:
