@@ -226,3 +226,21 @@ class Connection:
                 _io.sync(client.aclose(), 5.0)
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort
                 pass
+
+def connection_defaults(host: str, port: int, unix_socket_path: str | None) -> tuple[str, int, str | None]:
+    """Applies TDSTORE_URL when the caller kept the documented defaults.
+
+    ``TDSTORE_URL=redis://127.0.0.1:6400/0`` or ``unix:///path/to.sock`` points every
+    store created with default connection arguments at another server, so the same code
+    (and the docs' examples) runs against a private test server.
+    """
+    import os
+    from urllib.parse import urlparse
+
+    url = os.environ.get("TDSTORE_URL")
+    if not url or host != "localhost" or port != 6379 or unix_socket_path is not None:
+        return host, port, unix_socket_path
+    parsed = urlparse(url)
+    if parsed.scheme == "unix":
+        return host, port, parsed.path
+    return parsed.hostname or host, parsed.port or port, None

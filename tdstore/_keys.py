@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
-__all__ = ["StoreKeys", "encode_path", "decode_path", "validate_prefix", "validate_td_id"]
+__all__ = ["StoreKeys", "as_path", "encode_path", "decode_path", "validate_prefix", "validate_td_id"]
 
 _TD_ID_RE = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
 
@@ -31,6 +32,19 @@ def _escape(component: str) -> str:
 
 def _unescape(component: str) -> str:
     return component.replace("%2E", ".").replace("%25", "%")
+
+
+def as_path(key: Any) -> tuple[str, ...]:
+    if isinstance(key, str):
+        return (key,)
+    if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):
+        return key
+    if isinstance(key, tuple) and key:
+        out: list[str] = []
+        for part in key:
+            out.extend(as_path(part))
+        return tuple(out)
+    raise TypeError(f"a key must be a str or a non-empty tuple of str, got {key!r}")
 
 
 def encode_path(path: tuple[str, ...]) -> str:

@@ -21,7 +21,6 @@ from tensordict.utils import is_tensorclass
 from tdstore import _backend, _codec, _values
 from tdstore._keys import new_td_id
 from tdstore.errors import (
-    EntryNotFoundError,
     EntryTooLargeError,
     SchemaError,
     StaleLayoutError,
@@ -46,10 +45,7 @@ _CONN_ARGS = ("backend", "host", "port", "db", "unix_socket_path", "prefix", "cl
 _MAX_RETRIES = 50
 
 
-def _as_path(key: Any) -> tuple[str, ...]:
-    from tdstore.store import _as_path as as_path
-
-    return as_path(key)
+from tdstore._keys import as_path as _as_path  # noqa: E402
 
 
 class StoreAPI:
@@ -571,10 +567,10 @@ async def _noop(client: Any) -> None:
 
 
 def _planner(store: Any, layout: _backend.Layout) -> Any:
-    from tdstore.store import _WritePlanner
+    from tdstore._planner import WritePlanner
 
     store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
-    return _WritePlanner(store, layout, inplace=False)
+    return WritePlanner(store, layout, inplace=False)
 
 
 def _check_batch_size(batch_size: Any) -> torch.Size:

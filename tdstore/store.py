@@ -13,32 +13,33 @@ The consistency rules (see ``docs/guarantees.md``):
 from __future__ import annotations
 
 import json
-import math
 import numbers
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _values
+from tdstore import _backend, _values
 from tdstore._connection import Connection
-from tdstore._indexing import consumed_dims, normalize_index, row_runs, select_rows
 from tdstore._io import DEFAULT_TIMEOUT
+from tdstore._keys import as_path as _as_path
 from tdstore._keys import new_td_id
+from tdstore._reads import StoreReads
 from tdstore._ring import RingBufferAPI
 from tdstore._store_api import StoreAPI
+from tdstore._planner import WritePlanner, check_tensor, flatten_values, tensor_like
 from tdstore._unsupported import StoreUnsupported
+from tdstore._views import StoreKeysView
+from tdstore._connection import connection_defaults
 from tdstore.errors import (
     EntryNotFoundError,
-    EntryTooLargeError,
     FormatVersionError,
     SchemaError,
     StaleLayoutError,
     StoreExistsError,
     StoreNotFoundError,
-    UnsupportedOperationError,
 )
 
 __all__ = ["TensorDictStore"]
@@ -48,20 +49,8 @@ _MAX_CAS_RETRIES = 1000
 _NO_DEFAULT = object()
 
 
-def _as_path(key: Any) -> tuple[str, ...]:
-    if isinstance(key, str):
-        return (key,)
-    if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):
-        return key
-    if isinstance(key, tuple) and key:
-        out: list[str] = []
-        for part in key:
-            out.extend(_as_path(part))
-        return tuple(out)
-    raise TypeError(f"a key must be a str or a non-empty tuple of str, got {key!r}")
 
-
-class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase):
+class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, TensorDictBase):
     """A TensorDict whose entries live on a Redis-compatible server.
 
     See the module docstring and ``docs/`` for the full guide; the public API follows
@@ -111,7 +100,7 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
         _create: bool = True,
         **redis_kwargs: Any,
     ) -> None:
-        host, port, unix_socket_path = _connection_defaults(host, port, unix_socket_path)
+        host, port, unix_socket_path = connection_defaults(host, port, unix_socket_path)
         conn = Connection(
             host=host,
             port=port,
@@ -464,8 +453,8 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
         is_leaf: Callable[[type], bool] | None = None,
         *,
         sort: bool = False,
-    ) -> _StoreKeysView:
-        return _StoreKeysView(self, include_nested, leaves_only, is_leaf, sort)
+    ) -> StoreKeysView:
+        return StoreKeysView(self, include_nested, leaves_only, is_leaf, sort)
 
     def _key_list(self, include_nested: bool, leaves_only: bool, is_leaf: Callable[[type], bool] | None) -> list[Any]:
         layout = self._fresh_layout()
@@ -514,157 +503,6 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
             return self._sub(path)
         return self._read_values([path])[0]
 
-    def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:
-        conn = self._conn
-        for _ in range(_MAX_RETRIES):
-            lv, metas, blobs, _ = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths))
-            if lv is None:
-                raise self._not_found()
-            layout = self._layout()
-            if lv != layout.lv:
-                layout = self._layout(refresh=True)
-            out = []
-            for path, meta, blob in zip(paths, metas, blobs):
-                if meta is None:
-                    raise self._key_error(path)
-                meta = _values.check_meta(path, meta, self._where())
-                if meta["k"] == "td":
-                    out.append(self._sub(path))
-                    continue
-                out.append(
-                    _values.decode_value(
-                        path,
-                        meta,
-                        blob,
-                        owner_batch_size=self._owner_batch_size(layout, path),
-                        device=self.device,
-                        owned=conn.owned_replies,
-                        where=self._where(),
-                    )
-                )
-            return out
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
-
-    def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
-        """Reads the whole store (or nested sub-store) into memory, in one consistent snapshot."""
-        return self._snapshot()[0]
-
-    def _snapshot(self) -> tuple[TensorDict, _backend.Layout]:
-        """The store in memory and the layout it was read at (its meta holds the write version)."""
-        conn = self._conn
-        for _ in range(_MAX_RETRIES):
-            layout = self._layout()
-            leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
-            paths = [p for p, _ in leaves]
-            lv, _, blobs, snap = conn.run(
-                lambda c: _backend.read_entries(c, conn.keys, paths, with_layout=True)
-            )
-            if snap is None:
-                raise self._not_found()
-            if snap.lv != layout.lv:
-                self._check_layout(snap)
-                conn.layout = snap
-                continue
-            return self._build_tensordict(layout, dict(zip(paths, blobs))), snap
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
-
-    def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:
-        node = self._node(layout)
-        device = self.device
-        root = TensorDict(batch_size=node["batch_size"], device=device, names=node.get("names"))
-        n = len(self._path)
-        for path, meta in self._descendants(layout, self._path):
-            rel = path[n:]
-            if meta["k"] == "td":
-                sub = TensorDict(batch_size=meta["batch_size"], device=device, names=meta.get("names"))
-                root._set_tuple(rel, sub, inplace=False, validated=True, non_blocking=False)
-                continue
-            value = _values.decode_value(
-                path,
-                meta,
-                blobs.get(path),
-                owner_batch_size=self._owner_batch_size(layout, path),
-                device=device,
-                owned=self._conn.owned_replies,
-                where=self._where(),
-            )
-            root._set_tuple(rel, value, inplace=False, validated=True, non_blocking=False)
-        return root
-
-    def to_local(self) -> TensorDict:
-        """Deprecated alias of :meth:`to_tensordict`."""
-        import warnings
-
-        warnings.warn(
-            "TensorDictStore.to_local() is deprecated; use to_tensordict()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.to_tensordict()
-
-    def contiguous(self) -> TensorDict:
-        return self.to_tensordict()
-
-    def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:
-        """Applies ``fn`` to every tensor leaf in place, as one compare-and-set (see _inplace_on_copies)."""
-
-        def apply_(td: TensorDictBase) -> TensorDictBase:
-            return td.apply_(fn, *others, **kwargs)
-
-        return self._inplace_on_copies(lambda td: (apply_(td), td)[1])
-
-    def _inplace_on_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs an in-place method (``apply_``, ``+=``, ``mul_`` ...) as a compare-and-set.
-
-        The store is read in one snapshot together with its write version; the method runs
-        on that copy, and the changed leaves are written back in one commit that the
-        server refuses if any process wrote the store in between. The client then reads
-        again and retries, so concurrent read-modify-writes never lose an update.
-        """
-        import random
-        import time
-
-        from tdstore.errors import WriteConflictError
-
-        conn = self._conn
-        for attempt in range(_MAX_CAS_RETRIES):
-            snapshot, snap = self._snapshot()
-            leaves = TensorDict(batch_size=snapshot.batch_size, device=snapshot.device)
-            for key, value in snapshot.items(True, True):
-                if isinstance(value, torch.Tensor):
-                    leaves._set_tuple(_as_path(key), value, inplace=False, validated=True, non_blocking=False)
-            result = method(leaves, *args, **kwargs)
-            if result is not leaves:
-                return result
-            ops = []
-            keep = []
-            for key, value in leaves.items(True, True):
-                path = self._path + _as_path(key)
-                meta = snap.entries[path]
-                value = value.to(_codec.dtype_from_name(meta["dtype"]))
-                if list(value.shape) != meta["shape"]:
-                    raise RuntimeError(f"{method.__name__} changed the shape of {path!r} in {self._where()}")
-                flat, view = _codec.tensor_view(value)
-                keep.append(flat)
-                ops.append(_backend.Op("put", path, meta, payload=view))
-            if not ops:
-                return self
-            try:
-                conn.run(
-                    lambda c: _backend.commit(
-                        c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
-                        check_lock=False, expected_wv=snap.wv,
-                    )
-                )
-            except (WriteConflictError, StaleLayoutError):
-                time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
-                continue
-            return self
-        raise StaleLayoutError(
-            f"{getattr(method, '__name__', 'an in-place method')} on {self._where()} kept conflicting with "
-            f"other writers; gave up after {_MAX_CAS_RETRIES} tries"
-        )
-
     # ------------------------------------------------------------------ index reads
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
@@ -679,82 +517,6 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
         return self._read_index(index)
 
     __getitems__ = __getitem__
-
-    def _read_index(self, index: Any, only: tuple[str, ...] | None = None) -> Any:
-        conn = self._conn
-        index = normalize_index(index)
-        for _ in range(_MAX_RETRIES):
-            layout = self._layout()
-            batch_size = torch.Size(self._node(layout)["batch_size"])
-            if only is not None and layout.entries[only]["k"] == "t":
-                # get_at may index past the batch dims, into the entry's own dims
-                shape = layout.entries[only]["shape"]
-                batch_size = torch.Size(shape[: max(len(batch_size), consumed_dims(index, len(shape)))])
-            nb = len(batch_size)
-            rows = select_rows(index, batch_size)
-            new_bs = rows.shape
-            items = [(only, layout.entries[only])] if only is not None else self._descendants(layout, self._path)
-            plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
-            gathers: list[tuple[int, str] | None] = []
-            rows_arg: str | None = None
-            for path, meta in items:
-                if meta["k"] == "t":
-                    dtype = _codec.dtype_from_name(meta["dtype"])
-                    row_bytes = _codec.tensor_nbytes(tuple(meta["shape"][nb:]), dtype)
-                    runs = row_runs(rows, row_bytes)
-                    plans.append((path, runs))
-                    if row_bytes and _backend.choose_read(runs) == "gather":
-                        if rows_arg is None:
-                            rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
-                        gathers.append((row_bytes, rows_arg))
-                    else:
-                        gathers.append(None)
-                elif meta["k"] == "nt":
-                    plans.append((path, [(0, None)]))
-                    gathers.append(None)
-            lv, parts = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers))
-            if lv is None:
-                raise self._not_found()
-            if lv != layout.lv:
-                self._layout(refresh=True)
-                continue
-            values: dict[tuple[str, ...], Any] = {}
-            for (path, _runs), chunks in zip(plans, parts):
-                meta = layout.entries[path]
-                if meta["k"] == "t":
-                    dtype = _codec.dtype_from_name(meta["dtype"])
-                    shape = tuple(new_bs) + tuple(meta["shape"][nb:])
-                    owned = conn.owned_replies and len(chunks) == 1
-                    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                    tensor = _codec.tensor_from_reply(data, dtype, shape, owned=owned or len(chunks) > 1)
-                    if self.device is not None and self.device.type != "cpu":
-                        tensor = tensor.to(self.device)
-                    values[path] = tensor
-                else:
-                    full = _values.decode_value(
-                        path, meta, chunks[0], owner_batch_size=self._owner_batch_size(layout, path),
-                        device=self.device, owned=False, where=self._where(),
-                    )
-                    if isinstance(full, NonTensorStack):
-                        values[path] = full[index]
-                    else:
-                        values[path] = NonTensorData(data=full.data, batch_size=new_bs, device=self.device)
-            if only is not None:
-                return values[only]
-            return self._assemble(layout, new_bs, nb, values)
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during an indexed read")
-
-    def _assemble(self, layout: _backend.Layout, new_bs: torch.Size, nb: int, values: dict[tuple[str, ...], Any]) -> TensorDict:
-        n = len(self._path)
-        out = TensorDict(batch_size=new_bs, device=self.device)
-        for path, meta in self._descendants(layout, self._path):
-            rel = path[n:]
-            if meta["k"] == "td":
-                sub_bs = tuple(new_bs) + tuple(meta["batch_size"][nb:])
-                out._set_tuple(rel, TensorDict(batch_size=sub_bs, device=self.device), inplace=False, validated=True, non_blocking=False)
-            else:
-                out._set_tuple(rel, values[path], inplace=False, validated=True, non_blocking=False)
-        return out
 
     def _get_at_str(self, key: Any, idx: Any, default: Any, **kwargs: Any) -> Any:
         path = self._path + _as_path(key)
@@ -811,7 +573,7 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
         self._ensure_exists()
 
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
-            planner = _WritePlanner(self, layout, inplace=inplace)
+            planner = WritePlanner(self, layout, inplace=inplace)
             for path, value in prepared.items():
                 planner.add(path, value)
             self._last_plan_bumps = planner.bump
@@ -880,13 +642,13 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
             value = value.to_tensordict()
         if isinstance(value, (torch.Tensor, TensorDictBase)):
             if isinstance(value, torch.Tensor):
-                _check_tensor(value, path, self._where())
+                check_tensor(value, path, self._where())
             return value
         if isinstance(value, dict):
             return TensorDict.from_dict(value, batch_size=batch_size, device=None)
-        if value is None or isinstance(value, (str, bytes)) or not _tensor_like(value):
+        if value is None or isinstance(value, (str, bytes)) or not tensor_like(value):
             return NonTensorData(data=value, batch_size=batch_size)
-        if isinstance(value, list) and any(not isinstance(v, numbers.Number) for v in _flatten(value)):
+        if isinstance(value, list) and any(not isinstance(v, numbers.Number) for v in flatten_values(value)):
             return NonTensorData(data=value, batch_size=batch_size)
         try:
             return torch.as_tensor(value)
@@ -959,228 +721,9 @@ class TensorDictStore(StoreAPI, RingBufferAPI, StoreUnsupported, TensorDictBase)
 
         write_index(self, index, targets, broadcast=broadcast, value_batch=value_batch)
 
-
 def _is_no_default(default: Any) -> bool:
     return default is _NO_DEFAULT or type(default).__name__ == "_NoDefault" or repr(default) == "NO_DEFAULT"
 
 
 def _is_leaf_nontensor_cls(cls: type) -> bool:
     return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
-
-
-def _tensor_like(value: Any) -> bool:
-    if isinstance(value, (numbers.Number, torch.Tensor)):
-        return True
-    try:
-        import numpy as np
-
-        if isinstance(value, (np.ndarray, np.generic)):
-            return value.dtype != object
-    except ImportError:  # pragma: no cover
-        pass
-    return isinstance(value, (list, tuple))
-
-
-def _flatten(value: Any) -> Iterator[Any]:
-    for item in value:
-        if isinstance(item, (list, tuple)):
-            yield from _flatten(item)
-        else:
-            yield item
-
-
-def _check_tensor(value: torch.Tensor, path: tuple[str, ...], where: str) -> None:
-    if value.is_sparse or value.layout != torch.strided:
-        raise TypeError(f"entry {path!r} of {where}: a {value.layout} tensor cannot be stored; call .to_dense() first")
-    if getattr(value, "is_nested", False):
-        raise TypeError(f"entry {path!r} of {where}: a nested tensor cannot be stored; store its components")
-    _codec.dtype_name(value.dtype)
-
-
-def _connection_defaults(host: str, port: int, unix_socket_path: str | None) -> tuple[str, int, str | None]:
-    """Applies TDSTORE_URL when the caller kept the documented defaults.
-
-    ``TDSTORE_URL=redis://127.0.0.1:6400/0`` or ``unix:///path/to.sock`` points every
-    store created with default connection arguments at another server, so the same code
-    (and the docs' examples) runs against a private test server.
-    """
-    import os
-    from urllib.parse import urlparse
-
-    url = os.environ.get("TDSTORE_URL")
-    if not url or host != "localhost" or port != 6379 or unix_socket_path is not None:
-        return host, port, unix_socket_path
-    parsed = urlparse(url)
-    if parsed.scheme == "unix":
-        return host, port, parsed.path
-    return parsed.hostname or host, parsed.port or port, None
-
-
-class _WritePlanner:
-    """Turns whole-entry writes into commit ops against one layout snapshot."""
-
-    def __init__(self, store: TensorDictStore, layout: _backend.Layout, *, inplace: bool) -> None:
-        self.store = store
-        self.layout = layout
-        self.inplace = inplace
-        self.ops: list[_backend.Op] = []
-        self.bump = False
-        self.entries = dict(layout.entries)
-        self._seq = 0
-        self.where = store._where()
-
-    def order(self) -> list[int]:
-        self._seq += 1
-        return [self.layout.lv + 1, self._seq]
-
-    def owner_bs(self, path: tuple[str, ...]) -> torch.Size:
-        if len(path) == 1:
-            return torch.Size(json.loads(self.layout.meta.get("batch_size", "[]")))
-        node = self.entries.get(path[:-1])
-        return torch.Size(node["batch_size"])
-
-    def ensure_parents(self, path: tuple[str, ...]) -> None:
-        for i in range(1, len(path)):
-            parent = path[:i]
-            meta = self.entries.get(parent)
-            if meta is None:
-                if self.inplace:
-                    raise EntryNotFoundError(f"key {parent!r} not found in {self.where}")
-                node = _values.node_meta(self.owner_bs(parent), None, self.order())
-                self.entries[parent] = node
-                self.ops.append(_backend.Op("node", parent, node))
-                self.bump = True
-            elif meta["k"] != "td":
-                raise KeyError(f"cannot write {path!r} in {self.where}: {parent!r} is not a nested tensordict")
-
-    def remove(self, path: tuple[str, ...]) -> None:
-        for sub in [p for p in self.entries if p[: len(path)] == path]:
-            meta = self.entries.pop(sub)
-            self.ops.append(_backend.Op("del", sub, has_data=meta["k"] != "td"))
-            self.bump = True
-
-    def add(self, path: tuple[str, ...], value: Any) -> None:
-        self.ensure_parents(path)
-        existing = self.entries.get(path)
-        owner_bs = self.owner_bs(path)
-        if isinstance(value, torch.Tensor):
-            self.add_tensor(path, value, existing, owner_bs)
-        elif isinstance(value, (NonTensorData, NonTensorStack)):
-            if self.inplace and (existing is None or existing["k"] != "nt"):
-                raise EntryNotFoundError(f"non-tensor key {path!r} not found in {self.where} for an in-place write")
-            meta, payload = _values.nontensor_parts(value, existing["o"] if existing else self.order())
-            self.check_size(path, len(payload))
-            if existing is not None and existing != meta:
-                self.remove(path)
-                self.bump = True
-            elif existing is None:
-                self.bump = True
-            self.entries[path] = meta
-            self.ops.append(_backend.Op("put", path, meta, payload=payload))
-        elif isinstance(value, TensorDictBase):
-            self.add_node(path, value, existing, owner_bs)
-        else:
-            raise TypeError(f"cannot store a {type(value).__name__} at {path!r} in {self.where}")
-
-    def add_tensor(self, path: tuple[str, ...], value: torch.Tensor, existing: dict[str, Any] | None, owner_bs: torch.Size) -> None:
-        if self.inplace:
-            if existing is None or existing["k"] != "t":
-                raise EntryNotFoundError(f'key "{path[-1]}" not found in {self.where} (in-place writes need an existing entry)')
-            shape = torch.Size(existing["shape"])
-            if value.shape != shape:
-                try:
-                    value = value.expand(shape)
-                except RuntimeError:
-                    raise RuntimeError(
-                        f"Failed to update {path!r} in {self.where}: the value of shape {value.shape} "
-                        f"does not fit the entry of shape {shape}"
-                    ) from None
-            value = value.to(_codec.dtype_from_name(existing["dtype"]))
-            meta = existing
-        else:
-            if value.shape[: len(owner_bs)] != owner_bs:
-                raise RuntimeError(
-                    f"batch dimension mismatch, got self.batch_size={owner_bs} and "
-                    f"value.shape={value.shape} for key {path!r} in {self.where}"
-                )
-            meta = _values.tensor_meta(value, existing["o"] if existing else self.order())
-            if existing is not None and existing["k"] != "t":
-                self.remove(path)
-            if existing is None or existing.get("dtype") != meta["dtype"] or existing.get("shape") != meta["shape"]:
-                self.bump = True
-        keep, view = _codec.tensor_view(value)
-        self.check_size(path, len(view))
-        self.entries[path] = meta
-        self.ops.append(_backend.Op("put", path, meta, payload=view, extra={"keep": keep}))
-
-    def add_node(self, path: tuple[str, ...], value: TensorDictBase, existing: dict[str, Any] | None, owner_bs: torch.Size) -> None:
-        if self.inplace:
-            if existing is None or existing["k"] != "td":
-                raise EntryNotFoundError(f"nested key {path!r} not found in {self.where} for an in-place write")
-            for key, leaf in value.items(include_nested=False):
-                self.add(path + (key,), leaf)
-            return
-        if value.batch_size[: len(owner_bs)] != owner_bs:
-            raise RuntimeError(
-                f"batch dimension mismatch, got self.batch_size={owner_bs} and "
-                f"value.batch_size={value.batch_size} for key {path!r} in {self.where}"
-            )
-        if existing is not None:
-            self.remove(path)
-        names = value.names if value._has_names() else None
-        node = _values.node_meta(value.batch_size, names, existing["o"] if existing else self.order())
-        self.entries[path] = node
-        self.ops.append(_backend.Op("node", path, node))
-        self.bump = True
-        for key, leaf in value.items(include_nested=False):
-            if is_tensorclass(leaf) and not isinstance(leaf, (NonTensorData, NonTensorStack)):
-                leaf = leaf._tensordict
-            self.add(path + (key,), leaf)
-
-    def check_size(self, path: tuple[str, ...], nbytes: int) -> None:
-        limit = self.store._conn.max_bulk
-        if nbytes > limit:
-            raise EntryTooLargeError(
-                f"entry {path!r} of {self.where} is {nbytes} bytes, more than the server's "
-                f"proto-max-bulk-len of {limit} bytes for one string. Raise the limit on the "
-                "server (CONFIG SET proto-max-bulk-len), or split the entry into smaller ones."
-            )
-
-
-class _StoreKeysView:
-    """What ``keys()`` returns: a live view over the store's registry."""
-
-    def __init__(self, store: TensorDictStore, include_nested: bool, leaves_only: bool, is_leaf: Any, sort: bool) -> None:
-        self.tensordict = store
-        self.include_nested = include_nested
-        self.leaves_only = leaves_only
-        self.is_leaf = is_leaf
-        self.sort = sort
-
-    def _keys(self) -> list[Any]:
-        keys = self.tensordict._key_list(self.include_nested, self.leaves_only, self.is_leaf)
-        if self.sort:
-            keys.sort(key=lambda k: ".".join(k) if isinstance(k, tuple) else k)
-        return keys
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._keys())
-
-    def __len__(self) -> int:
-        return len(self._keys())
-
-    def __contains__(self, key: Any) -> bool:
-        if isinstance(key, tuple) and len(key) == 1:
-            key = key[0]
-        if isinstance(key, tuple) and not self.include_nested:
-            store = self.tensordict
-            path = store._path + _as_path(key)
-            meta = store._entry(path)
-            return meta is not None and not (self.leaves_only and meta["k"] == "td")
-        return key in self._keys()
-
-    def __repr__(self) -> str:
-        return f"_StoreKeysView({self._keys()})"
-
-    def __eq__(self, other: object) -> bool:
-        return list(self) == list(other)  # type: ignore[call-overload]

@@ -1,0 +1,183 @@
+"""Plans whole-entry writes: values -> commit ops against one layout snapshot. No I/O.
+
+Also holds the value checks shared by the write paths (which tensors can be stored).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict.utils import is_tensorclass
+
+from tdstore import _backend, _codec, _values
+from tdstore.errors import EntryNotFoundError, EntryTooLargeError
+
+if TYPE_CHECKING:
+    from tdstore.store import TensorDictStore
+
+__all__ = ["WritePlanner", "check_tensor", "tensor_like", "flatten_values"]
+
+
+def tensor_like(value: Any) -> bool:
+    if isinstance(value, (numbers.Number, torch.Tensor)):
+        return True
+    try:
+        import numpy as np
+
+        if isinstance(value, (np.ndarray, np.generic)):
+            return value.dtype != object
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(value, (list, tuple))
+
+
+def flatten_values(value: Any) -> Iterator[Any]:
+    for item in value:
+        if isinstance(item, (list, tuple)):
+            yield from flatten_values(item)
+        else:
+            yield item
+
+
+def check_tensor(value: torch.Tensor, path: tuple[str, ...], where: str) -> None:
+    if value.is_sparse or value.layout != torch.strided:
+        raise TypeError(f"entry {path!r} of {where}: a {value.layout} tensor cannot be stored; call .to_dense() first")
+    if getattr(value, "is_nested", False):
+        raise TypeError(f"entry {path!r} of {where}: a nested tensor cannot be stored; store its components")
+    _codec.dtype_name(value.dtype)
+
+
+class WritePlanner:
+    """Turns whole-entry writes into commit ops against one layout snapshot."""
+
+    def __init__(self, store: TensorDictStore, layout: _backend.Layout, *, inplace: bool) -> None:
+        self.store = store
+        self.layout = layout
+        self.inplace = inplace
+        self.ops: list[_backend.Op] = []
+        self.bump = False
+        self.entries = dict(layout.entries)
+        self._seq = 0
+        self.where = store._where()
+
+    def order(self) -> list[int]:
+        self._seq += 1
+        return [self.layout.lv + 1, self._seq]
+
+    def owner_bs(self, path: tuple[str, ...]) -> torch.Size:
+        if len(path) == 1:
+            return torch.Size(json.loads(self.layout.meta.get("batch_size", "[]")))
+        node = self.entries.get(path[:-1])
+        return torch.Size(node["batch_size"])
+
+    def ensure_parents(self, path: tuple[str, ...]) -> None:
+        for i in range(1, len(path)):
+            parent = path[:i]
+            meta = self.entries.get(parent)
+            if meta is None:
+                if self.inplace:
+                    raise EntryNotFoundError(f"key {parent!r} not found in {self.where}")
+                node = _values.node_meta(self.owner_bs(parent), None, self.order())
+                self.entries[parent] = node
+                self.ops.append(_backend.Op("node", parent, node))
+                self.bump = True
+            elif meta["k"] != "td":
+                raise KeyError(f"cannot write {path!r} in {self.where}: {parent!r} is not a nested tensordict")
+
+    def remove(self, path: tuple[str, ...]) -> None:
+        for sub in [p for p in self.entries if p[: len(path)] == path]:
+            meta = self.entries.pop(sub)
+            self.ops.append(_backend.Op("del", sub, has_data=meta["k"] != "td"))
+            self.bump = True
+
+    def add(self, path: tuple[str, ...], value: Any) -> None:
+        self.ensure_parents(path)
+        existing = self.entries.get(path)
+        owner_bs = self.owner_bs(path)
+        if isinstance(value, torch.Tensor):
+            self.add_tensor(path, value, existing, owner_bs)
+        elif isinstance(value, (NonTensorData, NonTensorStack)):
+            if self.inplace and (existing is None or existing["k"] != "nt"):
+                raise EntryNotFoundError(f"non-tensor key {path!r} not found in {self.where} for an in-place write")
+            meta, payload = _values.nontensor_parts(value, existing["o"] if existing else self.order())
+            self.check_size(path, len(payload))
+            if existing is not None and existing != meta:
+                self.remove(path)
+                self.bump = True
+            elif existing is None:
+                self.bump = True
+            self.entries[path] = meta
+            self.ops.append(_backend.Op("put", path, meta, payload=payload))
+        elif isinstance(value, TensorDictBase):
+            self.add_node(path, value, existing, owner_bs)
+        else:
+            raise TypeError(f"cannot store a {type(value).__name__} at {path!r} in {self.where}")
+
+    def add_tensor(self, path: tuple[str, ...], value: torch.Tensor, existing: dict[str, Any] | None, owner_bs: torch.Size) -> None:
+        if self.inplace:
+            if existing is None or existing["k"] != "t":
+                raise EntryNotFoundError(f'key "{path[-1]}" not found in {self.where} (in-place writes need an existing entry)')
+            shape = torch.Size(existing["shape"])
+            if value.shape != shape:
+                try:
+                    value = value.expand(shape)
+                except RuntimeError:
+                    raise RuntimeError(
+                        f"Failed to update {path!r} in {self.where}: the value of shape {value.shape} "
+                        f"does not fit the entry of shape {shape}"
+                    ) from None
+            value = value.to(_codec.dtype_from_name(existing["dtype"]))
+            meta = existing
+        else:
+            if value.shape[: len(owner_bs)] != owner_bs:
+                raise RuntimeError(
+                    f"batch dimension mismatch, got self.batch_size={owner_bs} and "
+                    f"value.shape={value.shape} for key {path!r} in {self.where}"
+                )
+            meta = _values.tensor_meta(value, existing["o"] if existing else self.order())
+            if existing is not None and existing["k"] != "t":
+                self.remove(path)
+            if existing is None or existing.get("dtype") != meta["dtype"] or existing.get("shape") != meta["shape"]:
+                self.bump = True
+        keep, view = _codec.tensor_view(value)
+        self.check_size(path, len(view))
+        self.entries[path] = meta
+        self.ops.append(_backend.Op("put", path, meta, payload=view, extra={"keep": keep}))
+
+    def add_node(self, path: tuple[str, ...], value: TensorDictBase, existing: dict[str, Any] | None, owner_bs: torch.Size) -> None:
+        if self.inplace:
+            if existing is None or existing["k"] != "td":
+                raise EntryNotFoundError(f"nested key {path!r} not found in {self.where} for an in-place write")
+            for key, leaf in value.items(include_nested=False):
+                self.add(path + (key,), leaf)
+            return
+        if value.batch_size[: len(owner_bs)] != owner_bs:
+            raise RuntimeError(
+                f"batch dimension mismatch, got self.batch_size={owner_bs} and "
+                f"value.batch_size={value.batch_size} for key {path!r} in {self.where}"
+            )
+        if existing is not None:
+            self.remove(path)
+        names = value.names if value._has_names() else None
+        node = _values.node_meta(value.batch_size, names, existing["o"] if existing else self.order())
+        self.entries[path] = node
+        self.ops.append(_backend.Op("node", path, node))
+        self.bump = True
+        for key, leaf in value.items(include_nested=False):
+            if is_tensorclass(leaf) and not isinstance(leaf, (NonTensorData, NonTensorStack)):
+                leaf = leaf._tensordict
+            self.add(path + (key,), leaf)
+
+    def check_size(self, path: tuple[str, ...], nbytes: int) -> None:
+        limit = self.store._conn.max_bulk
+        if nbytes > limit:
+            raise EntryTooLargeError(
+                f"entry {path!r} of {self.where} is {nbytes} bytes, more than the server's "
+                f"proto-max-bulk-len of {limit} bytes for one string. Raise the limit on the "
+                "server (CONFIG SET proto-max-bulk-len), or split the entry into smaller ones."
+            )

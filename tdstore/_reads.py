@@ -1,0 +1,251 @@
+"""Reads of a store (a mixin of TensorDictStore): whole entries, snapshots, indexed rows.
+
+Also the read-modify-write path (``_inplace_on_copies``): it reads a snapshot and writes
+back with a compare-and-set, so it lives with the snapshot reads.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from tdstore import _backend, _codec, _values
+from tdstore._indexing import consumed_dims, normalize_index, row_runs, select_rows
+from tdstore._keys import as_path as _as_path
+from tdstore.errors import StaleLayoutError, WriteConflictError
+
+__all__ = ["StoreReads"]
+
+_MAX_RETRIES = 50
+_MAX_CAS_RETRIES = 1000
+
+
+class StoreReads:
+    """Read methods of :class:`~tdstore.TensorDictStore`."""
+
+    def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:
+        conn = self._conn
+        for _ in range(_MAX_RETRIES):
+            lv, metas, blobs, _ = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths))
+            if lv is None:
+                raise self._not_found()
+            layout = self._layout()
+            if lv != layout.lv:
+                layout = self._layout(refresh=True)
+            out = []
+            for path, meta, blob in zip(paths, metas, blobs):
+                if meta is None:
+                    raise self._key_error(path)
+                meta = _values.check_meta(path, meta, self._where())
+                if meta["k"] == "td":
+                    out.append(self._sub(path))
+                    continue
+                out.append(
+                    _values.decode_value(
+                        path,
+                        meta,
+                        blob,
+                        owner_batch_size=self._owner_batch_size(layout, path),
+                        device=self.device,
+                        owned=conn.owned_replies,
+                        where=self._where(),
+                    )
+                )
+            return out
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+    def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
+        """Reads the whole store (or nested sub-store) into memory, in one consistent snapshot."""
+        return self._snapshot()[0]
+
+    def _snapshot(self) -> tuple[TensorDict, _backend.Layout]:
+        """The store in memory and the layout it was read at (its meta holds the write version)."""
+        conn = self._conn
+        for _ in range(_MAX_RETRIES):
+            layout = self._layout()
+            leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
+            paths = [p for p, _ in leaves]
+            lv, _, blobs, snap = conn.run(
+                lambda c: _backend.read_entries(c, conn.keys, paths, with_layout=True)
+            )
+            if snap is None:
+                raise self._not_found()
+            if snap.lv != layout.lv:
+                self._check_layout(snap)
+                conn.layout = snap
+                continue
+            return self._build_tensordict(layout, dict(zip(paths, blobs))), snap
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
+
+    def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:
+        node = self._node(layout)
+        device = self.device
+        root = TensorDict(batch_size=node["batch_size"], device=device, names=node.get("names"))
+        n = len(self._path)
+        for path, meta in self._descendants(layout, self._path):
+            rel = path[n:]
+            if meta["k"] == "td":
+                sub = TensorDict(batch_size=meta["batch_size"], device=device, names=meta.get("names"))
+                root._set_tuple(rel, sub, inplace=False, validated=True, non_blocking=False)
+                continue
+            value = _values.decode_value(
+                path,
+                meta,
+                blobs.get(path),
+                owner_batch_size=self._owner_batch_size(layout, path),
+                device=device,
+                owned=self._conn.owned_replies,
+                where=self._where(),
+            )
+            root._set_tuple(rel, value, inplace=False, validated=True, non_blocking=False)
+        return root
+
+    def to_local(self) -> TensorDict:
+        """Deprecated alias of :meth:`to_tensordict`."""
+        import warnings
+
+        warnings.warn(
+            "TensorDictStore.to_local() is deprecated; use to_tensordict()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.to_tensordict()
+
+    def contiguous(self) -> TensorDict:
+        return self.to_tensordict()
+
+    def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:
+        """Applies ``fn`` to every tensor leaf in place, as one compare-and-set (see _inplace_on_copies)."""
+
+        def apply_(td: TensorDictBase) -> TensorDictBase:
+            return td.apply_(fn, *others, **kwargs)
+
+        return self._inplace_on_copies(lambda td: (apply_(td), td)[1])
+
+    def _inplace_on_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs an in-place method (``apply_``, ``+=``, ``mul_`` ...) as a compare-and-set.
+
+        The store is read in one snapshot together with its write version; the method runs
+        on that copy, and the changed leaves are written back in one commit that the
+        server refuses if any process wrote the store in between. The client then reads
+        again and retries, so concurrent read-modify-writes never lose an update.
+        """
+        conn = self._conn
+        for attempt in range(_MAX_CAS_RETRIES):
+            snapshot, snap = self._snapshot()
+            leaves = TensorDict(batch_size=snapshot.batch_size, device=snapshot.device)
+            for key, value in snapshot.items(True, True):
+                if isinstance(value, torch.Tensor):
+                    leaves._set_tuple(_as_path(key), value, inplace=False, validated=True, non_blocking=False)
+            result = method(leaves, *args, **kwargs)
+            if result is not leaves:
+                return result
+            ops = []
+            keep = []
+            for key, value in leaves.items(True, True):
+                path = self._path + _as_path(key)
+                meta = snap.entries[path]
+                value = value.to(_codec.dtype_from_name(meta["dtype"]))
+                if list(value.shape) != meta["shape"]:
+                    raise RuntimeError(f"{method.__name__} changed the shape of {path!r} in {self._where()}")
+                flat, view = _codec.tensor_view(value)
+                keep.append(flat)
+                ops.append(_backend.Op("put", path, meta, payload=view))
+            if not ops:
+                return self
+            try:
+                conn.run(
+                    lambda c: _backend.commit(
+                        c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
+                        check_lock=False, expected_wv=snap.wv,
+                    )
+                )
+            except (WriteConflictError, StaleLayoutError):
+                time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+                continue
+            return self
+        raise StaleLayoutError(
+            f"{getattr(method, '__name__', 'an in-place method')} on {self._where()} kept conflicting with "
+            f"other writers; gave up after {_MAX_CAS_RETRIES} tries"
+        )
+
+    def _read_index(self, index: Any, only: tuple[str, ...] | None = None) -> Any:
+        conn = self._conn
+        index = normalize_index(index)
+        for _ in range(_MAX_RETRIES):
+            layout = self._layout()
+            batch_size = torch.Size(self._node(layout)["batch_size"])
+            if only is not None and layout.entries[only]["k"] == "t":
+                # get_at may index past the batch dims, into the entry's own dims
+                shape = layout.entries[only]["shape"]
+                batch_size = torch.Size(shape[: max(len(batch_size), consumed_dims(index, len(shape)))])
+            nb = len(batch_size)
+            rows = select_rows(index, batch_size)
+            new_bs = rows.shape
+            items = [(only, layout.entries[only])] if only is not None else self._descendants(layout, self._path)
+            plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
+            gathers: list[tuple[int, str] | None] = []
+            rows_arg: str | None = None
+            for path, meta in items:
+                if meta["k"] == "t":
+                    dtype = _codec.dtype_from_name(meta["dtype"])
+                    row_bytes = _codec.tensor_nbytes(tuple(meta["shape"][nb:]), dtype)
+                    runs = row_runs(rows, row_bytes)
+                    plans.append((path, runs))
+                    if row_bytes and _backend.choose_read(runs) == "gather":
+                        if rows_arg is None:
+                            rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
+                        gathers.append((row_bytes, rows_arg))
+                    else:
+                        gathers.append(None)
+                elif meta["k"] == "nt":
+                    plans.append((path, [(0, None)]))
+                    gathers.append(None)
+            lv, parts = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers))
+            if lv is None:
+                raise self._not_found()
+            if lv != layout.lv:
+                self._layout(refresh=True)
+                continue
+            values: dict[tuple[str, ...], Any] = {}
+            for (path, _runs), chunks in zip(plans, parts):
+                meta = layout.entries[path]
+                if meta["k"] == "t":
+                    dtype = _codec.dtype_from_name(meta["dtype"])
+                    shape = tuple(new_bs) + tuple(meta["shape"][nb:])
+                    owned = conn.owned_replies and len(chunks) == 1
+                    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    tensor = _codec.tensor_from_reply(data, dtype, shape, owned=owned or len(chunks) > 1)
+                    if self.device is not None and self.device.type != "cpu":
+                        tensor = tensor.to(self.device)
+                    values[path] = tensor
+                else:
+                    full = _values.decode_value(
+                        path, meta, chunks[0], owner_batch_size=self._owner_batch_size(layout, path),
+                        device=self.device, owned=False, where=self._where(),
+                    )
+                    if isinstance(full, NonTensorStack):
+                        values[path] = full[index]
+                    else:
+                        values[path] = NonTensorData(data=full.data, batch_size=new_bs, device=self.device)
+            if only is not None:
+                return values[only]
+            return self._assemble(layout, new_bs, nb, values)
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during an indexed read")
+
+    def _assemble(self, layout: _backend.Layout, new_bs: torch.Size, nb: int, values: dict[tuple[str, ...], Any]) -> TensorDict:
+        n = len(self._path)
+        out = TensorDict(batch_size=new_bs, device=self.device)
+        for path, meta in self._descendants(layout, self._path):
+            rel = path[n:]
+            if meta["k"] == "td":
+                sub_bs = tuple(new_bs) + tuple(meta["batch_size"][nb:])
+                out._set_tuple(rel, TensorDict(batch_size=sub_bs, device=self.device), inplace=False, validated=True, non_blocking=False)
+            else:
+                out._set_tuple(rel, values[path], inplace=False, validated=True, non_blocking=False)
+        return out
