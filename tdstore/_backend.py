@@ -205,7 +205,14 @@ def choose_read(runs: Sequence[tuple[int, int | None]]) -> str:
     if len(runs) < GATHER_MIN_RUNS or any(length is None for _, length in runs):
         return "getrange"
     total = sum(length for _, length in runs if length is not None)
-    return "gather" if total <= GATHER_MAX_RUN * len(runs) else "getrange"
+    return choose_read_rows(len(runs), total)
+
+
+def choose_read_rows(nruns: int, total_bytes: int) -> str:
+    """:func:`choose_read` from the number of runs and their total size."""
+    if nruns < GATHER_MIN_RUNS:
+        return "getrange"
+    return "gather" if total_bytes <= GATHER_MAX_RUN * nruns else "getrange"
 
 
 def _raise_first_error(replies: list[Any]) -> None:

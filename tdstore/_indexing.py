@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["normalize_index", "select_rows", "row_runs", "is_full_index", "consumed_dims"]
+__all__ = ["normalize_index", "select_rows", "row_runs", "RowSpans", "is_full_index", "consumed_dims"]
 
 
 def normalize_index(index: Any) -> Any:
@@ -120,22 +120,44 @@ def _first_dim_rows(index: Any, batch_shape: tuple[int, ...]) -> torch.Tensor | 
     return None
 
 
+class RowSpans:
+    """Runs of consecutive rows (in result order), computed once and scaled per entry."""
+
+    __slots__ = ("first", "count", "_cache")
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        flat = rows.reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            self.first: list[int] = []
+            self.count: list[int] = []
+        elif n == 1:
+            self.first, self.count = [int(flat[0])], [1]
+        else:
+            breaks = torch.nonzero(flat[1:] - flat[:-1] != 1).reshape(-1) + 1
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+            ends = torch.cat([breaks, torch.tensor([n])])
+            self.first = flat[starts].tolist()
+            self.count = (ends - starts).tolist()
+        self._cache: dict[int, list[tuple[int, int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def runs(self, row_bytes: int) -> list[tuple[int, int]]:
+        """``(byte offset, byte length)`` of each run, for rows of ``row_bytes`` bytes."""
+        if row_bytes == 0:
+            return []
+        out = self._cache.get(row_bytes)
+        if out is None:
+            out = self._cache[row_bytes] = [(f * row_bytes, c * row_bytes) for f, c in zip(self.first, self.count)]
+        return out
+
+
 def row_runs(rows: torch.Tensor, row_bytes: int) -> list[tuple[int, int]]:
     """Coalesces flat row numbers (in result order) into ``(byte offset, byte length)`` runs.
 
     Consecutive ascending rows form one run; a repeated or backward row starts a new one,
     so reading the runs in order and concatenating them gives the rows in result order.
     """
-    flat = rows.reshape(-1)
-    n = flat.numel()
-    if n == 0 or row_bytes == 0:
-        return []
-    if n == 1:
-        return [(int(flat[0]) * row_bytes, row_bytes)]
-    breaks = torch.nonzero(flat[1:] - flat[:-1] != 1).reshape(-1) + 1
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
-    ends = torch.cat([breaks, torch.tensor([n])])
-    first_rows = flat[starts]
-    offsets = (first_rows * row_bytes).tolist()
-    lengths = ((ends - starts) * row_bytes).tolist()
-    return list(zip(offsets, lengths))
+    return RowSpans(rows).runs(row_bytes)

@@ -15,7 +15,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tdstore import _backend, _codec, _values
-from tdstore._indexing import consumed_dims, normalize_index, row_runs, select_rows
+from tdstore._indexing import RowSpans, consumed_dims, normalize_index, select_rows
 from tdstore._keys import as_path as _as_path
 from tdstore.errors import StaleLayoutError, WriteConflictError
 
@@ -191,17 +191,19 @@ class StoreReads:
             plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
             gathers: list[tuple[int, str] | None] = []
             rows_arg: str | None = None
+            spans = RowSpans(rows)
+            nrows = rows.numel()
             for path, meta in items:
                 if meta["k"] == "t":
                     dtype = _codec.dtype_from_name(meta["dtype"])
                     row_bytes = _codec.tensor_nbytes(tuple(meta["shape"][nb:]), dtype)
-                    runs = row_runs(rows, row_bytes)
-                    plans.append((path, runs))
-                    if row_bytes and _backend.choose_read(runs) == "gather":
+                    if row_bytes and _backend.choose_read_rows(len(spans), nrows * row_bytes) == "gather":
                         if rows_arg is None:
                             rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
+                        plans.append((path, spans.runs(row_bytes) if len(spans) < 2 else [(0, 0)] * len(spans)))
                         gathers.append((row_bytes, rows_arg))
                     else:
+                        plans.append((path, spans.runs(row_bytes)))
                         gathers.append(None)
                 elif meta["k"] == "nt":
                     plans.append((path, [(0, None)]))
