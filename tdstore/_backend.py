@@ -154,7 +154,16 @@ async def read_runs(
         which = next(i for i, (_, runs) in enumerate(plans) if runs)
         path, ((offset, length),) = plans[which][0], plans[which][1]
         last = -1 if length is None else offset + length - 1
-        lv, data = await runner.call(client, "read_one", [keys.meta, keys.data(path)], [str(offset), str(last)])
+        if length is not None and length <= READ_ONE_MAX:
+            lv, data = await runner.call(client, "read_one", [keys.meta, keys.data(path)], [str(offset), str(last)])
+        else:
+            # large: Lua would copy the bytes; the version is read after them instead, and
+            # it only grows, so if it is the planned one no layout change came before
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.getrange(keys.data(path), offset, last)
+                pipe.hget(keys.meta, "lv")
+                data, lv = await _exec(pipe)
+            _raise_first_error([data, lv])
         return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
     for attempt in range(2):
         async with client.pipeline(transaction=True) as pipe:
@@ -185,6 +194,10 @@ async def read_runs(
             pos += len(runs)
     return lv, out
 
+
+#: A single run at most this long is read with the read_one script (one command);
+#: longer ones with GETRANGE (Lua copies every byte it returns).
+READ_ONE_MAX = 65536
 
 #: Runs at most this long (bytes, on average) are read through the gather script.
 GATHER_MAX_RUN = 4096
