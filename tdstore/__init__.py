@@ -28,8 +28,10 @@ from tdstore.errors import (
     StoreLockedError,
     StoreNotFoundError,
     TDStoreError,
+    UnsafePayloadError,
     UnsupportedOperationError,
 )
+from tdstore._codec import PicklePolicy, set_pickle_policy
 from tdstore.store import TensorDictStore
 
 __version__ = "0.1.0"
@@ -51,5 +53,8 @@ __all__ = [
     "UnsupportedOperationError",
     "ClientConfigError",
     "EventLoopError",
+    "UnsafePayloadError",
+    "PicklePolicy",
+    "set_pickle_policy",
     "__version__",
 ]

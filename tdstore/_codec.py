@@ -8,9 +8,13 @@ wrap the reply's buffer without copying it when this process owns the reply excl
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
+import os
 import pickle
+from dataclasses import dataclass
 import sys
 import warnings
 from typing import Any
@@ -27,6 +31,9 @@ __all__ = [
     "encode_non_tensor",
     "decode_non_tensor",
     "is_json_faithful",
+    "PicklePolicy",
+    "default_pickle_policy",
+    "set_pickle_policy",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -142,17 +149,90 @@ def is_json_faithful(value: Any) -> bool:
     return False
 
 
-def encode_non_tensor(value: Any) -> tuple[str, bytes]:
+@dataclass(frozen=True)
+class PicklePolicy:
+    """Whether pickled non-tensor values may be written and read, and the key that signs them.
+
+    ``allow=False``: nothing is ever unpickled (a read of a pickled value raises
+    :class:`~tdstore.errors.UnsafePayloadError`), and values that JSON cannot hold are
+    refused on write. ``key``: pickled payloads are signed with HMAC-SHA256 under it, and
+    a reader with the key rejects any pickled payload whose signature does not verify, so
+    a writer without the key cannot make readers run code.
+    """
+
+    allow: bool = True
+    key: bytes | None = None
+
+
+_DEFAULT_POLICY: list[PicklePolicy] = []
+
+
+def default_pickle_policy() -> PicklePolicy:
+    """The process-wide policy: set_pickle_policy(), else TDSTORE_ALLOW_PICKLE / TDSTORE_PICKLE_KEY."""
+    if _DEFAULT_POLICY:
+        return _DEFAULT_POLICY[0]
+    allow = os.environ.get("TDSTORE_ALLOW_PICKLE", "1").strip().lower() not in ("0", "false", "no", "off")
+    key = os.environ.get("TDSTORE_PICKLE_KEY")
+    return PicklePolicy(allow, key.encode() if key else None)
+
+
+def set_pickle_policy(*, allow: bool | None = None, key: bytes | str | None = None) -> None:
+    """Sets the process-wide pickle policy for stores created afterwards (see PicklePolicy).
+
+    With neither argument, the policy goes back to the environment's
+    (``TDSTORE_ALLOW_PICKLE``, ``TDSTORE_PICKLE_KEY``).
+    """
+    if allow is None and key is None:
+        _DEFAULT_POLICY.clear()
+        return
+    if isinstance(key, str):
+        key = key.encode()
+    _DEFAULT_POLICY[:] = [PicklePolicy(True if allow is None else bool(allow), key)]
+
+
+_SIGNED = b"TDSH1"
+
+
+def encode_non_tensor(value: Any, policy: PicklePolicy | None = None) -> tuple[str, bytes]:
     """Encodes a non-tensor value: JSON when it round-trips exactly, pickle otherwise."""
     if is_json_faithful(value):
         return "json", json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-    return "pickle", pickle.dumps(value, protocol=5)
+    policy = policy or default_pickle_policy()
+    if not policy.allow:
+        from tdstore.errors import UnsafePayloadError
+
+        raise UnsafePayloadError(
+            f"a {type(value).__name__} cannot be stored as JSON, and pickle is switched off "
+            "(allow_pickle=False); store a JSON-compatible value"
+        )
+    payload = pickle.dumps(value, protocol=5)
+    if policy.key is not None:
+        return "pickle", _SIGNED + hmac.new(policy.key, payload, hashlib.sha256).digest() + payload
+    return "pickle", payload
 
 
-def decode_non_tensor(encoding: str, payload: bytes) -> Any:
-    """Inverse of :func:`encode_non_tensor`."""
+def decode_non_tensor(encoding: str, payload: bytes, policy: PicklePolicy | None = None) -> Any:
+    """Inverse of :func:`encode_non_tensor`; checks the pickle policy before unpickling."""
     if encoding == "json":
         return json.loads(payload)
-    if encoding == "pickle":
-        return pickle.loads(payload)
-    raise ValueError(f"unknown non-tensor encoding {encoding!r}")
+    if encoding != "pickle":
+        raise ValueError(f"unknown non-tensor encoding {encoding!r}")
+    from tdstore.errors import UnsafePayloadError
+
+    policy = policy or default_pickle_policy()
+    if not policy.allow:
+        raise UnsafePayloadError(
+            "this value is pickled, and pickle is switched off (allow_pickle=False): a pickle "
+            "from the server could run code in this process"
+        )
+    signed = payload[: len(_SIGNED)] == _SIGNED
+    if policy.key is not None:
+        if not signed:
+            raise UnsafePayloadError("this pickled value is not signed, and this reader requires signatures (pickle_key)")
+        digest, body = payload[len(_SIGNED) : len(_SIGNED) + 32], payload[len(_SIGNED) + 32 :]
+        if not hmac.compare_digest(digest, hmac.new(policy.key, body, hashlib.sha256).digest()):
+            raise UnsafePayloadError("the signature of this pickled value does not verify: it was not written with this pickle_key")
+        return pickle.loads(body)
+    if signed:
+        raise UnsafePayloadError("this pickled value is signed; pass the writer's pickle_key to read it")
+    return pickle.loads(payload)

@@ -53,7 +53,11 @@ class Connection:
         td_id: str,
         timeout: float,
         redis_kwargs: dict[str, Any],
+        pickle_policy: Any = None,
     ) -> None:
+        from tdstore._codec import default_pickle_policy
+
+        self.pickle_policy = pickle_policy if pickle_policy is not None else default_pickle_policy()
         self.keys = StoreKeys(prefix, td_id)
         self.timeout = timeout
         self.closed = False
@@ -123,11 +127,18 @@ class Connection:
             "prefix": self.keys.prefix,
             "td_id": self.keys.td_id,
             "timeout": self.timeout,
+            # the signing key is a secret: a process that unpickles the store takes it from
+            # its own default (set_pickle_policy / TDSTORE_PICKLE_KEY)
+            "allow_pickle": self.pickle_policy.allow,
         }
 
     @classmethod
     def from_pickle_state(cls, state: dict[str, Any]) -> Connection:
+        from tdstore._codec import PicklePolicy, default_pickle_policy
+
         self = cls.__new__(cls)
+        default = default_pickle_policy()
+        self.pickle_policy = PicklePolicy(bool(state.get("allow_pickle", True)) and default.allow, default.key)
         self.keys = StoreKeys(state["prefix"], state["td_id"])
         self.timeout = state["timeout"]
         self.closed = False
@@ -154,7 +165,9 @@ class Connection:
             "td_id": td_id,
             "timeout": self.timeout,
         }
-        return Connection.from_pickle_state(state)
+        sibling = Connection.from_pickle_state(state)
+        sibling.pickle_policy = self.pickle_policy
+        return sibling
 
     # -- running -----------------------------------------------------------------------
     def _build_client(self) -> Any:

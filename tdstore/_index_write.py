@@ -76,7 +76,7 @@ def write_index(
                         "dims; write it through that nested store"
                     )
                 seq += 1
-                nontensor.append((path, _nontensor_update(path, value, rows, batch_size, [layout.lv + 1, seq], where)))
+                nontensor.append((path, _nontensor_update(path, value, rows, batch_size, [layout.lv + 1, seq], where, conn.pickle_policy)))
                 continue
             if meta is None:
                 # a new key written through an index: created zero-filled in the same step
@@ -129,10 +129,11 @@ def write_index(
 
 
 def _nontensor_update(
-    path: tuple[str, ...], value: Any, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str
+    path: tuple[str, ...], value: Any, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str,
+    policy: Any,
 ) -> Any:
     def update(old_meta: dict[str, Any] | None, old: bytes | None) -> tuple[dict[str, Any], bytes]:
-        return _values.nontensor_after_index_write(path, old_meta, old, value, rows, batch_size, order, where)
+        return _values.nontensor_after_index_write(path, old_meta, old, value, rows, batch_size, order, where, policy)
 
     return update
 

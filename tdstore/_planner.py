@@ -104,7 +104,9 @@ class WritePlanner:
         elif isinstance(value, (NonTensorData, NonTensorStack)):
             if self.inplace and (existing is None or existing["k"] != "nt"):
                 raise EntryNotFoundError(f"non-tensor key {path!r} not found in {self.where} for an in-place write")
-            meta, payload = _values.nontensor_parts(value, existing["o"] if existing else self.order())
+            meta, payload = _values.nontensor_parts(
+                value, existing["o"] if existing else self.order(), self.store._conn.pickle_policy
+            )
             self.check_size(path, len(payload))
             if existing is not None and existing != meta:
                 self.remove(path)

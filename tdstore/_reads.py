@@ -54,6 +54,7 @@ class StoreReads:
                         device=self.device,
                         owned=conn.owned_replies,
                         where=self._where(),
+                        policy=self._conn.pickle_policy,
                     )
                 )
             return out
@@ -101,6 +102,7 @@ class StoreReads:
                 device=device,
                 owned=self._conn.owned_replies,
                 where=self._where(),
+                        policy=self._conn.pickle_policy,
             )
             root._set_tuple(rel, value, inplace=False, validated=True, non_blocking=False)
         return root
@@ -230,6 +232,7 @@ class StoreReads:
                     full = _values.decode_value(
                         path, meta, chunks[0], owner_batch_size=self._owner_batch_size(layout, path),
                         device=self.device, owned=False, where=self._where(),
+                        policy=self._conn.pickle_policy,
                     )
                     if isinstance(full, NonTensorStack):
                         values[path] = full[index]

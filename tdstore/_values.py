@@ -34,7 +34,7 @@ def node_meta(batch_size: torch.Size | list[int], names: list[str | None] | None
     return {"k": "td", "batch_size": list(batch_size), "names": names, "o": order}
 
 
-def nontensor_parts(value: Any, order: list[int]) -> tuple[dict[str, Any], bytes]:
+def nontensor_parts(value: Any, order: list[int], policy: _codec.PicklePolicy | None = None) -> tuple[dict[str, Any], bytes]:
     """Metadata and payload of a NonTensorData / NonTensorStack value."""
     from tensordict import NonTensorStack
 
@@ -44,7 +44,7 @@ def nontensor_parts(value: Any, order: list[int]) -> tuple[dict[str, Any], bytes
     else:
         data = value.data
         stack = 0
-    enc, payload = _codec.encode_non_tensor(data)
+    enc, payload = _codec.encode_non_tensor(data, policy)
     return {"k": "nt", "enc": enc, "stack": stack, "o": order}, payload
 
 
@@ -81,6 +81,7 @@ def decode_value(
     device: torch.device | None,
     owned: bool,
     where: str,
+    policy: _codec.PicklePolicy | None = None,
 ) -> Any:
     """The tensor or non-tensor value of one entry, from its metadata and bytes."""
     if data is None:
@@ -100,7 +101,7 @@ def decode_value(
     if meta["k"] == "nt":
         from tensordict import NonTensorData, NonTensorStack
 
-        value = _codec.decode_non_tensor(meta["enc"], bytes(data))
+        value = _codec.decode_non_tensor(meta["enc"], bytes(data), policy)
         stack = int(meta.get("stack", 0))
         if stack:
             out = NonTensorStack.from_list(value)
@@ -146,6 +147,7 @@ def nontensor_after_index_write(
     batch_size: torch.Size,
     order: list[int],
     where: str,
+    policy: _codec.PicklePolicy | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """Metadata and payload of a non-tensor entry after ``entry[idx] = value``.
 
@@ -160,10 +162,10 @@ def nontensor_after_index_write(
     nb = len(batch_size)
     if old_meta is None:
         if isinstance(value, NonTensorData):
-            return nontensor_parts(NonTensorData(data=value.data, batch_size=batch_size), order)
+            return nontensor_parts(NonTensorData(data=value.data, batch_size=batch_size), order, policy)
         flat: list[Any] = [None] * numel
     else:
-        old = _codec.decode_non_tensor(old_meta["enc"], bytes(old_payload or b""))
+        old = _codec.decode_non_tensor(old_meta["enc"], bytes(old_payload or b""), policy)
         stack = int(old_meta.get("stack", 0))
         if stack == 0:
             flat = [old] * numel
@@ -187,7 +189,7 @@ def nontensor_after_index_write(
     for row, item in zip(rows.reshape(-1).tolist(), new):
         flat[row] = item
     if old_meta is not None and int(old_meta.get("stack", 0)) == 0 and numel and _all_equal(flat):
-        enc, payload = _codec.encode_non_tensor(flat[0])
+        enc, payload = _codec.encode_non_tensor(flat[0], policy)
         return {"k": "nt", "enc": enc, "stack": 0, "o": order}, payload
-    enc, payload = _codec.encode_non_tensor(_nest(flat, tuple(batch_size)) if nb else flat[0])
+    enc, payload = _codec.encode_non_tensor(_nest(flat, tuple(batch_size)) if nb else flat[0], policy)
     return {"k": "nt", "enc": enc, "stack": nb, "o": order}, payload

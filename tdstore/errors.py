@@ -31,6 +31,7 @@ __all__ = [
     "CorruptMetadataError",
     "FormatVersionError",
     "UnsupportedOperationError",
+    "UnsafePayloadError",
     "ClientConfigError",
     "EventLoopError",
     "LUA_ERRORS",
@@ -101,6 +102,10 @@ class CorruptMetadataError(TDStoreError, ValueError):
 
 class FormatVersionError(TDStoreError, RuntimeError):
     """The store was written with an on-server format this version cannot read."""
+
+
+class UnsafePayloadError(TDStoreError, ValueError):
+    """A pickled value was refused: pickle is switched off, or its signature does not verify."""
 
 
 class UnsupportedOperationError(TDStoreError, RuntimeError):

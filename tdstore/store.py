@@ -21,7 +21,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _values
+from tdstore import _backend, _codec, _values
 from tdstore._connection import Connection
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import as_path as _as_path
@@ -97,6 +97,8 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
         cache_metadata: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
         names: Sequence[str | None] | None = None,
+        allow_pickle: bool | None = None,
+        pickle_key: bytes | str | None = None,
         _create: bool = True,
         **redis_kwargs: Any,
     ) -> None:
@@ -111,6 +113,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
             td_id=td_id if td_id is not None else new_td_id(),
             timeout=timeout,
             redis_kwargs=redis_kwargs,
+            pickle_policy=_pickle_policy(allow_pickle, pickle_key),
         )
         device = torch.device(device) if device is not None else None
         self._init_handle(conn, (), device, cache_metadata, backend)
@@ -727,3 +730,13 @@ def _is_no_default(default: Any) -> bool:
 
 def _is_leaf_nontensor_cls(cls: type) -> bool:
     return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
+
+
+def _pickle_policy(allow: bool | None, key: bytes | str | None) -> Any:
+    """The store's pickle policy: the arguments where given, else the process-wide default."""
+    default = _codec.default_pickle_policy()
+    if allow is None and key is None:
+        return default
+    if isinstance(key, str):
+        key = key.encode()
+    return _codec.PicklePolicy(default.allow if allow is None else bool(allow), key if key is not None else default.key)
