@@ -9,6 +9,8 @@ ARGV[2]   the row numbers, decimal, separated by single spaces (repeats allowed)
 
 Returns: the rows' bytes concatenated (bulk string); a missing key reads as ""
 
+Flags: no-writes
+
 Errors:
   TDS_BADARG   the row size is not a positive integer, or the row list is malformed
 ]]

@@ -10,6 +10,8 @@ ARGV[2]   last byte, inclusive (decimal; -1 for the end of the string)
 
 Returns: {layout version or false when there is no store, the bytes}
 
+Flags: no-writes
+
 Errors:
   TDS_BADARG   a bound is not an integer
 ]]

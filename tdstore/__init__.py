@@ -13,15 +13,18 @@ Examples:
 
 from __future__ import annotations
 
+from tdstore._codec import PicklePolicy, set_pickle_policy
 from tdstore.errors import (
     ClientConfigError,
     CorruptMetadataError,
+    DataLostError,
     EntryNotFoundError,
     EntryTooLargeError,
     EventLoopError,
     FormatVersionError,
     PartialWriteError,
     SchemaError,
+    ServerOutOfMemoryError,
     StaleLayoutError,
     StoreClosedError,
     StoreExistsError,
@@ -31,7 +34,6 @@ from tdstore.errors import (
     UnsafePayloadError,
     UnsupportedOperationError,
 )
-from tdstore._codec import PicklePolicy, set_pickle_policy
 from tdstore.store import TensorDictStore
 
 __version__ = "0.1.0"
@@ -46,6 +48,8 @@ __all__ = [
     "EntryNotFoundError",
     "EntryTooLargeError",
     "SchemaError",
+    "ServerOutOfMemoryError",
+    "DataLostError",
     "StaleLayoutError",
     "PartialWriteError",
     "CorruptMetadataError",

@@ -81,12 +81,44 @@ async def _exec(pipe: Any) -> list[Any]:
         raise exc from err
 
 
+async def read_snapshot(client: Any, keys: StoreKeys, build: Any) -> list[Any]:
+    """Runs the read commands that ``build(pipe)`` queues as one consistent snapshot.
+
+    Normally one MULTI/EXEC. A server over its ``maxmemory`` refuses to queue any command
+    in a MULTI (Redis 7 and Valkey do, reads included); the reads then run as a plain
+    pipeline bracketed by the store's write and layout versions, and are retried until
+    both are the same before and after, so no write came in between.
+    """
+    from tdstore.errors import StaleLayoutError
+
+    try:
+        async with client.pipeline(transaction=True) as pipe:
+            build(pipe)
+            return await _exec(pipe)
+    except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):
+        # the refused transaction can leave its EXEC reply unread: start from fresh connections
+        await client.connection_pool.disconnect()
+    for _ in range(50):
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.get(keys.wv)
+            pipe.hget(keys.meta, "lv")
+            build(pipe)
+            pipe.get(keys.wv)
+            pipe.hget(keys.meta, "lv")
+            replies = await pipe.execute(raise_on_error=False)
+        if replies[:2] == replies[-2:]:
+            return replies[2:-2]
+    raise StaleLayoutError(f"the store at {keys.base} kept changing during a read")
+
+
 async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
     """The store's metadata and registry in one snapshot; None if there is no store."""
-    async with client.pipeline(transaction=True) as pipe:
+
+    def build(pipe: Any) -> None:
         pipe.hgetall(keys.meta)
         pipe.hgetall(keys.reg)
-        meta_raw, reg_raw = await _exec(pipe)
+
+    meta_raw, reg_raw = await read_snapshot(client, keys, build)
     return parse_layout(meta_raw, reg_raw)
 
 
@@ -104,7 +136,7 @@ async def read_entries(
         (layout version, raw registry metadata per path (None when absent), bytes per
         path (None when absent), the full layout when ``with_layout``).
     """
-    async with client.pipeline(transaction=True) as pipe:
+    def build(pipe: Any) -> None:
         if with_layout:
             pipe.hgetall(keys.meta)
             pipe.hgetall(keys.reg)
@@ -115,7 +147,8 @@ async def read_entries(
                 pipe.hmget(keys.reg, [encode_path(p) for p in paths])
         for path in paths:
             pipe.get(keys.data(path))
-        replies = await _exec(pipe)
+
+    replies = await read_snapshot(client, keys, build)
     _raise_first_error(replies)
     if with_layout:
         layout = parse_layout(replies[0], replies[1])
@@ -165,18 +198,19 @@ async def read_runs(
                 data, lv = await _exec(pipe)
             _raise_first_error([data, lv])
         return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+    def build(pipe: Any) -> None:
+        pipe.hget(keys.meta, "lv")
+        for (path, runs), gather in zip(plans, gathers):
+            data_key = keys.data(path)
+            if gather is not None:
+                runner.queue(pipe, "gather", [data_key], [str(gather[0]), gather[1]])
+                continue
+            for offset, length in runs:
+                # length None reads the whole string (non-tensor entries)
+                pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
+
     for attempt in range(2):
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.hget(keys.meta, "lv")
-            for (path, runs), gather in zip(plans, gathers):
-                data_key = keys.data(path)
-                if gather is not None:
-                    runner.queue(pipe, "gather", [data_key], [str(gather[0]), gather[1]])
-                    continue
-                for offset, length in runs:
-                    # length None reads the whole string (non-tensor entries)
-                    pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
-            replies = await _exec(pipe)
+        replies = await read_snapshot(client, keys, build)
         if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
             await runner.load_all(client)  # reads only: nothing to undo, load and read again
             continue
@@ -447,6 +481,13 @@ async def write_runs_watched(
                 nt_writes.append((key, field, new_meta, payload))
                 if new_meta != old_meta:
                     layout_changed = True
+        if small_via_script:
+            # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
+            data_keys = {keys.data(path) for path, runs, _ in groups if runs} - {keys.data(op.path) for op in creates}
+            if data_keys and await pipe.exists(*data_keys) != len(data_keys):
+                from tdstore.errors import DataLostError
+
+                raise DataLostError(f"an entry written at {keys.base} is registered but its bytes are gone from the server")
         small = [g for g in groups if not large(g[1])]
         if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
             await pipe.script_load(get_script("write_runs").text(runner.shebang))

@@ -14,9 +14,9 @@ import json
 import math
 import os
 import pickle
-from dataclasses import dataclass
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -17,7 +17,7 @@ import redis.exceptions
 from tdstore import _backend, _io
 from tdstore._keys import StoreKeys
 from tdstore._scripts import ScriptRunner, probe_shebang
-from tdstore.errors import ClientConfigError, StoreClosedError
+from tdstore.errors import ClientConfigError, ServerOutOfMemoryError, StoreClosedError
 
 __all__ = ["Connection", "DEFAULT_MAX_BULK"]
 
@@ -205,11 +205,65 @@ class Connection:
         limit = self.timeout if timeout is None else timeout
         try:
             return _io.sync(call(), limit)
+        except redis.exceptions.ExecAbortError as err:
+            # a MULTI whose commands the server refused to queue; over maxmemory, Redis 7
+            # and Valkey refuse every queued command. Nothing of it ran.
+            if not self._over_maxmemory(client):
+                raise
+            try:
+                _io.sync(client.connection_pool.disconnect(), 5.0)
+            except Exception:  # noqa: BLE001
+                pass
+            raise self._out_of_memory() from err
+        except redis.exceptions.OutOfMemoryError as err:
+            # redis-py may leave the refused transaction's EXEC reply unread on the
+            # connection: drop the pool's connections so that the next call starts clean
+            try:
+                _io.sync(client.connection_pool.disconnect(), 5.0)
+            except Exception:  # noqa: BLE001 - best effort; the error below is what matters
+                pass
+            raise self._out_of_memory() from err
+        except redis.exceptions.ResponseError as err:
+            # Redis 6 and KeyDB (no script flags) refuse a script at its first write when
+            # over maxmemory; the scripts validate before writing, so nothing was applied
+            if "OOM command not allowed" not in str(err):
+                raise
+            raise self._out_of_memory() from err
         except redis.exceptions.TimeoutError as err:
             # the socket timeout fired first: report it like the call timeout
             raise TimeoutError(
                 f"the server did not answer within {limit} s (set timeout= on the store to wait longer)"
             ) from err
+
+    def _out_of_memory(self) -> ServerOutOfMemoryError:
+        return ServerOutOfMemoryError(
+            f"the server refused a write to TensorDictStore(td_id={self.keys.td_id!r}, "
+            f"prefix={self.keys.prefix!r}) on {self.describe()}: it is at its maxmemory limit "
+            f"({self._maxmemory()}). Nothing of this operation was applied. Free memory, raise "
+            "maxmemory, or delete stores you no longer need (clear_redis())."
+        )
+
+    def _over_maxmemory(self, client: Any) -> bool:
+        async def read(c: Any) -> Any:
+            return await c.info("memory")
+
+        try:
+            info = _io.sync(read(client), 5.0)
+            limit = int(info.get("maxmemory", 0))
+            return bool(limit) and int(info.get("used_memory", 0)) >= limit
+        except Exception:  # noqa: BLE001 - INFO may be disabled
+            return False
+
+    def _maxmemory(self) -> str:
+        async def read(client: Any) -> Any:
+            return await client.config_get("maxmemory")
+
+        try:
+            reply = _io.sync(read(self._client), 5.0)
+            value = reply.get("maxmemory") or reply.get(b"maxmemory")
+            return f"maxmemory {int(value):,} bytes"
+        except Exception:  # noqa: BLE001 - CONFIG may be disabled; the message still stands
+            return "maxmemory"
 
     @property
     def runner(self) -> ScriptRunner:

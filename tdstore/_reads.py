@@ -17,7 +17,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tdstore import _backend, _codec, _values
 from tdstore._indexing import RowSpans, consumed_dims, normalize_index, select_rows
 from tdstore._keys import as_path as _as_path
-from tdstore.errors import StaleLayoutError, WriteConflictError
+from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
 
 __all__ = ["StoreReads"]
 
@@ -224,6 +224,11 @@ class StoreReads:
                     shape = tuple(new_bs) + tuple(meta["shape"][nb:])
                     owned = conn.owned_replies and len(chunks) == 1
                     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    if len(data) != _codec.tensor_nbytes(shape, dtype):
+                        raise DataLostError(
+                            f"entry {path!r} of {self._where()} is registered but its bytes are gone "
+                            "from the server (evicted under a maxmemory policy, or deleted by hand)"
+                        )
                     tensor = _codec.tensor_from_reply(data, dtype, shape, owned=owned or len(chunks) > 1)
                     if self.device is not None and self.device.type != "cpu":
                         tensor = tensor.to(self.device)

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _codec
+from tdstore import _backend, _codec
 from tdstore.errors import SchemaError, StaleLayoutError
 
 if TYPE_CHECKING:
@@ -123,10 +123,11 @@ class RingBufferAPI:
         conn = self._conn
 
         async def read(client: Any) -> Any:
-            async with client.pipeline(transaction=True) as pipe:
+            def build(pipe: Any) -> None:
                 pipe.get(conn.keys.ring)
                 pipe.hget(conn.keys.meta, "lv")
-                return await pipe.execute()
+
+            return await _backend.read_snapshot(client, conn.keys, build)
 
         cursor, lv = conn.run(read)
         if lv is None:

@@ -33,6 +33,7 @@ _ANY_HEADER_RE = re.compile(r"\A--\[\[.*?\]\]\n", re.S)
 _DECL_RE = re.compile(r"^(KEYS|ARGV)\[(\d+)(\.\.)?\]", re.M)
 _ERROR_RE = re.compile(r"^\s+(TDS_[A-Z]+)\s", re.M)
 _SHEBANG = "#!lua\n"
+_FLAGS_RE = re.compile(r"^Flags: ([a-z-]+(?:,[a-z-]+)*)\s*$", re.M)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,12 @@ class Script:
     shas: dict[bool, str] = field(default_factory=dict, compare=False)
 
     def text(self, shebang: bool) -> str:
-        return _SHEBANG + self.source if shebang else self.source
+        return self.shebang_line() + self.source if shebang else self.source
+
+    def shebang_line(self) -> str:
+        """``#!lua`` with the flags the header declares (``Flags: no-writes`` for readers)."""
+        flags = _FLAGS_RE.search(self.header.text)
+        return f"#!lua flags={flags.group(1)}\n" if flags else _SHEBANG
 
     def sha(self, shebang: bool) -> str:
         return self.shas[shebang]
@@ -105,8 +111,10 @@ def get_script(name: str) -> Script:
     header = parse_header(raw)
     if header.name != name:
         raise ValueError(f"lua/{name}.lua declares the name {header.name!r}")
-    shas = {flag: hashlib.sha1((_SHEBANG + source if flag else source).encode()).hexdigest() for flag in (False, True)}
-    return Script(name, raw, source, header, shas)
+    script = Script(name, raw, source, header)
+    for flag in (False, True):
+        script.shas[flag] = hashlib.sha1(script.text(flag).encode()).hexdigest()
+    return script
 
 
 async def probe_shebang(client: Any) -> bool:

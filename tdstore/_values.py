@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tdstore import _codec
-from tdstore.errors import CorruptMetadataError, SchemaError
+from tdstore.errors import CorruptMetadataError, DataLostError, SchemaError
 
 __all__ = ["tensor_meta", "nontensor_parts", "decode_value", "check_meta", "order_key"]
 
@@ -85,9 +85,10 @@ def decode_value(
 ) -> Any:
     """The tensor or non-tensor value of one entry, from its metadata and bytes."""
     if data is None:
-        raise CorruptMetadataError(
-            f"entry {path!r} of {where} is registered but its bytes are missing on the server "
-            "(evicted or deleted by hand?)"
+        raise DataLostError(
+            f"entry {path!r} of {where} is registered but its bytes are gone from the server "
+            "(evicted under a maxmemory policy, or deleted by hand); use maxmemory-policy "
+            "noeviction for servers that hold stores"
         )
     if meta["k"] == "t":
         dtype = _codec.dtype_from_name(meta["dtype"])

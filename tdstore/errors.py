@@ -25,6 +25,8 @@ __all__ = [
     "EntryNotFoundError",
     "EntryTooLargeError",
     "SchemaError",
+    "ServerOutOfMemoryError",
+    "DataLostError",
     "StaleLayoutError",
     "PartialWriteError",
     "WriteConflictError",
@@ -71,6 +73,14 @@ class EntryNotFoundError(TDStoreError, KeyError):
 
 class EntryTooLargeError(TDStoreError, redis.exceptions.ResponseError):
     """An entry is larger than the server accepts for one string (``proto-max-bulk-len``)."""
+
+
+class ServerOutOfMemoryError(TDStoreError, redis.exceptions.OutOfMemoryError):
+    """The server refused a write because it is at its ``maxmemory`` limit; nothing was applied."""
+
+
+class DataLostError(TDStoreError, LookupError):
+    """An entry is registered but its bytes are gone from the server (evicted, or deleted by hand)."""
 
 
 class SchemaError(TDStoreError, ValueError):
@@ -127,7 +137,7 @@ LUA_ERRORS: dict[str, type[TDStoreError]] = {
     "TDS_LOCKED": StoreLockedError,
     "TDS_EXISTS": StoreExistsError,
     "TDS_NOSTORE": StoreNotFoundError,
-    "TDS_NOENTRY": EntryNotFoundError,
+    "TDS_NOENTRY": DataLostError,
     "TDS_PARTIAL": PartialWriteError,
     "TDS_BADARG": SchemaError,
     "TDS_RANGE": SchemaError,

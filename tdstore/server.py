@@ -50,14 +50,14 @@ from redis.connection import UnixDomainSocketConnection
 from redis.retry import Retry
 
 from tdstore._server_find import (  # noqa: F401 - re-exported
-    KINDS,
-    _LOOPBACK,
-    ServerNotFoundError,
     _INSTALL_HINTS,
+    _LOOPBACK,
     _PROBE_CACHE,
     _PROBE_LOCK,
     _SYSTEM_BIN_DIRS,
     _VERSION_RE,
+    KINDS,
+    ServerNotFoundError,
     _cached_probe,
     _candidates,
     _check_candidate,

@@ -22,17 +22,16 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
 from tdstore import _backend, _codec, _values
-from tdstore._connection import Connection
+from tdstore._connection import Connection, connection_defaults
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import as_path as _as_path
 from tdstore._keys import new_td_id
+from tdstore._planner import WritePlanner, check_tensor, flatten_values, tensor_like
 from tdstore._reads import StoreReads
 from tdstore._ring import RingBufferAPI
 from tdstore._store_api import StoreAPI
-from tdstore._planner import WritePlanner, check_tensor, flatten_values, tensor_like
 from tdstore._unsupported import StoreUnsupported
 from tdstore._views import StoreKeysView
-from tdstore._connection import connection_defaults
 from tdstore.errors import (
     EntryNotFoundError,
     FormatVersionError,

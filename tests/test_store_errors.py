@@ -162,7 +162,13 @@ def test_format_version_mismatch(filled, server):
         TensorDictStore.from_store(td_id=filled.td_id, **server.connection_kwargs())
 
 
-def test_evicted_entry_is_a_clear_error(filled, server):
+def test_evicted_entry_is_a_clear_error(filled, server, wire):
     server.sync_client().delete(f"tensordict:{{{filled.td_id}}}:d:a")
-    with pytest.raises(tdstore.CorruptMetadataError, match="missing on the server"):
-        filled["a"]
+    before = wire(server)
+    for read in (lambda: filled["a"], lambda: filled[1:3], lambda: filled[2], filled.to_tensordict):
+        with pytest.raises(tdstore.DataLostError, match="gone from the server"):
+            read()
+    for write in (lambda: filled.__setitem__(slice(0, 2), 1.0), lambda: filled.__setitem__(1, TensorDict(a=torch.tensor(2.0)))):
+        with pytest.raises(tdstore.DataLostError):
+            write()  # never recreated zero-padded by a row write
+    assert wire(server) == before

@@ -1,0 +1,74 @@
+"""Memory limits and eviction: refused writes apply nothing; lost data is reported, never invented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _counts import record
+from tensordict import TensorDict
+
+import tdstore
+from tdstore import TensorDictStore
+from tdstore.server import start_server
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey", "redis6"])
+def test_write_over_maxmemory_is_refused_whole(kind, wire, request):
+    with start_server(kind, config={"maxmemory": "24mb", "maxmemory-policy": "noeviction"}) as srv:
+        store = TensorDictStore(batch_size=[4], **srv.connection_kwargs())
+        store["a"] = torch.zeros(4)
+        refused = 1
+        with pytest.raises(tdstore.ServerOutOfMemoryError, match=r"maxmemory.*Nothing of this operation was applied") as info:
+            for i in range(20):  # 8 MB each: the server fills up
+                store.update({f"big{i}": torch.zeros(4, 512 * 1024), f"small{i}": torch.ones(4)})
+        assert store.td_id in str(info.value)
+        # Redis refuses a write while it is over maxmemory (it does not predict the size of
+        # one that would cross it): each attempt is refused whole or applied whole
+        changed_on_refusal = applied = 0
+        attempts = (
+            lambda: store.update({"x": torch.zeros(4, 512 * 1024), "y": torch.ones(4)}),
+            lambda: TensorDictStore.from_tensordict(TensorDict(z=torch.zeros(4, 512 * 1024), batch_size=[4]), **srv.connection_kwargs()),
+            lambda: TensorDictStore.from_schema({"z": ([512 * 1024], torch.float32)}, batch_size=[4], **srv.connection_kwargs()),
+            lambda: store.__setitem__(slice(0, 2), TensorDict(a=torch.ones(2), big0=torch.ones(2, 512 * 1024), batch_size=[2])),
+        )
+        for _ in range(3):
+            for attempt in attempts:
+                before = wire(srv)
+                try:
+                    attempt()
+                    applied += 1
+                except tdstore.ServerOutOfMemoryError:
+                    refused += 1
+                    changed_on_refusal += int(wire(srv) != before)
+        record(request, refused_writes=refused, applied_writes=applied, partial_effects=changed_on_refusal)
+        assert changed_on_refusal == 0 and refused >= 1  # no tmp key, no half-made store, no partial update
+        assert torch.equal(store["a"], torch.zeros(4))  # reads still work
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_evicted_data_is_never_returned_as_garbage(kind, request):
+    with start_server(kind, config={"maxmemory": "12mb", "maxmemory-policy": "allkeys-random"}) as srv:
+        stores = []
+        for i in range(16):
+            try:
+                store = TensorDictStore(batch_size=[4], **srv.connection_kwargs())
+                store["x"] = torch.full((4, 64 * 1024), float(i))  # 1 MB per store
+                stores.append((i, store))
+            except (tdstore.StoreNotFoundError, tdstore.DataLostError, tdstore.ServerOutOfMemoryError):
+                continue  # evicted while being written, or refused while the server evicts
+        intact = lost = garbage = 0
+        for i, store in stores:
+            for read in (lambda: store["x"], lambda: store[1:3]["x"]):
+                try:
+                    value = read()
+                except (tdstore.DataLostError, tdstore.StoreNotFoundError):
+                    lost += 1
+                    continue
+                if bool((value == float(i)).all()):
+                    intact += 1
+                else:
+                    garbage += 1
+            store.close()
+        record(request, stores=len(stores), intact_reads=intact, lost_reported=lost, garbage_reads=garbage)
+        assert garbage == 0 and lost > 0  # eviction happened, and was reported every time
