@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import NonTensorData, NonTensorStack
 
-from tdstore import _backend, _codec, _values
+from tdstore import _backend, _codec, _io, _values
 from tdstore._indexing import normalize_index, row_runs, select_rows
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
 
-_MAX_RETRIES = 50
+_MAX_RETRIES = _io.MAX_RETRIES
 
 
 def _row_payload(value: Any, dtype: torch.dtype, shape: tuple[int, ...], key: tuple[str, ...], where: str) -> torch.Tensor:
@@ -50,7 +50,7 @@ def write_index(
     conn = store._conn
     index = normalize_index(index)
     where = store._where()
-    for _ in range(_MAX_RETRIES):
+    for attempt in range(_MAX_RETRIES):
         layout = store._layout()
         node = store._node(layout)
         batch_size = torch.Size(node["batch_size"])
@@ -122,6 +122,7 @@ def write_index(
             else:
                 conn.run(lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
         except StaleLayoutError:
+            _io.backoff(attempt)
             store._layout(refresh=True)
             continue
         return

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from tdstore.errors import EventLoopError
 
-__all__ = ["get_loop", "sync", "loop_generation", "DEFAULT_TIMEOUT"]
+__all__ = ["get_loop", "sync", "loop_generation", "backoff", "MAX_RETRIES", "DEFAULT_TIMEOUT"]
 
 T = TypeVar("T")
 
@@ -109,6 +109,23 @@ def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) 
 #: Loops inherited through fork(). Never closed nor collected: their epoll instance is
 #: shared with the parent, and closing the loop would unregister the parent's sockets.
 _INHERITED_LOOPS: list[Any] = []
+
+
+def backoff(attempt: int) -> None:
+    """Sleeps before retrying an optimistic write that lost a race (randomized, capped).
+
+    The first retries go at once; later ones wait up to 1, 2, 4 ... 32 ms, at random, so
+    that writers contending for one store do not keep refusing each other.
+    """
+    if attempt >= 2:
+        import random
+        import time
+
+        time.sleep(random.uniform(0, 0.001 * (2 ** min(attempt - 2, 5))))
+
+
+#: How many times an optimistic write re-plans after losing a race before it gives up.
+MAX_RETRIES = 200
 
 
 def _after_fork_in_child() -> None:

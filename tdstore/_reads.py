@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore import _backend, _codec, _values
+from tdstore import _backend, _codec, _io, _values
 from tdstore._indexing import RowSpans, consumed_dims, normalize_index, select_rows
 from tdstore._keys import as_path as _as_path
 from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
 
 __all__ = ["StoreReads"]
 
-_MAX_RETRIES = 50
+_MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
 
 
@@ -30,7 +30,7 @@ class StoreReads:
 
     def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:
         conn = self._conn
-        for _ in range(_MAX_RETRIES):
+        for attempt in range(_MAX_RETRIES):
             lv, metas, blobs, _ = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths))
             if lv is None:
                 raise self._not_found()
@@ -67,7 +67,7 @@ class StoreReads:
     def _snapshot(self) -> tuple[TensorDict, _backend.Layout]:
         """The store in memory and the layout it was read at (its meta holds the write version)."""
         conn = self._conn
-        for _ in range(_MAX_RETRIES):
+        for attempt in range(_MAX_RETRIES):
             layout = self._layout()
             leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
             paths = [p for p, _ in leaves]
@@ -179,7 +179,7 @@ class StoreReads:
     def _read_index(self, index: Any, only: tuple[str, ...] | None = None) -> Any:
         conn = self._conn
         index = normalize_index(index)
-        for _ in range(_MAX_RETRIES):
+        for attempt in range(_MAX_RETRIES):
             layout = self._layout()
             batch_size = torch.Size(self._node(layout)["batch_size"])
             if only is not None and layout.entries[only]["k"] == "t":

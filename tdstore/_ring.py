@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec
+from tdstore import _backend, _codec, _io
 from tdstore.errors import SchemaError, StaleLayoutError
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RingState", "RingBufferAPI"]
 
-_MAX_RETRIES = 50
+_MAX_RETRIES = _io.MAX_RETRIES
 
 
 class RingState(NamedTuple):
@@ -72,7 +72,7 @@ class RingBufferAPI:
         if not isinstance(td, TensorDictBase):
             raise TypeError(f"extend() takes a TensorDict, got {type(td).__name__}")
         conn = self._conn
-        for _ in range(_MAX_RETRIES):
+        for attempt in range(_MAX_RETRIES):
             layout = self._layout()
             batch = torch.Size(self._node(layout)["batch_size"])
             if not batch:
@@ -113,6 +113,7 @@ class RingBufferAPI:
             try:
                 start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity))
             except StaleLayoutError:
+                _io.backoff(attempt)
                 self._layout(refresh=True)
                 continue
             return (start + torch.arange(n)) % capacity

@@ -18,7 +18,7 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _values
+from tdstore import _backend, _codec, _io, _values
 from tdstore._keys import new_td_id
 from tdstore.errors import (
     EntryTooLargeError,
@@ -42,7 +42,7 @@ def _is_sentinel(value: Any) -> bool:
 
 
 _CONN_ARGS = ("backend", "host", "port", "db", "unix_socket_path", "prefix", "client", "timeout", "cache_metadata")
-_MAX_RETRIES = 50
+_MAX_RETRIES = _io.MAX_RETRIES
 
 
 from tdstore._keys import as_path as _as_path  # noqa: E402
@@ -509,7 +509,7 @@ class StoreAPI:
         size, device and names.
         """
         conn = self._conn
-        for _ in range(_MAX_RETRIES):
+        for attempt in range(_MAX_RETRIES):
             try:
                 layout = self._layout(refresh=True)
             except StoreNotFoundError:
@@ -517,6 +517,7 @@ class StoreAPI:
             try:
                 conn.run(lambda c: _backend.clear(c, conn.keys, conn.runner, layout))
             except StaleLayoutError:
+                _io.backoff(attempt)
                 continue
             except StoreNotFoundError:
                 return

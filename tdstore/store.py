@@ -21,7 +21,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _values
+from tdstore import _backend, _codec, _io, _values
 from tdstore._connection import Connection, connection_defaults
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import as_path as _as_path
@@ -43,7 +43,7 @@ from tdstore.errors import (
 
 __all__ = ["TensorDictStore"]
 
-_MAX_RETRIES = 50
+_MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
 _NO_DEFAULT = object()
 
@@ -550,7 +550,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
     ) -> int:
         """Plans ops against the cached layout and commits them; refreshes and replans when stale."""
         conn = self._conn
-        for _ in range(_MAX_RETRIES):
+        for attempt in range(_MAX_RETRIES):
             layout = self._layout()
             ops, meta_updates = plan(layout)
             try:
@@ -562,6 +562,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
                     )
                 )
             except StaleLayoutError:
+                _io.backoff(attempt)
                 self._layout(refresh=True)
                 continue
             if bump or expected_any:
@@ -582,7 +583,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
             return planner.ops, None
 
         conn = self._conn
-        for _ in range(_MAX_RETRIES):
+        for attempt in range(_MAX_RETRIES):
             layout = self._layout()
             ops, _ = plan(layout)
             if not ops:
@@ -612,6 +613,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
                     )
                 )
             except StaleLayoutError:
+                _io.backoff(attempt)
                 self._layout(refresh=True)
                 continue
             if bump:
