@@ -20,6 +20,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from tdstore import TensorDictStore
 
 from _counts import add_cases
+from _gen import rand_tensor as _rand_tensor
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int16, torch.int64, torch.float16, torch.bfloat16,
@@ -29,15 +30,9 @@ CASES_PER_BACKEND = 5000
 CONFIGS = 50  # stores per backend; CASES_PER_BACKEND / CONFIGS cases on each
 
 
+
 def rand_tensor(rng: random.Random, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_complex:
-        return torch.complex(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)).to(dtype)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    return torch.randint(0, 100, shape, generator=gen).to(dtype)
+    return _rand_tensor(rng, shape, dtype, int_range=(0, 100))
 
 
 def rand_component(rng: random.Random, size: int, *, unique: bool) -> Any:

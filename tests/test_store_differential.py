@@ -14,23 +14,14 @@ from tensordict import TensorDict
 
 from tdstore import TensorDictStore
 
+from _gen import rand_tensor
+
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
 ]  # fmt: skip
 SEEDS = range(40)
 
-
-def rand_tensor(rng: random.Random, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_complex:
-        return torch.complex(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)).to(dtype)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen).to(dtype)
 
 
 def rand_key(rng: random.Random) -> str:
