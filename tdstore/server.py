@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import os
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,7 +76,7 @@ __all__ = [
     "ServerHandle",
     "ServerNotFoundError",
     "find_server_binary",
-    "start_server",
+    "start_server",  # noqa: F822 - provided by __getattr__ (lazy: see the end of the module)
 ]
 
 
@@ -711,196 +709,11 @@ def _port_in_use(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------- #
 
 
-def _start_fakeredis(config: dict[str, str] | None) -> ServerHandle:
-    try:
-        import fakeredis
-    except ImportError as exc:
-        raise ServerNotFoundError(
-            f"server kind 'fakeredis' needs the fakeredis package ({exc}). "
-            f"Install it with: {_INSTALL_HINTS['fakeredis']}"
-        ) from exc
-    if importlib.util.find_spec("lupa") is None:
-        raise ServerNotFoundError(
-            "server kind 'fakeredis' needs Lua support from the lupa package, which is "
-            "not installed. Install it with: pip install lupa"
-        )
-    fake_config = {k.lstrip("-").encode(): str(v).encode() for k, v in (config or {}).items()}
-    fake = fakeredis.FakeServer(config=fake_config)
-    probe = fakeredis.FakeRedis(server=fake)
-    try:
-        if probe.eval("return 1", 0) != 1:
-            raise ServerNotFoundError("fakeredis Lua check failed: EVAL 'return 1' did not return 1")
-    except ServerNotFoundError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure means Lua is unusable
-        raise ServerNotFoundError(
-            f"fakeredis cannot run Lua scripts ({type(exc).__name__}: {exc}). Install it with: pip install lupa"
-        ) from exc
-    finally:
-        probe.close()
-    handle = ServerHandle(
-        kind="fakeredis",
-        binary=None,
-        version=str(getattr(fakeredis, "__version__", "unknown")),
-        host=None,
-        port=None,
-        unix_socket_path=None,
-    )
-    handle._fake_server = fake
-    handle._owner_pid = os.getpid()
-    return handle
+def __getattr__(name: str) -> Any:
+    # start_server() and its helpers live in _server_start, which builds ServerHandle
+    # objects; importing it lazily keeps the two modules free of an import cycle
+    if name == "start_server":
+        from tdstore._server_start import start_server
 
-
-def _server_argv(
-    binary: str,
-    *,
-    port: int,
-    socket_path: str | None,
-    data_dir: str,
-    log_file: str,
-    config: dict[str, str] | None,
-) -> list[str]:
-    argv = [
-        binary,
-        "--bind", _LOOPBACK,
-        "--port", str(port),
-        "--daemonize", "no",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", data_dir,
-        "--logfile", log_file,
-    ]  # fmt: skip
-    if socket_path is not None:
-        argv += ["--unixsocket", socket_path, "--unixsocketperm", "700"]
-    for name, value in (config or {}).items():
-        argv += [f"--{name.lstrip('-')}", str(value)]
-    return argv
-
-
-def _start_real(
-    kind: str,
-    *,
-    port: int | None,
-    unix_socket: bool,
-    config: dict[str, str] | None,
-    dir: str | None,  # noqa: A002 - public keyword name
-    startup_timeout: float,
-) -> ServerHandle:
-    binary = find_server_binary(kind)
-    runtime_dir = tempfile.mkdtemp(prefix="tds-", dir="/tmp")  # mode 0700
-    try:
-        os.chmod(runtime_dir, 0o700)
-        data_dir = os.path.abspath(dir) if dir is not None else runtime_dir
-        os.makedirs(data_dir, exist_ok=True)
-        socket_path = os.path.join(runtime_dir, "s.sock") if unix_socket else None
-        log_file = os.path.join(runtime_dir, "server.log")
-        console_file = os.path.join(runtime_dir, "console.log")
-        password = (config or {}).get("requirepass")
-
-        attempts = 1 if port is not None else _PORT_RACE_RETRIES
-        for attempt in range(attempts):
-            chosen = port if port is not None else _free_port()
-            handle = ServerHandle(
-                kind=kind,
-                binary=binary,
-                version="",
-                host=_LOOPBACK,
-                port=chosen,
-                unix_socket_path=socket_path,
-                data_dir=data_dir,
-                log_file=log_file,
-            )
-            handle._argv = _server_argv(
-                binary,
-                port=chosen,
-                socket_path=socket_path,
-                data_dir=data_dir,
-                log_file=log_file,
-                config=config,
-            )
-            handle._runtime_dir = runtime_dir
-            handle._console_file = console_file
-            handle._password = password
-            handle._owner_pid = os.getpid()
-            # Fresh files per attempt so errors show only this attempt's output.
-            for path in (log_file, console_file):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            try:
-                handle._launch(startup_timeout=startup_timeout)
-            except RuntimeError as exc:
-                if port is None and attempt + 1 < attempts and _port_in_use(exc):
-                    continue  # another process took the port first; pick another
-                raise
-            _register(handle)
-            return handle
-        raise AssertionError("unreachable")  # pragma: no cover
-    except BaseException:
-        shutil.rmtree(runtime_dir, ignore_errors=True)
-        raise
-
-
-def _auto_kind() -> str:
-    errors: list[str] = []
-    for kind in _AUTO_ORDER:
-        if kind == "fakeredis":
-            return kind
-        try:
-            find_server_binary(kind)
-        except ServerNotFoundError as exc:
-            errors.append(str(exc))
-            continue
-        return kind
-    raise ServerNotFoundError("no server available:\n" + "\n".join(errors))  # pragma: no cover
-
-
-def start_server(
-    kind: str = "auto",
-    *,
-    port: int | None = None,
-    unix_socket: bool = True,
-    config: dict[str, str] | None = None,
-    dir: str | None = None,  # noqa: A002 - public keyword name
-    startup_timeout: float = 10.0,
-) -> ServerHandle:
-    """Start a private server and wait until it answers.
-
-    Args:
-        kind: One of :data:`KINDS`, or ``"auto"``: the first available of
-            ``"valkey"`` (pip binary, no separate install), ``"redis"`` (OS
-            package) and ``"fakeredis"``.
-        port: TCP port on 127.0.0.1; by default a free one is picked (and
-            re-picked if another process grabs it first). Ignored by fakeredis.
-        unix_socket: Also listen on a unix socket in the server's private
-            ``0700`` temporary directory. Ignored by fakeredis.
-        config: Extra server settings, passed as ``--name value`` (e.g.
-            ``{"maxmemory": "10mb"}``). fakeredis gets them as its
-            ``FakeServer(config=...)`` (it honours few, e.g. ``requirepass``).
-        dir: Data directory (``--dir``) to use and keep; by default the
-            temporary directory, which :meth:`ServerHandle.stop` removes.
-        startup_timeout: Seconds to wait for PING to answer.
-
-    Returns:
-        A handle that owns the server; use it as a context manager or call
-        :meth:`ServerHandle.stop`. Servers still running at interpreter exit
-        are stopped by an atexit hook.
-
-    Raises:
-        ServerNotFoundError: The kind is unknown or its server is not installed.
-        RuntimeError: The server exited or did not answer in time; the message
-            includes the tail of its output and log file.
-    """
-    if kind == "auto":
-        kind = _auto_kind()
-    if kind not in KINDS:
-        raise ServerNotFoundError(f"unknown server kind {kind!r}; known kinds: {', '.join(KINDS)} (or 'auto')")
-    if kind == "fakeredis":
-        return _start_fakeredis(config)
-    return _start_real(
-        kind,
-        port=port,
-        unix_socket=unix_socket,
-        config=config,
-        dir=dir,
-        startup_timeout=startup_timeout,
-    )
+        return start_server
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
