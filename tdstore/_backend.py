@@ -172,8 +172,8 @@ async def read_runs(
     """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
 
     ``length`` None reads the whole string. ``gathers[i]``, when given, is ``(row bytes,
-    "row row ...")``: plan ``i`` is then read by the gather script in one call (the runs
-    are still what it reads). The layout version comes back with the runs: the caller
+    "row row ...")``: plan ``i`` is then read by the gather script in one call, and its
+    runs are not used. The layout version comes back with the runs: the caller
     decodes them only if it is the version it planned with.
 
     Returns:
@@ -181,7 +181,7 @@ async def read_runs(
     """
     gathers = list(gathers) if gathers is not None else [None] * len(plans)
     nruns = sum(len(runs) for _, runs in plans)
-    if nruns == 1:
+    if nruns == 1 and not any(gathers):
         # One run: one script call returns the version with the bytes (cheaper for the
         # client than a MULTI of two commands).
         which = next(i for i, (_, runs) in enumerate(plans) if runs)

@@ -210,32 +210,31 @@ class Connection:
             # and Valkey refuse every queued command. Nothing of it ran.
             if not self._over_maxmemory(client):
                 raise
-            try:
-                _io.sync(client.connection_pool.disconnect(), 5.0)
-            except Exception:  # noqa: BLE001
-                pass
-            raise self._out_of_memory() from err
+            raise self._out_of_memory(client) from err
         except redis.exceptions.OutOfMemoryError as err:
-            # redis-py may leave the refused transaction's EXEC reply unread on the
-            # connection: drop the pool's connections so that the next call starts clean
-            try:
-                _io.sync(client.connection_pool.disconnect(), 5.0)
-            except Exception:  # noqa: BLE001 - best effort; the error below is what matters
-                pass
-            raise self._out_of_memory() from err
+            raise self._out_of_memory(client) from err
         except redis.exceptions.ResponseError as err:
             # Redis 6 and KeyDB (no script flags) refuse a script at its first write when
             # over maxmemory; the scripts validate before writing, so nothing was applied
             if "OOM command not allowed" not in str(err):
                 raise
-            raise self._out_of_memory() from err
+            raise self._out_of_memory(client) from err
         except redis.exceptions.TimeoutError as err:
             # the socket timeout fired first: report it like the call timeout
             raise TimeoutError(
                 f"the server did not answer within {limit} s (set timeout= on the store to wait longer)"
             ) from err
 
-    def _out_of_memory(self) -> ServerOutOfMemoryError:
+    def _out_of_memory(self, client: Any) -> ServerOutOfMemoryError:
+        """The error for a refused write; drops the pool's connections first.
+
+        redis-py may leave a refused transaction's EXEC reply unread on its connection, so
+        the next call must start on a fresh one.
+        """
+        try:
+            _io.sync(client.connection_pool.disconnect(), 5.0)
+        except Exception:  # noqa: BLE001 - best effort; the error is what matters
+            pass
         return ServerOutOfMemoryError(
             f"the server refused a write to TensorDictStore(td_id={self.keys.td_id!r}, "
             f"prefix={self.keys.prefix!r}) on {self.describe()}: it is at its maxmemory limit "

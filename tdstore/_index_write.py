@@ -1,14 +1,13 @@
 """Indexed writes (``store[idx] = value``, ``set_at_``): every entry's rows in one atomic step.
 
-The rows are written on the server by the ``write_runs`` script; nothing is read back
-first. Entries that do not exist yet are created zero-filled by a ``commit`` in the same
-MULTI, and the ``write_runs`` call then expects the layout version that commit produces,
-so either both apply or neither does.
+The rows are written on the server (the ``write_runs`` script, or SETRANGEs in a
+WATCH-guarded MULTI; see ``_backend.choose_write``); nothing is read back first. Entries
+that do not exist yet are created zero-filled, and non-tensor entries updated element-wise,
+in the same MULTI (``_backend.write_runs_watched``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +42,6 @@ def write_index(
     store: TensorDictStore,
     index: Any,
     targets: Mapping[tuple[str, ...], Any],
-    *,
-    broadcast: bool = False,
-    value_batch: torch.Size | None = None,
 ) -> None:
     conn = store._conn
     index = normalize_index(index)
@@ -106,7 +102,7 @@ def write_index(
             return
         expected = str(layout.lv)
         try:
-            if nontensor or (create and _backend.choose_write(groups) == "multi"):
+            if nontensor or create:
                 changed = conn.run(
                     lambda c: _backend.write_runs_watched(
                         c, conn.keys, conn.runner, groups, expected=expected, creates=create, nontensor=nontensor
@@ -114,9 +110,6 @@ def write_index(
                 )
                 if changed:
                     conn.layout = None
-            elif create:
-                conn.run(lambda c: _create_then_write(c, store, create, groups, layout.lv))
-                conn.layout = None
             elif _backend.choose_write(groups) == "multi":
                 conn.run(lambda c: _backend.write_runs_watched(c, conn.keys, conn.runner, groups, expected=expected))
             else:
@@ -137,43 +130,3 @@ def _nontensor_update(
         return _values.nontensor_after_index_write(path, old_meta, old, value, rows, batch_size, order, where, policy)
 
     return update
-
-
-async def _create_then_write(client: Any, store: TensorDictStore, create: list[_backend.Op], groups: Any, lv: int) -> None:
-    conn = store._conn
-    keys = conn.keys
-    key_list = [keys.meta, keys.reg, keys.wv]
-    wire_ops = []
-    for op in create:
-        key_list.append(keys.data(op.path))
-        wire_ops.append({"op": "zero", "f": _keys_encode(op.path), "m": json.dumps(op.meta, separators=(",", ":")), "dst": str(len(key_list)), "n": str(op.nbytes)})
-    commit_args = [str(lv), "1", "1", "", json.dumps(wire_ops, separators=(",", ":")), _backend.FORMAT_VERSION, ""]
-    run_keys = [keys.meta, keys.wv]
-    run_args: list[Any] = [str(lv + 1)]
-    for path, runs, payload in groups:
-        run_keys.append(keys.data(path))
-        run_args.append(str(len(runs)))
-        for offset, length in runs:
-            run_args.extend((str(offset), str(length)))
-        run_args.append(payload)
-    import redis.exceptions
-
-    from tdstore._backend import _raise_first_error
-
-    for attempt in range(2):
-        async with client.pipeline(transaction=True) as pipe:
-            conn.runner.queue(pipe, "commit", key_list, commit_args)
-            conn.runner.queue(pipe, "write_runs", run_keys, run_args)
-            replies = await pipe.execute(raise_on_error=False)
-        if attempt == 0 and isinstance(replies[0], redis.exceptions.NoScriptError):
-            # the server lost its scripts (restart, SCRIPT FLUSH): neither ran; load and retry
-            await conn.runner.load_all(client)
-            continue
-        _raise_first_error(replies)
-        return
-
-
-def _keys_encode(path: tuple[str, ...]) -> str:
-    from tdstore._keys import encode_path
-
-    return encode_path(path)

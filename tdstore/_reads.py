@@ -202,7 +202,7 @@ class StoreReads:
                     if row_bytes and _backend.choose_read_rows(len(spans), nrows * row_bytes) == "gather":
                         if rows_arg is None:
                             rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
-                        plans.append((path, spans.runs(row_bytes) if len(spans) < 2 else [(0, 0)] * len(spans)))
+                        plans.append((path, []))  # read by the gather script
                         gathers.append((row_bytes, rows_arg))
                     else:
                         plans.append((path, spans.runs(row_bytes)))

@@ -24,6 +24,7 @@ from tdstore.server import (
     _register,
 )
 
+
 def _start_fakeredis(config: dict[str, str] | None) -> ServerHandle:
     try:
         import fakeredis

@@ -20,6 +20,7 @@ from tensordict.utils import is_tensorclass
 
 from tdstore import _backend, _codec, _io, _values
 from tdstore._keys import new_td_id
+from tdstore._values import is_no_default
 from tdstore.errors import (
     EntryTooLargeError,
     SchemaError,
@@ -36,12 +37,6 @@ __all__ = ["StoreAPI"]
 _MISSING = object()
 
 
-def _is_sentinel(value: Any) -> bool:
-    """tensordict passes its NO_DEFAULT sentinel for arguments left out."""
-    return type(value).__name__ in ("_NoDefault", "NoDefault") or repr(value) == "NO_DEFAULT"
-
-
-_CONN_ARGS = ("backend", "host", "port", "db", "unix_socket_path", "prefix", "client", "timeout", "cache_metadata")
 _MAX_RETRIES = _io.MAX_RETRIES
 
 
@@ -403,13 +398,13 @@ class StoreAPI:
 
     def pop(self, key: Any, default: Any = _MISSING, *args: Any) -> Any:
         """Reads an entry and deletes it; returns ``default`` (when given) for a missing key."""
-        has_default = default is not _MISSING and not _is_sentinel(default)
+        has_default = default is not _MISSING and not is_no_default(default)
         path = self._path + _as_path(key)
-        if self._entry(path) is None:
+        meta = self._entry(path)
+        if meta is None:
             if has_default:
                 return default
             raise self._key_error(path)
-        meta = self._entry(path)
         value = self._sub(path).to_tensordict() if meta["k"] == "td" else self._read_values([path])[0]
         self.del_(key)
         return value
@@ -424,11 +419,11 @@ class StoreAPI:
         """
         from tensordict import TensorDict as _TD
 
-        if _is_sentinel(device) or device is None:
+        if is_no_default(device) or device is None:
             device = self.device
-        if _is_sentinel(names):
+        if is_no_default(names):
             names = None
-        if _is_sentinel(batch_size) or batch_size is None:
+        if is_no_default(batch_size) or batch_size is None:
             batch_size = self.batch_size
         if names is None and batch_size == self.batch_size and self._has_names():
             names = self.names
@@ -606,7 +601,7 @@ def _leaf_items(store: Any, source: Any, keys_to_update: Sequence[Any] | None) -
         source = source._tensordict
     if source is store:
         return {}
-    if isinstance(store.__class__, type) and isinstance(source, type(store)):
+    if isinstance(source, type(store)):
         source = source.to_tensordict()
     allowed = None if keys_to_update is None else {_as_path(k) for k in keys_to_update}
     out: dict[tuple[str, ...], Any] = {}

@@ -17,11 +17,17 @@ import math
 from typing import Any
 
 import torch
+from tensordict.base import NO_DEFAULT  # the "argument left out" sentinel of TensorDictBase
 
 from tdstore import _codec
 from tdstore.errors import CorruptMetadataError, DataLostError, SchemaError
 
-__all__ = ["tensor_meta", "nontensor_parts", "decode_value", "check_meta", "order_key"]
+__all__ = ["NO_DEFAULT", "is_no_default", "tensor_meta", "nontensor_parts", "decode_value", "check_meta", "order_key"]
+
+
+def is_no_default(value: Any) -> bool:
+    """Whether ``value`` is TensorDict's NO_DEFAULT sentinel (an argument left out)."""
+    return value is NO_DEFAULT
 
 
 def tensor_meta(tensor: torch.Tensor, order: list[int]) -> dict[str, Any]:

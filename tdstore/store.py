@@ -31,6 +31,7 @@ from tdstore._reads import StoreReads
 from tdstore._ring import RingBufferAPI
 from tdstore._store_api import StoreAPI
 from tdstore._unsupported import StoreUnsupported
+from tdstore._values import NO_DEFAULT, is_no_default
 from tdstore._views import StoreKeysView
 from tdstore.errors import (
     EntryNotFoundError,
@@ -45,7 +46,6 @@ __all__ = ["TensorDictStore"]
 
 _MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
-_NO_DEFAULT = object()
 
 
 
@@ -498,7 +498,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
     def _get_path(self, path: tuple[str, ...], default: Any) -> Any:
         meta = self._entry(path)
         if meta is None:
-            if default is _NO_DEFAULT or _is_no_default(default):
+            if is_no_default(default):
                 raise self._key_error(path)
             return default
         if meta["k"] == "td":
@@ -508,7 +508,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
     # ------------------------------------------------------------------ index reads
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
-            value = self._get_path(self._path + _as_path(index), _NO_DEFAULT)
+            value = self._get_path(self._path + _as_path(index), NO_DEFAULT)
             if isinstance(value, NonTensorData):
                 return value.data
             if isinstance(value, NonTensorStack):
@@ -524,7 +524,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
         path = self._path + _as_path(key)
         meta = self._entry(path)
         if meta is None:
-            if _is_no_default(default):
+            if is_no_default(default):
                 raise self._key_error(path)
             return default
         if meta["k"] == "td":
@@ -575,20 +575,15 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
         prepared = {path: self._prepare_value(path, value) for path, value in items.items()}
         self._ensure_exists()
 
-        def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
-            planner = WritePlanner(self, layout, inplace=inplace)
-            for path, value in prepared.items():
-                planner.add(path, value)
-            self._last_plan_bumps = planner.bump
-            return planner.ops, None
-
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
             layout = self._layout()
-            ops, _ = plan(layout)
+            planner = WritePlanner(self, layout, inplace=inplace)
+            for path, value in prepared.items():
+                planner.add(path, value)
+            ops, bump = planner.ops, planner.bump
             if not ops:
                 return
-            bump = self._last_plan_bumps
             check_lock = not inplace and not ignore_lock
             try:
                 if not bump and all(
@@ -606,7 +601,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
                         )
                     )
                     return
-                lv = conn.run(
+                conn.run(
                     lambda c: _backend.commit(
                         c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=bump,
                         check_lock=check_lock,
@@ -618,8 +613,6 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
                 continue
             if bump:
                 conn.layout = None
-            else:
-                layout.lv = lv
             return
         raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
 
@@ -704,7 +697,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
         layout = self._layout()
         if isinstance(value, (numbers.Number, torch.Tensor)):
             targets = {p: value for p, m in self._descendants(layout, self._path) if m["k"] == "t"}
-            self._write_index(index, targets, broadcast=True)
+            self._write_index(index, targets)
             return
         if is_tensorclass(value):
             value = value._tensordict
@@ -718,15 +711,12 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Ten
         for key, leaf in value.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor_cls):
             rel = _as_path(key)
             targets[self._path + rel] = leaf
-        self._write_index(index, targets, value_batch=value.batch_size)
+        self._write_index(index, targets)
 
-    def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any], *, broadcast: bool = False, value_batch: torch.Size | None = None) -> None:
+    def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any]) -> None:
         from tdstore._index_write import write_index
 
-        write_index(self, index, targets, broadcast=broadcast, value_batch=value_batch)
-
-def _is_no_default(default: Any) -> bool:
-    return default is _NO_DEFAULT or type(default).__name__ == "_NoDefault" or repr(default) == "NO_DEFAULT"
+        write_index(self, index, targets)
 
 
 def _is_leaf_nontensor_cls(cls: type) -> bool:
