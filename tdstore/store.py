@@ -22,6 +22,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
 from tdstore import _backend, _codec, _io, _values
+from tdstore._compat import StoreCompat014
 from tdstore._connection import Connection, connection_defaults
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import as_path as _as_path
@@ -49,7 +50,7 @@ _MAX_CAS_RETRIES = 1000
 
 
 
-class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, TensorDictBase):
+class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, StoreCompat014, TensorDictBase):
     """A TensorDict whose entries live on a Redis-compatible server.
 
     See the module docstring and ``docs/`` for the full guide; the public API follows
