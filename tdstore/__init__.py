@@ -14,6 +14,7 @@ Examples:
 from __future__ import annotations
 
 from tdstore._codec import PicklePolicy, set_pickle_policy
+from tdstore._retry import OutcomeUnknownError, RetryPolicy, ServerUnavailableError
 from tdstore.errors import (
     ClientConfigError,
     CorruptMetadataError,
@@ -58,6 +59,9 @@ __all__ = [
     "ClientConfigError",
     "EventLoopError",
     "UnsafePayloadError",
+    "ServerUnavailableError",
+    "OutcomeUnknownError",
+    "RetryPolicy",
     "PicklePolicy",
     "set_pickle_policy",
     "__version__",

@@ -8,14 +8,25 @@ first use, so a store inherited by a forked DataLoader worker keeps working.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio
+import redis.asyncio.retry
 import redis.exceptions
+from redis.backoff import NoBackoff
 
 from tdstore import _backend, _io
 from tdstore._keys import StoreKeys
+from tdstore._retry import (
+    OutcomeUnknownError,
+    RetryPolicy,
+    ServerUnavailableError,
+    classify,
+    resolve_policy,
+    sleep_before_retry,
+)
 from tdstore._scripts import ScriptRunner, probe_shebang
 from tdstore.errors import ClientConfigError, ServerOutOfMemoryError, StoreClosedError
 
@@ -54,8 +65,11 @@ class Connection:
         timeout: float,
         redis_kwargs: dict[str, Any],
         pickle_policy: Any = None,
+        retry: Any = None,
     ) -> None:
         from tdstore._codec import default_pickle_policy
+
+        self.retry_policy = resolve_policy(retry)
 
         self.pickle_policy = pickle_policy if pickle_policy is not None else default_pickle_policy()
         self.keys = StoreKeys(prefix, td_id)
@@ -130,6 +144,7 @@ class Connection:
             # the signing key is a secret: a process that unpickles the store takes it from
             # its own default (set_pickle_policy / TDSTORE_PICKLE_KEY)
             "allow_pickle": self.pickle_policy.allow,
+            "retry": self.retry_policy,
         }
 
     @classmethod
@@ -141,6 +156,7 @@ class Connection:
         self.pickle_policy = PicklePolicy(bool(state.get("allow_pickle", True)) and default.allow, default.key)
         self.keys = StoreKeys(state["prefix"], state["td_id"])
         self.timeout = state["timeout"]
+        self.retry_policy = state.get("retry") or RetryPolicy.from_env()
         self.closed = False
         self.layout = None
         self._client = None
@@ -164,6 +180,7 @@ class Connection:
             "prefix": self.keys.prefix,
             "td_id": td_id,
             "timeout": self.timeout,
+            "retry": self.retry_policy,
         }
         sibling = Connection.from_pickle_state(state)
         sibling.pickle_policy = self.pickle_policy
@@ -171,7 +188,10 @@ class Connection:
 
     # -- running -----------------------------------------------------------------------
     def _build_client(self) -> Any:
-        pool = self._pool_class(connection_class=self._connection_class, **self._conn_kwargs)
+        # tdstore retries by its own policy (run()); redis-py's default Retry would re-send a
+        # command whose connection broke mid-flight, and re-sending extend() double-applies it
+        kwargs = {**self._conn_kwargs, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0), "retry_on_error": []}
+        pool = self._pool_class(connection_class=self._connection_class, **kwargs)
         return self._client_class(connection_pool=pool)
 
     def closed_error(self) -> StoreClosedError:
@@ -181,8 +201,44 @@ class Connection:
             f"TensorDictStore.from_store(td_id={self.keys.td_id!r}, ...)"
         )
 
-    def run(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None = None) -> T:
-        """Runs ``fn(client)`` on the IO loop and returns its result."""
+    def run(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None = None, *, idempotent: bool = True) -> T:
+        """Runs ``fn(client)`` on the IO loop and returns its result.
+
+        A connection failure is retried by the store's :class:`~tdstore._retry.RetryPolicy`
+        when nothing was sent, or when ``fn`` is idempotent (running it twice leaves the same
+        state as once). A non-idempotent ``fn`` whose connection broke mid-flight raises
+        :class:`~tdstore._retry.OutcomeUnknownError` instead; see docs/guarantees.md.
+        """
+        policy = self.retry_policy
+        started = 0.0
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self._run_once(fn, timeout)
+            except Exception as err:  # noqa: BLE001 - classified, re-raised unless retried
+                kind = classify(err)
+                if kind is None:
+                    raise
+                if kind == "unknown" and not idempotent:
+                    raise OutcomeUnknownError(
+                        f"the connection to {self.describe()} broke while a write to TensorDictStore("
+                        f"td_id={self.keys.td_id!r}, prefix={self.keys.prefix!r}) was in flight ({err}); "
+                        "the server applied all of it or none of it, but which is unknown, and this write "
+                        "is not safe to send twice. Read the store to find out before writing again."
+                    ) from err
+                if attempt == 1:
+                    started = time.monotonic()
+                if not sleep_before_retry(policy, attempt, started):
+                    raise ServerUnavailableError(
+                        f"could not reach the server at {self.describe()} for TensorDictStore("
+                        f"td_id={self.keys.td_id!r}, prefix={self.keys.prefix!r}): {err}. Gave up after "
+                        f"{attempt} tries in {time.monotonic() - started:.1f} s ({policy.describe()}; "
+                        "pass retry= to the store or set TDSTORE_RETRY to wait longer)."
+                        + (" Nothing of this operation was applied." if kind == "unsent" else "")
+                    ) from err
+
+    def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None) -> T:
         if self.closed:
             raise self.closed_error()
         generation = _io.loop_generation()

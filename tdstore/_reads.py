@@ -165,7 +165,8 @@ class StoreReads:
                     lambda c: _backend.commit(
                         c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
                         check_lock=False, expected_wv=snap.wv,
-                    )
+                    ),
+                    idempotent=False,  # a re-sent compare-and-set would re-read and apply twice
                 )
             except (WriteConflictError, StaleLayoutError):
                 time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))

@@ -111,7 +111,8 @@ class RingBufferAPI:
                 row_bytes = _codec.tensor_nbytes(tuple(batch[1:]) + feat, dtype)
                 groups.append((conn.keys.data(path), row_bytes, view))
             try:
-                start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity))
+                # not idempotent: a re-sent extend would take rows twice
+                start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity), idempotent=False)
             except StaleLayoutError:
                 _io.backoff(attempt)
                 self._layout(refresh=True)

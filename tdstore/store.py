@@ -29,6 +29,7 @@ from tdstore._keys import as_path as _as_path
 from tdstore._keys import new_td_id
 from tdstore._planner import WritePlanner, check_tensor, flatten_values, tensor_like
 from tdstore._reads import StoreReads
+from tdstore._retry import RetryPolicy
 from tdstore._ring import RingBufferAPI
 from tdstore._store_api import StoreAPI
 from tdstore._unsupported import StoreUnsupported
@@ -99,6 +100,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
         names: Sequence[str | None] | None = None,
         allow_pickle: bool | None = None,
         pickle_key: bytes | str | None = None,
+        retry: RetryPolicy | int | bool | None = None,
         _create: bool = True,
         **redis_kwargs: Any,
     ) -> None:
@@ -114,6 +116,7 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
             timeout=timeout,
             redis_kwargs=redis_kwargs,
             pickle_policy=_pickle_policy(allow_pickle, pickle_key),
+            retry=retry,
         )
         device = torch.device(device) if device is not None else None
         self._init_handle(conn, (), device, cache_metadata, backend)
@@ -560,7 +563,8 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
                         c, conn.keys, conn.runner, ops,
                         expected="" if expected_any else str(layout.lv),
                         bump=bump, check_lock=check_lock, meta_updates=meta_updates,
-                    )
+                    ),
+                    idempotent=expected_any,  # a re-sent del_/rename would replan and fail
                 )
             except StaleLayoutError:
                 _io.backoff(attempt)
@@ -676,7 +680,8 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
         conn.run(
             lambda c: _backend.commit(
                 c, conn.keys, conn.runner, ops, expected="new", bump=True, check_lock=False, meta_updates=meta
-            )
+            ),
+            idempotent=False,  # a re-sent create would find its own store and call it taken
         )
         conn.layout = None
 
