@@ -17,7 +17,7 @@ import redis.asyncio.retry
 import redis.exceptions
 from redis.backoff import NoBackoff
 
-from tdstore import _backend, _io
+from tdstore import _backend, _credentials, _io
 from tdstore._keys import StoreKeys
 from tdstore._retry import (
     OutcomeUnknownError,
@@ -28,7 +28,14 @@ from tdstore._retry import (
     sleep_before_retry,
 )
 from tdstore._scripts import ScriptRunner, probe_shebang
-from tdstore.errors import ClientConfigError, ServerOutOfMemoryError, StoreClosedError
+from tdstore.errors import (
+    ClientConfigError,
+    EntryTooLargeError,
+    ServerAuthError,
+    ServerOutOfMemoryError,
+    ServerTLSError,
+    StoreClosedError,
+)
 
 __all__ = ["Connection", "DEFAULT_MAX_BULK"]
 
@@ -80,6 +87,11 @@ class Connection:
         self._generation = -1
         self._runner: ScriptRunner | None = None
         self.max_bulk = DEFAULT_MAX_BULK
+        redis_kwargs = dict(redis_kwargs)
+        # opt-in: pickles of this store carry its password (in clear); see _credentials
+        self.pickle_secrets = bool(redis_kwargs.pop("pickle_secrets", False))
+        self._secrets_dropped: list[str] = []
+        self._credentials_from: str | None = None
         if client is not None:
             if not isinstance(client, redis.asyncio.Redis):
                 raise ClientConfigError(
@@ -111,6 +123,7 @@ class Connection:
             self._pool_class = redis.asyncio.ConnectionPool
             self._connection_class = connection_class
             self._conn_kwargs = kwargs
+            self._credentials_from = _credentials.fill_from_env(kwargs)
         # Replies parsed from a socket are fresh bytes objects that only tdstore holds;
         # an in-process server (fakeredis) may hand out its own stored objects.
         self.owned_replies = self._connection_class.__module__.startswith("redis.")
@@ -126,6 +139,29 @@ class Connection:
             where = self._connection_class.__name__
         return f"{where} db={kw.get('db', 0)}"
 
+    def _auth_error(self, err: BaseException) -> ServerAuthError:
+        kw = self._conn_kwargs
+        reason = str(err).rstrip(".")  # the server's text names no secret ("WRONGPASS invalid ...")
+        if kw.get("password") is None and kw.get("credential_provider") is None:
+            problem = f"refused {_credentials.who(kw)}: no password was given ({reason})"
+            hint = _credentials.missing_hint(self._secrets_dropped)
+        else:
+            given = f", taken from {self._credentials_from}" if self._credentials_from else ""
+            problem = f"refused the credentials of {_credentials.who(kw)}{given} ({reason})"
+            hint = "Check the user name and password (or the credential provider), and that the user is enabled."
+        return ServerAuthError(
+            f"the server {self.describe()} {problem} for TensorDictStore(td_id={self.keys.td_id!r}, "
+            f"prefix={self.keys.prefix!r}). {hint}"
+        )
+
+    def _tls_error(self, err: BaseException) -> ServerTLSError:
+        ca = self._conn_kwargs.get("ssl_ca_certs") or self._conn_kwargs.get("ssl_ca_path") or "the system CAs"
+        return ServerTLSError(
+            f"TLS handshake with {self.describe()} failed for TensorDictStore(td_id={self.keys.td_id!r}): {str(err).rstrip('.')}. "
+            f"The server's certificate must be signed by the CA given (ssl_ca_certs={ca!r}) and name the "
+            "host connected to; a server that requires client certificates needs ssl_certfile= and ssl_keyfile=."
+        )
+
     def pickle_state(self) -> dict[str, Any]:
         kwargs = dict(self._conn_kwargs)
         if kwargs.get("server") is not None or not self.owned_replies:
@@ -133,7 +169,11 @@ class Connection:
                 "a TensorDictStore on an in-process server (fakeredis) cannot be pickled: "
                 "another process cannot reach that server"
             )
+        # secrets stay in this process unless the store opted in (pickle_secrets=True)
+        dropped = [] if self.pickle_secrets else _credentials.strip_secrets(kwargs)
         return {
+            "pickle_secrets": self.pickle_secrets,
+            "secrets_dropped": dropped,
             "client_class": self._client_class,
             "pool_class": self._pool_class,
             "connection_class": self._connection_class,
@@ -168,6 +208,12 @@ class Connection:
         self._connection_class = state["connection_class"]
         self._conn_kwargs = state["conn_kwargs"]
         self.owned_replies = self._connection_class.__module__.startswith("redis.")
+        self.pickle_secrets = bool(state.get("pickle_secrets", False))
+        self._secrets_dropped = list(state.get("secrets_dropped", ()))
+        self._credentials_from: str | None = state.get("credentials_from")
+        if self._secrets_dropped:
+            self._conn_kwargs = dict(self._conn_kwargs)
+            self._credentials_from = _credentials.fill_from_env(self._conn_kwargs)
         return self
 
     def sibling(self, td_id: str) -> Connection:
@@ -181,6 +227,8 @@ class Connection:
             "td_id": td_id,
             "timeout": self.timeout,
             "retry": self.retry_policy,
+            "pickle_secrets": self.pickle_secrets,
+            "credentials_from": getattr(self, "_credentials_from", None),
         }
         sibling = Connection.from_pickle_state(state)
         sibling.pickle_policy = self.pickle_policy
@@ -320,13 +368,39 @@ class Connection:
         except Exception:  # noqa: BLE001 - CONFIG may be disabled; the message still stands
             return "maxmemory"
 
+    # -- limits ------------------------------------------------------------------------
+    def check_entry_size(self, path: tuple[str, ...], nbytes: int, where: str, what: str = "entry") -> None:
+        """Refuses, before any byte is sent, a string larger than the server's proto-max-bulk-len.
+
+        A bulk argument over the limit makes the server drop the connection (a BrokenPipe or
+        reset on the client) and a SETRANGE beyond it fails half-way through a transaction, so
+        the size is checked against the limit read when the connection was set up.
+        """
+        limit = self.max_bulk
+        if nbytes <= limit:
+            return
+        raise EntryTooLargeError(
+            f"{what} {path!r} of {where} is {nbytes} bytes ({_mib(nbytes)}), more than the server's "
+            f"proto-max-bulk-len of {limit} bytes ({_mib(limit)}) for one string on {self.describe()}; "
+            "nothing was written. Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
+            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split the entry "
+            "into row blocks with chunk_bytes= (chunked entries)."
+        )
+
     @property
     def runner(self) -> ScriptRunner:
         assert self._runner is not None, "runner is set up by run()"
         return self._runner
 
     async def _setup(self, client: Any) -> None:
-        shebang = await probe_shebang(client)
+        try:
+            shebang = await probe_shebang(client)  # the first command: it authenticates
+        except redis.exceptions.AuthenticationError as err:
+            raise self._auth_error(err) from None  # no chained frames holding the client's kwargs
+        except redis.exceptions.ConnectionError as err:
+            if not _is_tls_failure(err):
+                raise
+            raise self._tls_error(err) from err
         try:
             reply = await client.config_get("proto-max-bulk-len")
             value = reply.get(b"proto-max-bulk-len") or reply.get("proto-max-bulk-len")
@@ -348,6 +422,30 @@ class Connection:
                 _io.sync(client.aclose(), 5.0)
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort
                 pass
+
+
+def _is_tls_failure(err: BaseException) -> bool:
+    import ssl
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError) or "SSL" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1024 * 1024):.1f} MiB"
+
+
+def _suggest_limit(nbytes: int) -> str:
+    """A round proto-max-bulk-len (whole MiB, rounded up to a power of two) that fits ``nbytes``."""
+    mib = 1
+    while mib * 1024 * 1024 < nbytes:
+        mib *= 2
+    return f"{mib}mb" if mib < 1024 else f"{mib // 1024}gb"
+
 
 def connection_defaults(host: str, port: int, unix_socket_path: str | None) -> tuple[str, int, str | None]:
     """Applies TDSTORE_URL when the caller kept the documented defaults.

@@ -86,7 +86,9 @@ def write_index(
                     )
                 seq += 1
                 meta = {"k": "t", "dtype": _codec.dtype_name(tensor.dtype), "shape": list(shape), "o": [layout.lv + 1, seq]}
-                create.append(_backend.Op("zero", path, meta, nbytes=_codec.tensor_nbytes(shape, tensor.dtype)))
+                nbytes = _codec.tensor_nbytes(shape, tensor.dtype)
+                conn.check_entry_size(path, nbytes, where)  # a SETRANGE past the limit would fail mid-MULTI
+                create.append(_backend.Op("zero", path, meta, nbytes=nbytes))
             elif meta["k"] != "t":
                 raise UnsupportedOperationError(
                     f"entry {path!r} of {where} is a nested tensordict; write a TensorDict into it"

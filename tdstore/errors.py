@@ -35,6 +35,8 @@ __all__ = [
     "UnsupportedOperationError",
     "UnsafePayloadError",
     "ClientConfigError",
+    "ServerAuthError",
+    "ServerTLSError",
     "EventLoopError",
     "LUA_ERRORS",
     "translate_response_error",
@@ -124,6 +126,18 @@ class UnsupportedOperationError(TDStoreError, RuntimeError):
 
 class ClientConfigError(TDStoreError, ValueError):
     """The redis client passed in is configured in a way tdstore cannot use."""
+
+
+class ServerAuthError(TDStoreError, redis.exceptions.AuthenticationError):
+    """The server refused the credentials (or needs some); the message names the user, never the password."""
+
+
+class ServerTLSError(TDStoreError, redis.exceptions.AuthenticationError):
+    """The TLS handshake failed, e.g. the server's certificate does not verify against the CA given.
+
+    An ``AuthenticationError`` (so a ``ConnectionError``) because the server failed to prove who
+    it is: retrying cannot help, so it is never retried.
+    """
 
 
 class EventLoopError(TDStoreError, RuntimeError):

