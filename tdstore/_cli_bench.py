@@ -1,0 +1,228 @@
+"""``tdstore bench``: a quick benchmark of tdstore against raw redis-py on a given server.
+
+Each case times a tdstore operation and the fastest plain ``redis.asyncio`` code for the
+same work (the same bytes, the same server, the same IO loop thread), and reports the
+medians, the rate and the ratio tdstore / raw (lower is better; 1.00x is parity). The
+thorough benchmarks, with their goals, are in ``benchmarks/``; this one takes seconds and
+says what a given deployment (host, socket, TLS, server kind) delivers.
+
+Everything it creates lives under the key prefix ``tdstore-bench`` and is deleted at the
+end, also after an error.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TextIO
+
+__all__ = ["run_bench", "BENCH_PREFIX"]
+
+BENCH_PREFIX = "tdstore-bench"
+
+
+def _median_s(fn: Callable[[], Any], repeat: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Raw:
+    """Plain redis.asyncio calls on tdstore's IO loop (one client, created on that loop)."""
+
+    def __init__(self, opts: Any) -> None:
+        from tdstore import _io
+
+        self._io = _io
+        self._kwargs = opts.redis_kwargs()
+        self._client: Any = None
+        self._timeout = opts.timeout * 4
+
+    def run(self, fn: Callable[[Any], Any]) -> Any:
+        import redis.asyncio
+
+        async def call() -> Any:
+            if self._client is None:
+                self._client = redis.asyncio.Redis(**self._kwargs)
+            return await fn(self._client)
+
+        return self._io.sync(call(), self._timeout)
+
+    def close(self) -> None:
+        if self._client is not None:
+
+            async def close(c: Any) -> None:
+                await c.aclose()
+
+            self.run(close)
+
+
+def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) -> list[dict[str, Any]]:
+    import torch
+    from tensordict import TensorDict
+
+    from tdstore import TensorDictStore
+
+    conn = opts.store_kwargs()
+    gen = torch.Generator().manual_seed(0)
+    results: list[dict[str, Any]] = []
+
+    def record(case: str, t_store: float, t_raw: float, nbytes: int, rows: int | None, raw_desc: str) -> None:
+        results.append(
+            {
+                "case": case,
+                "raw": raw_desc,
+                "tdstore_ms": t_store * 1e3,
+                "raw_ms": t_raw * 1e3,
+                "ratio": t_store / t_raw if t_raw > 0 else float("inf"),
+                "mb_per_s": nbytes / t_store / 1e6,
+                "rows_per_s": rows / t_store if rows else None,
+            }
+        )
+
+    # ---- whole entry
+    numel = max(1, int(args.mb * 1e6) // 4)
+    tensor = torch.randn(numel, generator=gen)
+    nbytes = numel * 4
+    view = memoryview(tensor.numpy()).cast("B")
+    store = TensorDictStore(batch_size=[], prefix=BENCH_PREFIX, **conn)
+    stores.append(store)
+    raw_key = f"{BENCH_PREFIX}:raw:{uuid.uuid4().hex}"
+    keys.append(raw_key)
+
+    def store_set() -> None:
+        store["x"] = tensor
+
+    async def raw_set(c: Any) -> None:
+        await c.set(raw_key, view)
+
+    async def raw_get(c: Any) -> torch.Tensor:
+        return torch.frombuffer(bytearray(await c.get(raw_key)), dtype=torch.float32)
+
+    t_store = _median_s(store_set, args.repeat)
+    t_raw = _median_s(lambda: raw.run(raw_set), args.repeat)
+    record(f"store['x'] = t ({nbytes / 1e6:.0f} MB)", t_store, t_raw, nbytes, None, "SET")
+    got = store["x"]
+    if not torch.equal(got, tensor):
+        raise AssertionError("tdstore bench: the whole entry read back differs from what was written")
+    t_store = _median_s(lambda: store["x"], args.repeat)
+    t_raw = _median_s(lambda: raw.run(raw_get), args.repeat)
+    record(f"store['x'] ({nbytes / 1e6:.0f} MB)", t_store, t_raw, nbytes, None, "GET + frombuffer")
+
+    # ---- random rows
+    rows, row_bytes, batch = args.rows, args.row_bytes, min(args.batch, args.rows)
+    rows_store = TensorDictStore.from_schema(
+        {"obs": ([row_bytes], torch.uint8)}, batch_size=[rows], prefix=BENCH_PREFIX, **conn
+    )
+    stores.append(rows_store)
+    rows_key = f"{BENCH_PREFIX}:raw:{uuid.uuid4().hex}"
+    keys.append(rows_key)
+    data = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=gen)
+    rows_store["obs"] = data
+    data_view = memoryview(data.numpy()).cast("B")
+    raw.run(lambda c: c.set(rows_key, data_view))
+    idx = torch.randperm(rows, generator=gen)[:batch]
+    idx_list = idx.tolist()
+    new_rows = TensorDict(obs=torch.randint(0, 256, (batch, row_bytes), dtype=torch.uint8, generator=gen),
+                          batch_size=[batch])
+    new_view = memoryview(new_rows["obs"].numpy()).cast("B")
+
+    async def raw_rows_read(c: Any) -> torch.Tensor:
+        async with c.pipeline(transaction=True) as pipe:
+            for i in idx_list:
+                pipe.getrange(rows_key, i * row_bytes, (i + 1) * row_bytes - 1)
+            parts = await pipe.execute()
+        return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).view(batch, row_bytes)
+
+    async def raw_rows_write(c: Any) -> None:
+        async with c.pipeline(transaction=True) as pipe:
+            for n, i in enumerate(idx_list):
+                pipe.setrange(rows_key, i * row_bytes, new_view[n * row_bytes : (n + 1) * row_bytes])
+            await pipe.execute()
+
+    if not torch.equal(rows_store[idx]["obs"], data[idx]):
+        raise AssertionError("tdstore bench: the rows read back differ from what was written")
+    repeat = max(args.repeat, 15)  # millisecond cases: more runs for a stable median
+    t_store = _median_s(lambda: rows_store[idx], repeat)
+    t_raw = _median_s(lambda: raw.run(raw_rows_read), repeat)
+    record(f"store[idx], {batch} random rows of {row_bytes} B", t_store, t_raw, batch * row_bytes, batch,
+           f"MULTI of {batch} GETRANGE")
+
+    def rows_write() -> None:
+        rows_store[idx] = new_rows
+
+    t_store = _median_s(rows_write, repeat)
+    t_raw = _median_s(lambda: raw.run(raw_rows_write), repeat)
+    record(f"store[idx] = td, {batch} random rows", t_store, t_raw, batch * row_bytes, batch,
+           f"MULTI of {batch} SETRANGE")
+
+    one = int(idx_list[0])
+
+    async def raw_one(c: Any) -> torch.Tensor:
+        return torch.frombuffer(bytearray(await c.getrange(rows_key, one * row_bytes, (one + 1) * row_bytes - 1)),
+                                dtype=torch.uint8)
+
+    repeat_one = max(args.repeat, 31)
+    t_store = _median_s(lambda: rows_store[one], repeat_one)
+    t_raw = _median_s(lambda: raw.run(raw_one), repeat_one)
+    record("store[i], one row", t_store, t_raw, row_bytes, 1, "GETRANGE")
+    return results
+
+
+def _format(results: list[dict[str, Any]], where: str, server: str) -> str:
+    from tdstore._cli_inspect import table
+
+    rows = [
+        [
+            r["case"],
+            f"{r['tdstore_ms']:.2f}",
+            f"{r['raw_ms']:.2f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['mb_per_s']:,.0f}",
+            "-" if r["rows_per_s"] is None else f"{r['rows_per_s']:,.0f}",
+            r["raw"],
+        ]
+        for r in results
+    ]
+    text = table(["CASE", "TDSTORE ms", "RAW ms", "RATIO", "MB/s", "ROWS/s", "RAW FORM"], rows, right={1, 2, 3, 4, 5})
+    return f"tdstore bench on {where} ({server}); medians, ratio = tdstore / raw redis-py\n" + text
+
+
+def run_bench(opts: Any, args: Any, out: TextIO) -> int:
+    """Runs ``tdstore bench``; returns 0."""
+    from tdstore.cli import CliError
+
+    if not 0 < args.mb <= 1024:
+        raise CliError("tdstore bench: --mb must be in (0, 1024]", 2)
+    if args.rows < 1 or args.row_bytes < 1 or args.batch < 1 or args.repeat < 1:
+        raise CliError("tdstore bench: --rows, --row-bytes, --batch and --repeat must be positive", 2)
+    raw = _Raw(opts)
+    stores: list[Any] = []
+    keys: list[str] = []
+    try:
+        info = raw.run(lambda c: c.info("server"))
+        server = f"{'valkey ' + str(info['valkey_version']) if 'valkey_version' in info else 'redis ' + str(info.get('redis_version', '?'))}"
+        results = _cases(opts, args, raw, stores, keys)
+    finally:
+        for store in stores:
+            try:
+                store.clear_redis()
+            finally:
+                store.close()
+        if keys:
+            raw.run(lambda c: c.delete(*keys))
+        raw.close()
+    if args.json:
+        json.dump({"server": opts.describe(), "server_version": server, "results": results}, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(_format(results, opts.describe(), server))
+    return 0

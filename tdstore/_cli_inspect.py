@@ -1,0 +1,381 @@
+"""``tdstore ls``, ``info`` and ``rm``: read store metadata and present it.
+
+Metadata comes through :mod:`tdstore._backend` (``list_stores``, ``parse_layout``,
+``fetch_layout``) and key names through :class:`~tdstore._keys.StoreKeys`; nothing here
+parses key names beyond taking the prefix of a meta key that SCAN returned. Sizes are the
+servers' own string lengths (STRLEN of each data key), the TTL is the meta key's PTTL, and
+the age comes from a creation timestamp in the meta hash when the store has one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, TextIO
+
+from tdstore import _backend
+from tdstore._keys import StoreKeys, encode_path
+
+__all__ = ["list_store_infos", "store_info", "remove_stores", "format_ls", "format_info", "table"]
+
+#: meta hash fields that may hold a creation time (seconds or milliseconds since the epoch)
+CREATED_FIELDS = ("created", "created_at", "ctime")
+#: stores read per pipeline round trip in ``ls``
+LS_BATCH = 100
+
+
+# --------------------------------------------------------------------------- formatting
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.0f}s" if s >= 10 else f"{s:.1f}s"
+    minutes, sec = divmod(int(s), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    return f"{hours // 24}d{hours % 24:02d}h"
+
+
+def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set[int] = frozenset()) -> str:
+    """A plain text table: columns padded to their widest cell, numbers (``right``) right-aligned."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)]) + "\n"
+
+
+def _shape(dims: Any) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]" if isinstance(dims, list) else "-"
+
+
+# --------------------------------------------------------------------------- reading
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _ttl_seconds(pttl: Any) -> float | None:
+    """PTTL reply -> seconds left, or None when the key has no expiry (-1) or is gone (-2)."""
+    ms = int(pttl) if pttl is not None else -1
+    return ms / 1000.0 if ms >= 0 else None
+
+
+def _age_seconds(meta: dict[str, str], now: float) -> float | None:
+    for name in CREATED_FIELDS:
+        raw = meta.get(name)
+        if not raw:
+            continue
+        try:
+            stamp = float(raw)
+        except ValueError:
+            continue
+        if stamp > 1e11:  # milliseconds
+            stamp /= 1000.0
+        return max(0.0, now - stamp)
+    return None
+
+
+def _leaf_paths(layout: _backend.Layout) -> list[tuple[str, ...]]:
+    return [p for p, e in layout.entries.items() if e.get("k") in ("t", "nt")]
+
+
+async def _scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]:
+    """(prefix, td_id) of every store under ``prefix``, or under every prefix when None."""
+    if prefix is not None:
+        return [(prefix, td_id) for td_id in await _backend.list_stores(client, prefix)]
+    found = set()
+    # every prefix: the prefix of a meta key is what comes before its "{td_id}" hash tag
+    # (validate_prefix forbids braces in a prefix)
+    async for key in client.scan_iter(match="*:{*}:meta", count=1000):
+        text = _text(key) or ""
+        brace, end = text.find(":{"), text.rfind("}:meta")
+        if brace > 0 and end > brace:
+            found.add((text[:brace], text[brace + 2 : end]))
+    return sorted(found)
+
+
+def _run(opts: Any, fn: Any) -> Any:
+    """Runs ``fn(client)`` on tdstore's IO loop with a fresh ``redis.asyncio`` client."""
+    import redis.asyncio
+
+    from tdstore import _io
+
+    async def call() -> Any:
+        client = redis.asyncio.Redis(**opts.redis_kwargs())
+        try:
+            return await fn(client)
+        finally:
+            await client.aclose()
+
+    return _io.sync(call(), opts.timeout * 4)
+
+
+async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
+    now = time.time()
+    candidates = await _scan_stores(client, prefix)
+    out: list[dict[str, Any]] = []
+    for start in range(0, len(candidates), LS_BATCH):
+        keys = []
+        for pfx, td_id in candidates[start : start + LS_BATCH]:
+            try:
+                keys.append(StoreKeys(pfx, td_id))
+            except ValueError:
+                continue  # a key that only looks like a store's
+        async with client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.hgetall(k.meta)
+                pipe.hgetall(k.reg)
+                pipe.pttl(k.meta)
+            replies = await pipe.execute()
+        layouts = []
+        for i, k in enumerate(keys):
+            meta_raw, reg_raw, pttl = replies[3 * i : 3 * i + 3]
+            try:
+                layout = _backend.parse_layout(meta_raw, reg_raw)
+            except (ValueError, TypeError):
+                layout = None
+            if layout is None or "fmt" not in layout.meta:
+                continue  # deleted meanwhile, or not a tdstore store
+            layouts.append((k, layout, pttl))
+        async with client.pipeline(transaction=False) as pipe:
+            for k, layout, _ in layouts:
+                for path in _leaf_paths(layout):
+                    pipe.strlen(k.data(path))
+            sizes = iter(await pipe.execute())
+        for k, layout, pttl in layouts:
+            leaves = _leaf_paths(layout)
+            out.append(
+                {
+                    "td_id": k.td_id,
+                    "prefix": k.prefix,
+                    "batch_size": json.loads(layout.meta.get("batch_size") or "[]"),
+                    "entries": len(leaves),
+                    "bytes": sum(int(next(sizes)) for _ in leaves),
+                    "age_s": _age_seconds(layout.meta, now),
+                    "ttl_s": _ttl_seconds(pttl),
+                }
+            )
+    return out
+
+
+def list_store_infos(opts: Any, prefix: str | None) -> list[dict[str, Any]]:
+    """One summary per store (dicts ready for JSON), sorted by prefix and td_id."""
+    return _run(opts, lambda client: _summaries(client, prefix))  # type: ignore[no-any-return]
+
+
+def _parent_batch(layout: _backend.Layout, path: tuple[str, ...]) -> list[int]:
+    parent = layout.entries.get(path[:-1]) if len(path) > 1 else None
+    if parent is not None and parent.get("k") == "td":
+        return list(parent.get("batch_size") or [])
+    return list(json.loads(layout.meta.get("batch_size") or "[]"))
+
+
+async def _details(client: Any, keys: StoreKeys) -> tuple[Any, ...]:
+    layout = await _backend.fetch_layout(client, keys)
+    if layout is None:
+        return None, None, None, None, []
+    paths = sorted(layout.entries, key=lambda p: tuple(layout.entries[p].get("o") or [0, 0]))
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.get(keys.wv)
+        pipe.get(keys.ring)
+        pipe.pttl(keys.meta)
+        for path in paths:
+            if layout.entries[path].get("k") != "td":
+                pipe.strlen(keys.data(path))
+        replies = await pipe.execute()
+    return layout, replies[0], replies[1], replies[2], replies[3:]
+
+
+def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
+    """Everything ``tdstore info`` shows about one store (a dict ready for JSON)."""
+    from tdstore.cli import CliError
+
+    try:
+        keys = StoreKeys(prefix, td_id)
+    except ValueError as err:
+        raise CliError(f"tdstore: {err}", 2) from None
+    layout, wv, ring, pttl, strlens = _run(opts, lambda client: _details(client, keys))
+    if layout is None:
+        raise CliError(
+            f"tdstore: no store with td_id={td_id!r} under prefix {prefix!r} on {opts.describe()} "
+            "(`tdstore ls` lists the stores)"
+        )
+    lengths = iter(strlens)
+    paths = sorted(layout.entries, key=lambda p: tuple(layout.entries[p].get("o") or [0, 0]))
+    entries = []
+    for path in paths:
+        meta = layout.entries[path]
+        kind = meta.get("k")
+        row: dict[str, Any] = {"key": list(path), "field": encode_path(path)}
+        if kind == "t":
+            row.update(kind="tensor", shape=meta.get("shape"), dtype=meta.get("dtype"), bytes=int(next(lengths)))
+        elif kind == "nt":
+            stack = int(meta.get("stack") or 0)
+            shape = _parent_batch(layout, path)[:stack]
+            row.update(kind="non-tensor", shape=shape, dtype=meta.get("enc"), bytes=int(next(lengths)))
+        else:
+            row.update(kind="tensordict", shape=meta.get("batch_size"), dtype=None, bytes=None)
+        entries.append(row)
+    m = layout.meta
+    total = sum(e["bytes"] for e in entries if e["bytes"] is not None)
+    return {
+        "td_id": td_id,
+        "prefix": prefix,
+        "server": opts.describe(),
+        "batch_size": json.loads(m.get("batch_size") or "[]"),
+        "device": m.get("device") or None,
+        "names": json.loads(m.get("names") or "null"),
+        "tensorclass": m.get("tensorclass") or None,
+        "format": m.get("fmt"),
+        "layout_version": layout.lv,
+        "write_version": int(_text(wv) or 0),
+        "locked": m.get("lock") == "1",
+        "chunking": None,  # row-block chunking is not built yet: one string per entry
+        "ring_total": int(_text(ring) or 0) if ring is not None else None,
+        "ttl_s": _ttl_seconds(pttl),
+        "age_s": _age_seconds(m, time.time()),
+        "bytes": total,
+        "entries": entries,
+    }
+
+
+# --------------------------------------------------------------------------- presenting
+def _leaves(info: dict[str, Any]) -> int:
+    return sum(1 for e in info["entries"] if e["kind"] != "tensordict")
+
+
+def format_ls(stores: list[dict[str, Any]], where: str) -> str:
+    if not stores:
+        return f"no stores on {where}\n"
+    rows = [
+        [
+            s["td_id"],
+            s["prefix"],
+            _shape(s["batch_size"]),
+            str(s["entries"]),
+            human_bytes(s["bytes"]),
+            human_seconds(s["age_s"]),
+            human_seconds(s["ttl_s"]) if s["ttl_s"] is not None else "none",
+        ]
+        for s in stores
+    ]
+    text = table(["TD_ID", "PREFIX", "BATCH", "ENTRIES", "BYTES", "AGE", "TTL"], rows, right={3, 4, 5, 6})
+    total = sum(s["bytes"] for s in stores)
+    plural = "s" if len(stores) != 1 else ""
+    return text + f"{len(stores)} store{plural}, {human_bytes(total)} ({total:,} bytes) on {where}\n"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    def show(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    header = [
+        ("td_id", info["td_id"]),
+        ("prefix", info["prefix"]),
+        ("server", info["server"]),
+        ("batch size", _shape(info["batch_size"])),
+        ("device", show(info["device"])),
+        ("names", show(info["names"])),
+        ("tensorclass", show(info["tensorclass"])),
+        ("format", show(info["format"])),
+        ("layout version", str(info["layout_version"])),
+        ("write version", str(info["write_version"])),
+        ("lock", "locked" if info["locked"] else "unlocked"),
+        ("chunking", show(info["chunking"])),
+        ("ring", "-" if info["ring_total"] is None else f"{info['ring_total']:,} rows appended"),
+        ("age", human_seconds(info["age_s"])),
+        ("ttl", human_seconds(info["ttl_s"]) if info["ttl_s"] is not None else "none"),
+        ("size", f"{human_bytes(info['bytes'])} ({info['bytes']:,} bytes) in {_leaves(info)} entries"),
+    ]
+    width = max(len(name) for name, _ in header)
+    lines = "".join(f"{name.ljust(width)}  {value}\n" for name, value in header)
+    rows = [
+        [
+            ".".join(e["key"]),
+            e["kind"],
+            _shape(e["shape"]),
+            show(e["dtype"]),
+            "-" if e["bytes"] is None else f"{e['bytes']:,}",
+        ]
+        for e in info["entries"]
+    ]
+    if not rows:
+        return lines + "\n(no entries)\n"
+    return lines + "\n" + table(["KEY", "KIND", "SHAPE", "DTYPE", "BYTES"], rows, right={4})
+
+
+# --------------------------------------------------------------------------- deleting
+def remove_stores(
+    opts: Any, prefix: str, td_ids: list[str], *, yes: bool, as_json: bool, out: TextIO, stdin: TextIO
+) -> int:
+    """Deletes the stores ``td_ids`` (each in one atomic step, as ``clear_redis()``)."""
+    import sys
+
+    from tdstore import StoreNotFoundError, TensorDictStore
+    from tdstore.cli import CliError
+
+    found: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for td_id in td_ids:
+        try:
+            found.append(store_info(opts, prefix, td_id))
+        except CliError as err:
+            if err.code != 1:
+                raise
+            missing.append(td_id)
+    for td_id in missing:
+        print(f"tdstore rm: no store with td_id={td_id!r} under prefix {prefix!r} on {opts.describe()}", file=sys.stderr)
+    if not found:
+        return 1
+    if not yes:
+        listing = ", ".join(f"{s['td_id']} ({human_bytes(s['bytes'])})" for s in found)
+        prompt = f"delete {len(found)} store{'s' if len(found) != 1 else ''} on {opts.describe()}: {listing}? [y/N] "
+        print(prompt, end="", file=sys.stderr, flush=True)
+        answer = stdin.readline().strip().lower()
+        if answer not in ("y", "yes"):
+            print("tdstore rm: nothing deleted", file=sys.stderr)
+            return 1
+    deleted = []
+    for info in found:
+        try:
+            # tensorclass_cls=TensorDictStore: connect without importing the stored tensorclass
+            store = TensorDictStore.from_store(
+                td_id=info["td_id"], prefix=prefix, tensorclass_cls=TensorDictStore, **opts.store_kwargs()
+            )
+        except StoreNotFoundError:
+            missing.append(info["td_id"])  # deleted by someone else since
+            continue
+        try:
+            store.clear_redis()
+        finally:
+            store.close()
+        deleted.append(info)
+    if as_json:
+        doc = {"deleted": [d["td_id"] for d in deleted], "bytes": sum(d["bytes"] for d in deleted), "missing": missing}
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+    else:
+        for d in deleted:
+            out.write(f"deleted {d['td_id']} ({human_bytes(d['bytes'])}, {_leaves(d)} entries)\n")
+    return 1 if missing else 0

