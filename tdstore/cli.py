@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
     """Runs the ``tdstore`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     import redis.exceptions
 
+    from tdstore.errors import TDStoreError
+
     out = sys.stdout if out is None else out
     stdin = sys.stdin if stdin is None else stdin
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
         return 1
     except redis.exceptions.ResponseError as err:
         print(f"tdstore: the server refused a command: {err}", file=sys.stderr)
+        return 1
+    except (TDStoreError, TimeoutError) as err:
+        print(f"tdstore: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("tdstore: interrupted", file=sys.stderr)

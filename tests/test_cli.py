@@ -476,3 +476,39 @@ def test_console_script_and_python_m_agree() -> None:
         assert done.returncode == 0, done.stderr
         for command in ("ls", "info", "rm", "serve", "bench", "demo"):
             assert f"    {command} " in done.stdout
+
+
+def test_tls_with_ca_and_acl_user(tls_server: ServerHandle, tls_files: Any, acl_server: ServerHandle,
+                                  monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """--tls/--cacert against a TLS-only port; --user with the password from the environment."""
+    for name in ("TDSTORE_PASSWORD", "REDISCLI_AUTH", "TDSTORE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    store = TensorDictStore.from_dict({"a": torch.arange(5)}, batch_size=[5], td_id="tls", **tls_server.connection_kwargs())
+    try:
+        where = ["-h", "127.0.0.1", "-p", str(tls_server.port)]
+        code, text = run_cli(["info", "tls", "--json", "--tls", "--cacert", tls_files.server.ca_file, *where])
+        assert code == 0 and json.loads(text)["bytes"] == 40
+        # the same port without TLS, or with a CA that did not sign the server: one line, no data
+        code, _ = run_cli(["ls", "--timeout", "5", *where])
+        assert code == 1
+        code, _ = run_cli(["ls", "--tls", "--cacert", tls_files.other_ca_file, *where])
+        assert code == 1
+        err = capsys.readouterr().err
+        assert err.count("tdstore: ") == 2 and "Traceback" not in err
+    finally:
+        store.clear_redis()
+        store.close()
+
+    from conftest import ACL_PASSWORD, ACL_USER
+
+    kwargs = acl_server.connection_kwargs()
+    acl_store = TensorDictStore.from_dict({"a": torch.arange(2)}, batch_size=[2], td_id="acl", **kwargs)
+    try:
+        monkeypatch.setenv("TDSTORE_PASSWORD", ACL_PASSWORD)
+        args = ["--user", ACL_USER, "-h", "127.0.0.1", "-p", str(acl_server.port)]
+        code, text = run_cli(["ls", "--json", *args])
+        assert code == 0 and [s["td_id"] for s in json.loads(text)["stores"]] == ["acl"]
+        code, text = run_cli(["rm", "-y", "acl", *args])  # clear_redis() through the ACL user
+        assert code == 0 and text.startswith("deleted acl ")
+    finally:
+        acl_store.close()
