@@ -37,12 +37,14 @@ from tdstore.errors import (
     UnsafePayloadError,
     UnsupportedOperationError,
 )
+from tdstore.sharded import ShardedStore
 from tdstore.store import TensorDictStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TensorDictStore",
+    "ShardedStore",
     "TDStoreError",
     "StoreNotFoundError",
     "StoreExistsError",

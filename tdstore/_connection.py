@@ -17,7 +17,7 @@ import redis.asyncio.retry
 import redis.exceptions
 from redis.backoff import NoBackoff
 
-from tdstore import _backend, _credentials, _io
+from tdstore import _backend, _cluster, _credentials, _io
 from tdstore._keys import StoreKeys
 from tdstore._retry import (
     OutcomeUnknownError,
@@ -92,7 +92,23 @@ class Connection:
         self.pickle_secrets = bool(redis_kwargs.pop("pickle_secrets", False))
         self._secrets_dropped: list[str] = []
         self._credentials_from: str | None = None
-        if client is not None:
+        # Redis Cluster (see tdstore/_cluster.py): one plain client to the master of the store's slot
+        self.cluster_route: _cluster.ClusterRoute | None = None
+        self._client_node: tuple[str, int] | None = None
+        self._retired: list[Any] = []
+        cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
+        if cluster_nodes is not None or _cluster.is_cluster_client(client):
+            _check_decode(redis_kwargs, "redis_kwargs")
+            route, kwargs, connection_class = _cluster.connection_settings(
+                client, cluster_nodes, redis_kwargs, db=db, timeout=timeout
+            )
+            _check_decode(kwargs, "the cluster client passed to TensorDictStore")
+            self.cluster_route = route
+            self._client_class = redis.asyncio.Redis
+            self._pool_class = redis.asyncio.ConnectionPool
+            self._connection_class = connection_class
+            self._conn_kwargs = kwargs
+        elif client is not None:
             if not isinstance(client, redis.asyncio.Redis):
                 raise ClientConfigError(
                     f"client must be a redis.asyncio.Redis instance, got {type(client).__name__}"
@@ -131,6 +147,9 @@ class Connection:
     # -- description -------------------------------------------------------------------
     def describe(self) -> str:
         kw = self._conn_kwargs
+        if self.cluster_route is not None:
+            node = self._client_node or self.cluster_route.node or self.cluster_route.startup[0]
+            return f"Redis Cluster node {node[0]}:{node[1]} (of {len(self.cluster_route.nodes)} known)"
         if "path" in kw:
             where = f"unix://{kw['path']}"
         elif "host" in kw:
@@ -185,6 +204,7 @@ class Connection:
             # its own default (set_pickle_policy / TDSTORE_PICKLE_KEY)
             "allow_pickle": self.pickle_policy.allow,
             "retry": self.retry_policy,
+            "cluster_nodes": self.cluster_route.nodes if self.cluster_route is not None else None,
         }
 
     @classmethod
@@ -197,6 +217,10 @@ class Connection:
         self.keys = StoreKeys(state["prefix"], state["td_id"])
         self.timeout = state["timeout"]
         self.retry_policy = state.get("retry") or RetryPolicy.from_env()
+        nodes = state.get("cluster_nodes")
+        self.cluster_route = _cluster.ClusterRoute(nodes) if nodes else None
+        self._client_node = None
+        self._retired = []
         self.closed = False
         self.layout = None
         self._client = None
@@ -227,6 +251,7 @@ class Connection:
             "td_id": td_id,
             "timeout": self.timeout,
             "retry": self.retry_policy,
+            "cluster_nodes": self.cluster_route.nodes if self.cluster_route is not None else None,
             "pickle_secrets": self.pickle_secrets,
             "credentials_from": getattr(self, "_credentials_from", None),
         }
@@ -235,12 +260,25 @@ class Connection:
         return sibling
 
     # -- running -----------------------------------------------------------------------
-    def _build_client(self) -> Any:
+    def _build_client(self, node: tuple[str, int] | None = None) -> Any:
         # tdstore retries by its own policy (run()); redis-py's default Retry would re-send a
         # command whose connection broke mid-flight, and re-sending extend() double-applies it
         kwargs = {**self._conn_kwargs, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0), "retry_on_error": []}
+        if self.cluster_route is not None:
+            route = self.cluster_route
+            self._client_node = node = node or route.node or route.startup[0]
+            kwargs.update(host=node[0], port=node[1])
         pool = self._pool_class(connection_class=self._connection_class, **kwargs)
         return self._client_class(connection_pool=pool)
+
+    def node_client(self, node: tuple[str, int] | None) -> Any:
+        """The client to cluster master ``node`` (on the IO loop); replaces the one to another node."""
+        if node != self._client_node:
+            if self._client is not None:
+                self._retired.append(self._client)  # may still serve another thread's call: closed in close()
+            self._client = self._build_client(node)
+            self._runner = None
+        return self._client
 
     def closed_error(self) -> StoreClosedError:
         return StoreClosedError(
@@ -302,6 +340,8 @@ class Connection:
         client = self._client
 
         async def call() -> T:
+            if self.cluster_route is not None:
+                return await _cluster.call_routed(self, fn, limit)
             if self._runner is None:
                 await self._setup(client)
             return await fn(client)
@@ -418,10 +458,12 @@ class Connection:
         self.closed = True
         client, self._client = self._client, None
         if client is not None and self._generation == _io.loop_generation():
-            try:
-                _io.sync(client.aclose(), 5.0)
-            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort
-                pass
+            for old in [client, *self._retired]:
+                try:
+                    _io.sync(old.aclose(), 5.0)
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort
+                    pass
+        self._retired = []
 
 
 def _is_tls_failure(err: BaseException) -> bool:

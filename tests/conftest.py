@@ -77,8 +77,12 @@ _PER_KIND_FIXTURES: dict[str, str] = {
     "redis6_server": "redis6",
     "fake_server": "fakeredis",
 }
+#: A local 3-master Redis Cluster: not a default `server` kind; tests/test_cluster.py picks the
+#: conformance tests that run on it (``server`` parametrised with "cluster").
+CLUSTER = "cluster"
 _HANDLE_FIXTURES: tuple[str, ...] = (
     "server", "real_server", *_PER_KIND_FIXTURES, "secure_server", "tls_server", "acl_server",
+    "cluster_server",
 )
 
 _MARKERS: tuple[str, ...] = (
@@ -267,6 +271,10 @@ class ServerPool:
         pytest.fail(self._failures[kind], pytrace=False)
 
     def _start(self, kind: str) -> ServerHandle:
+        if kind == CLUSTER:
+            from tdstore._server_cluster import start_cluster
+
+            return start_cluster(masters=3)  # a ClusterHandle (a ServerHandle)
         base, _, variant = kind.partition("-")
         if variant == "tls":
             return start_server(base, tls=self.tls_files().server)
@@ -458,6 +466,12 @@ redis_server = pytest.fixture(_single("redis"), scope="session", name="redis_ser
 valkey_server = pytest.fixture(_single("valkey"), scope="session", name="valkey_server")
 redis6_server = pytest.fixture(_single("redis6"), scope="session", name="redis6_server")
 fake_server = pytest.fixture(_single("fakeredis"), scope="session", name="fake_server")
+
+
+@pytest.fixture(scope="session")
+def cluster_server(server_pool: ServerPool) -> ServerHandle:
+    """The session's local Redis Cluster (3 masters, a ``ClusterHandle``); flushed after each test."""
+    return server_pool.get(CLUSTER)
 
 
 @pytest.fixture

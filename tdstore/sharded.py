@@ -1,0 +1,363 @@
+"""ShardedStore: one large buffer split into row blocks, each block a TensorDictStore.
+
+A :class:`~tdstore.TensorDictStore` lives in one Redis Cluster slot (its keys share the
+hash tag ``{td_id}``), so one store is served by one master and each of its entries is one
+string (512 MB by default). A buffer larger than one master, or whose rows should be served
+by several masters at once, is split along its first batch dimension into blocks of
+``block_rows`` rows. Block ``i`` is a store of its own with td_id ``<td_id>.b<i>``: its own
+hash tag, so the blocks spread over the masters. A small manifest store (td_id ``<td_id>``)
+records the layout, so :meth:`ShardedStore.from_store` reconnects from the td_id alone.
+
+Atomicity is **per block**, exactly:
+
+* a read or write of rows that fall in one block is one atomic step of that block's store
+  (all entries, all rows, or nothing), with every guarantee of ``docs/guarantees.md``;
+* a read or write that spans several blocks is one atomic step per block, run one block
+  after the other: a concurrent reader may see the new rows of one block and the old rows
+  of another, and a failure (a server down, a lost connection) between two blocks leaves
+  the earlier blocks written and the later ones not. Bad input (a wrong shape, dtype, row
+  index or value batch size) is refused before any block is written.
+
+Pick ``block_rows`` so that a block's largest entry stays well under the server's
+``proto-max-bulk-len`` and so that the operations that must be atomic stay inside a block.
+
+Examples:
+    >>> import torch
+    >>> from tdstore import ShardedStore
+    >>> buf = ShardedStore.from_schema({"obs": ([4], torch.float32)}, batch_size=[10], block_rows=4)
+    >>> buf.num_blocks
+    3
+    >>> buf[3:6] = {"obs": torch.ones(3, 4)}    # rows 3 (block 0) and 4, 5 (block 1)
+    >>> buf["obs"][:, 0]
+    tensor([0., 0., 0., 1., 1., 1., 0., 0., 0., 0.])
+    >>> buf.clear_redis()
+    >>> buf.close()
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from tdstore._keys import new_td_id, validate_td_id
+from tdstore.errors import FormatVersionError, StoreNotFoundError
+from tdstore.store import TensorDictStore
+
+__all__ = ["ShardedStore"]
+
+#: Version of the manifest layout.
+_FORMAT = 1
+_MANIFEST_KEY = "sharded_manifest"
+
+
+def _block_id(td_id: str, index: int) -> str:
+    return f"{td_id}.b{index}"
+
+
+class ShardedStore:
+    """A buffer split along its first batch dimension into blocks of ``block_rows`` rows.
+
+    Create one with :meth:`from_schema` or :meth:`from_tensordict`, reconnect with
+    :meth:`from_store`. Rows are indexed with an int, a slice, a list or 1-D integer
+    tensor, or a boolean mask over the first dimension; entries by key. See the module
+    docstring for the atomicity (per block).
+    """
+
+    def __init__(self, manifest: TensorDictStore, blocks: Sequence[TensorDictStore], block_rows: int) -> None:
+        self._manifest = manifest
+        self._blocks = tuple(blocks)
+        self._block_rows = int(block_rows)
+        first = self._blocks[0].batch_size
+        rows = sum(int(b.batch_size[0]) for b in self._blocks)
+        self._batch_size = torch.Size([rows, *first[1:]])
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _check_layout(batch_size: Any, block_rows: Any, where: str) -> tuple[torch.Size, int]:
+        size = torch.Size(batch_size if batch_size is not None else [])
+        if len(size) == 0:
+            raise ValueError(f"{where}: a sharded buffer needs a batch size with a first dimension, got {list(size)}")
+        if isinstance(block_rows, bool) or not isinstance(block_rows, numbers.Integral) or block_rows < 1:
+            raise ValueError(f"{where}: block_rows must be a positive int, got {block_rows!r}")
+        return size, int(block_rows)
+
+    @classmethod
+    def _build(cls, td_id: str | None, size: torch.Size, block_rows: int, make_block: Any, conn: dict[str, Any]) -> ShardedStore:
+        td_id = validate_td_id(td_id) if td_id is not None else new_td_id()
+        rows = int(size[0])
+        nblocks = max(1, -(-rows // block_rows))
+        info = {"format": _FORMAT, "batch_size": list(size), "block_rows": block_rows, "blocks": nblocks}
+        # the manifest first: it claims the td_id (StoreExistsError if taken) before any block is made
+        manifest = TensorDictStore.from_dict({_MANIFEST_KEY: json.dumps(info)}, td_id=td_id, batch_size=[], **conn)
+        created: list[TensorDictStore] = []
+        try:
+            for index in range(nblocks):
+                lo, hi = index * block_rows, min(rows, (index + 1) * block_rows)
+                created.append(make_block(_block_id(td_id, index), lo, hi))
+        except BaseException:
+            for store in [*created, manifest]:  # undo: nothing of the buffer stays behind
+                try:
+                    store.clear_redis()
+                finally:
+                    store.close()
+            raise
+        return cls(manifest, created, block_rows)
+
+    @classmethod
+    def from_schema(
+        cls,
+        schema: Mapping[Any, tuple[Sequence[int] | torch.Size, torch.dtype]],
+        *,
+        batch_size: Sequence[int] | torch.Size,
+        block_rows: int,
+        td_id: str | None = None,
+        **conn: Any,
+    ) -> ShardedStore:
+        """Creates zero-filled blocks (allocated by the servers, no bytes sent) and the manifest.
+
+        Args:
+            schema: As :meth:`TensorDictStore.from_schema`: ``{key: (element_shape, dtype)}``.
+            batch_size: The whole buffer's batch size; its first dimension is split.
+            block_rows: Rows per block (the last block may be shorter).
+            td_id: The buffer's id (default: a new UUID); blocks are ``<td_id>.b<i>``.
+            **conn: Connection arguments for every block, e.g. ``cluster_nodes=[(host, port)]``.
+        """
+        size, block_rows = cls._check_layout(batch_size, block_rows, "ShardedStore.from_schema")
+
+        def make(block_id: str, lo: int, hi: int) -> TensorDictStore:
+            return TensorDictStore.from_schema(schema, batch_size=[hi - lo, *size[1:]], td_id=block_id, **conn)
+
+        return cls._build(td_id, size, block_rows, make, conn)
+
+    @classmethod
+    def from_tensordict(
+        cls, td: TensorDictBase, *, block_rows: int, td_id: str | None = None, **conn: Any
+    ) -> ShardedStore:
+        """Uploads a TensorDict, one block (one atomic step) at a time."""
+        if not isinstance(td, TensorDictBase):
+            raise TypeError(f"ShardedStore.from_tensordict takes a TensorDict, got {type(td).__name__}")
+        size, block_rows = cls._check_layout(td.batch_size, block_rows, "ShardedStore.from_tensordict")
+
+        def make(block_id: str, lo: int, hi: int) -> TensorDictStore:
+            return TensorDictStore.from_tensordict(td[lo:hi], td_id=block_id, **conn)
+
+        return cls._build(td_id, size, block_rows, make, conn)
+
+    @classmethod
+    def from_store(cls, *, td_id: str, **conn: Any) -> ShardedStore:
+        """Reconnects to a sharded buffer by its td_id (reads the manifest, then each block)."""
+        manifest = TensorDictStore.from_store(td_id=td_id, **conn)
+        try:
+            try:
+                raw = manifest.get(_MANIFEST_KEY)
+            except KeyError:
+                raise StoreNotFoundError(
+                    f"no ShardedStore with td_id={td_id!r} on {manifest._conn.describe()}: its manifest "
+                    f"(store {td_id!r}, entry {_MANIFEST_KEY!r}) is missing"
+                ) from None
+            info = json.loads(raw.data if hasattr(raw, "data") else raw)
+            if info.get("format") != _FORMAT:
+                raise FormatVersionError(
+                    f"ShardedStore td_id={td_id!r} has manifest format {info.get('format')!r}; this tdstore "
+                    f"reads format {_FORMAT}"
+                )
+            blocks: list[TensorDictStore] = []
+            try:
+                for index in range(int(info["blocks"])):
+                    blocks.append(TensorDictStore.from_store(td_id=_block_id(td_id, index), **conn))
+            except BaseException:
+                for block in blocks:
+                    block.close()
+                raise
+        except BaseException:
+            manifest.close()
+            raise
+        return cls(manifest, blocks, int(info["block_rows"]))
+
+    # ------------------------------------------------------------------ description
+    @property
+    def td_id(self) -> str:
+        return self._manifest.td_id
+
+    @property
+    def batch_size(self) -> torch.Size:
+        return self._batch_size
+
+    @property
+    def block_rows(self) -> int:
+        return self._block_rows
+
+    @property
+    def blocks(self) -> tuple[TensorDictStore, ...]:
+        """The block stores, in row order (block ``i`` holds rows ``i*block_rows`` on)."""
+        return self._blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def __len__(self) -> int:
+        return int(self._batch_size[0])
+
+    def keys(self, include_nested: bool = False, leaves_only: bool = False) -> Any:
+        return self._blocks[0].keys(include_nested=include_nested, leaves_only=leaves_only)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedStore(td_id={self.td_id!r}, batch_size={list(self._batch_size)}, "
+            f"block_rows={self._block_rows}, blocks={self.num_blocks})"
+        )
+
+    def _where(self) -> str:
+        return f"ShardedStore(td_id={self.td_id!r}, {len(self)} rows)"
+
+    # ------------------------------------------------------------------ index math
+    def _rows(self, idx: Any) -> tuple[torch.Tensor, bool]:
+        """Row numbers (an int64 tensor) selected by ``idx``, and whether ``idx`` was a single row."""
+        n = len(self)
+        if isinstance(idx, numbers.Integral) and not isinstance(idx, bool):
+            row = int(idx) + n if idx < 0 else int(idx)
+            if not 0 <= row < n:
+                raise IndexError(f"row {idx} is out of range for {self._where()}")
+            return torch.tensor([row]), True
+        if isinstance(idx, slice):
+            return torch.arange(n)[idx], False
+        if isinstance(idx, (list, range)) or type(idx).__module__ == "numpy":
+            idx = torch.as_tensor(idx) if len(idx) else torch.empty(0, dtype=torch.int64)
+        if isinstance(idx, torch.Tensor):
+            if idx.dtype == torch.bool:
+                if idx.shape != (n,):
+                    raise IndexError(f"a boolean mask of {self._where()} must have shape [{n}], got {list(idx.shape)}")
+                return idx.nonzero().squeeze(1), False
+            if not idx.dtype.is_floating_point and not idx.dtype.is_complex and idx.ndim <= 1:
+                rows = idx.reshape(-1).to(torch.int64)
+                rows = torch.where(rows < 0, rows + n, rows)
+                bad = (rows < 0) | (rows >= n)
+                if bool(bad.any()):
+                    raise IndexError(
+                        f"row {int(idx.reshape(-1)[bad.nonzero()[0, 0]])} is out of range for {self._where()}"
+                    )
+                return rows, idx.ndim == 0
+        raise TypeError(
+            f"{self._where()} takes an entry key (str or tuple of str), or rows of its first dimension: an int, "
+            f"a slice, a list or 1-D integer tensor, or a boolean mask; got {type(idx).__name__}"
+        )
+
+    def _split(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, Any]]:
+        """``(block, positions in rows, index inside the block)`` for each block that ``rows`` touch."""
+        block_ids = torch.div(rows, self._block_rows, rounding_mode="floor")
+        local = rows - block_ids * self._block_rows
+        for block in torch.unique(block_ids).tolist():
+            positions = (block_ids == block).nonzero().squeeze(1)
+            loc = local[positions]
+            first, count = int(loc[0]), int(loc.numel())
+            if bool((loc == torch.arange(first, first + count)).all()):
+                yield block, positions, slice(first, first + count)  # contiguous: byte runs, no gather
+            else:
+                yield block, positions, loc
+
+    @staticmethod
+    def _is_key(idx: Any) -> bool:
+        return isinstance(idx, str) or (isinstance(idx, tuple) and bool(idx) and all(isinstance(k, str) for k in idx))
+
+    # ------------------------------------------------------------------ reads
+    def __getitem__(self, idx: Any) -> Any:
+        """An entry (all rows, one read per block) or rows (a TensorDict)."""
+        if self._is_key(idx):
+            return torch.cat([block.get(idx) for block in self._blocks])
+        rows, single = self._rows(idx)
+        if single:
+            row = int(rows[0])
+            return self._blocks[row // self._block_rows][row % self._block_rows]
+        parts, order = [], []
+        for block, positions, local in self._split(rows):
+            parts.append(self._blocks[block][local])
+            order.append(positions)
+        if not parts:
+            return self._blocks[0][0:0]
+        out = torch.cat(parts)
+        order_t = torch.cat(order)
+        if bool((order_t == torch.arange(order_t.numel())).all()):
+            return out
+        return out[torch.argsort(order_t)]
+
+    def get(self, key: Any) -> torch.Tensor:
+        return self[key]
+
+    def to_tensordict(self) -> TensorDict:
+        """The whole buffer in memory (one consistent read per block)."""
+        return torch.cat([block.to_tensordict() for block in self._blocks])
+
+    # ------------------------------------------------------------------ writes
+    def __setitem__(self, idx: Any, value: Any) -> None:
+        """Writes an entry (all rows) or rows; one atomic step per block touched."""
+        if self._is_key(idx):
+            self._set_entry(idx, value)
+            return
+        rows, single = self._rows(idx)
+        value = self._as_rows(value, rows, single)
+        if single:
+            row = int(rows[0])
+            self._blocks[row // self._block_rows][row % self._block_rows] = value
+            return
+        for block, positions, local in self._split(rows):
+            self._blocks[block][local] = value[positions]
+
+    def _as_rows(self, value: Any, rows: torch.Tensor, single: bool) -> TensorDictBase:
+        """Checks that ``value`` holds one item per selected row, before any block is written."""
+        expected = [] if single else [int(rows.numel())]
+        if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
+            try:
+                value = TensorDict(dict(value), batch_size=expected)
+            except RuntimeError as err:
+                raise ValueError(
+                    f"rows written to {self._where()} need a leading dimension of {expected} (one item per "
+                    f"selected row): {err}"
+                ) from None
+        if not isinstance(value, TensorDictBase):
+            raise TypeError(
+                f"rows written to {self._where()} must be a TensorDict or a dict of tensors, got {type(value).__name__}"
+            )
+        if list(value.batch_size[: len(expected)]) != expected:
+            raise ValueError(
+                f"rows written to {self._where()} must have batch size {expected} (one item per selected row), "
+                f"got {list(value.batch_size)}"
+            )
+        # the blocks get slices of this one value, so they agree on its keys, shapes and dtypes:
+        # a value the first block refuses (checked before that block writes) reaches no block
+        return value
+
+    def _set_entry(self, key: Any, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"entry {key!r} of {self._where()} must be a tensor of {len(self)} rows, got {type(value).__name__}")
+        if value.ndim == 0 or value.shape[0] != len(self):
+            raise ValueError(
+                f"entry {key!r} of {self._where()} must have {len(self)} rows (shape [{len(self)}, ...]), "
+                f"got shape {list(value.shape)}"
+            )
+        for index, block in enumerate(self._blocks):
+            lo = index * self._block_rows
+            block[key] = value[lo : lo + int(block.batch_size[0])]
+
+    # ------------------------------------------------------------------ lifecycle
+    def clear_redis(self) -> None:
+        """Deletes the manifest, then every block, from the server(s)."""
+        self._manifest.clear_redis()
+        for block in self._blocks:
+            block.clear_redis()
+
+    def close(self) -> None:
+        for block in self._blocks:
+            block.close()
+        self._manifest.close()
+
+    def __enter__(self) -> ShardedStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,544 @@
+"""TensorDictStore and ShardedStore on a real local Redis Cluster (3 masters, redis-server 7).
+
+Three parts:
+
+* the conformance suite on the cluster: the tests of ``test_store_core``,
+  ``test_store_differential``, ``test_index_property``, ``test_store_errors`` and
+  ``test_races`` listed below run again with ``server`` (or ``race_server``) being the
+  cluster (``cluster_server`` in conftest: started once per session, flushed on every
+  master after each test);
+* what is particular to a cluster: stores spread over the masters, each store on one
+  master; a RedisCluster client or ``cluster_nodes=`` accepted, bad settings refused;
+  resharding (MOVED, ASK/TRYAGAIN during a slot migration); scripts reloaded per node;
+  listing stores scans every master;
+* :class:`tdstore.ShardedStore`: blocks on several masters, differential against an
+  in-memory TensorDict, reconnect, bad input refused with nothing written, atomicity per
+  block under concurrent writers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import threading
+import time
+import types
+import uuid
+
+import pytest
+import test_index_property as index_property
+import test_races as races
+import test_store_core as core
+import test_store_differential as differential
+import test_store_errors as errors
+import torch
+from _counts import record as _record
+from tensordict import TensorDict
+from test_races import pool  # noqa: F401 - fixture of the race tests (spawned worker processes)
+from test_store_core import make  # noqa: F401 - fixture of the core tests
+from test_store_errors import filled  # noqa: F401 - fixture of the error tests
+
+from tdstore import (
+    ClientConfigError,
+    ShardedStore,
+    StoreExistsError,
+    StoreNotFoundError,
+    TensorDictStore,
+    _backend,
+    _io,
+)
+
+ON_CLUSTER = pytest.mark.parametrize("server", ["cluster"], indirect=True)
+
+# ---------------------------------------------------------------------------------------------
+# The conformance suite, on the cluster
+# ---------------------------------------------------------------------------------------------
+
+
+def _on_cluster(fn, *, on_server=True, **subsets):
+    """A copy of test function ``fn`` whose ``server`` is the cluster (``on_server``).
+
+    ``subsets`` narrows other parametrised arguments: ``seed=range(8)`` keeps those values.
+    """
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__dict__.update(fn.__dict__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    marks = []
+    for mark in getattr(fn, "pytestmark", []):
+        argname = mark.args[0] if mark.name == "parametrize" else None
+        if argname in subsets:
+            keep = list(subsets[argname])
+            mark = pytest.mark.parametrize(argname, [v for v in mark.args[1] if v in keep]).mark
+        marks.append(mark)
+    copy.pytestmark = [*marks, ON_CLUSTER.mark] if on_server else marks
+    return copy
+
+
+#: Core tests that build connection kwargs from host/port (a helper of test_store_core); the
+#: same features (from_store, tensorclass reconnect) are tested on the cluster below.
+_CORE_SKIP = {"test_from_store", "test_tensorclass_round_trip"}
+
+
+def _class_on_cluster(base):
+    namespace = {}
+    for name, fn in vars(base).items():
+        if not name.startswith("test_") or not callable(fn):
+            continue
+        params = inspect.signature(fn).parameters
+        uses_server = "server" in params or "make" in params
+        # None hides the inherited test: those without `server` run elsewhere already
+        namespace[name] = _on_cluster(fn) if uses_server and name not in _CORE_SKIP else None
+    return type(f"{base.__name__}OnCluster", (base,), namespace)
+
+
+TestConstructorOnCluster = _class_on_cluster(core.TestConstructor)
+TestEntriesOnCluster = _class_on_cluster(core.TestEntries)
+TestWholeStoreOnCluster = _class_on_cluster(core.TestWholeStore)
+TestConsistencyOnCluster = _class_on_cluster(core.TestConsistency)
+
+test_differential_whole_entries = _on_cluster(differential.test_differential_whole_entries, seed=range(10))
+test_index_reads_and_writes_match_tensordict = _on_cluster(
+    index_property.test_index_reads_and_writes_match_tensordict, config=range(12)
+)
+test_duplicate_indices_last_write_wins = _on_cluster(index_property.test_duplicate_indices_last_write_wins)
+test_index_write_creates_missing_keys_zero_filled = _on_cluster(
+    index_property.test_index_write_creates_missing_keys_zero_filled
+)
+test_non_tensor_elements_written_at_an_index_match_tensordict = _on_cluster(
+    index_property.test_non_tensor_elements_written_at_an_index_match_tensordict, seed=range(3)
+)
+test_bad_input_leaves_the_server_unchanged = _on_cluster(errors.test_bad_input_leaves_the_server_unchanged)
+test_closed_store = _on_cluster(errors.test_closed_store)
+test_unknown_td_id_and_malformed_td_id = _on_cluster(errors.test_unknown_td_id_and_malformed_td_id)
+test_wrong_batch_size_for_existing_td_id = _on_cluster(errors.test_wrong_batch_size_for_existing_td_id)
+test_corrupt_metadata_is_reported = _on_cluster(errors.test_corrupt_metadata_is_reported)
+
+
+@pytest.fixture
+def race_server(cluster_server):
+    """The race tests' server, here the cluster (their workers reconnect with cluster_nodes=)."""
+    return cluster_server
+
+
+test_disjoint_rows_never_revert = _on_cluster(races.test_disjoint_rows_never_revert, on_server=False, mode=["list"])
+test_overlapping_rows_never_torn = _on_cluster(races.test_overlapping_rows_never_torn, on_server=False)
+test_read_modify_write_loses_no_update = _on_cluster(races.test_read_modify_write_loses_no_update, on_server=False)
+test_concurrent_appends_get_disjoint_rows = _on_cluster(races.test_concurrent_appends_get_disjoint_rows, on_server=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# What is particular to a cluster
+# ---------------------------------------------------------------------------------------------
+
+
+def _node_keys(cluster):
+    """``[set of keys]`` per master, read from each node directly."""
+    out = []
+    for index in range(cluster.masters):
+        client = cluster.node_client(index)
+        try:
+            out.append(set(client.keys("*")))
+        finally:
+            client.close()
+    return out
+
+
+def test_stores_spread_over_masters_each_in_one_slot(cluster_server):
+    conn = cluster_server.connection_kwargs()
+    stores = []
+    for i in range(12):
+        store = TensorDictStore(batch_size=[4], **conn)
+        store["x"] = torch.full((4, 3), float(i))
+        store["nested", "y"] = torch.arange(4) + i
+        store[1:3] = {"x": torch.zeros(2, 3)}
+        stores.append(store)
+    per_node = _node_keys(cluster_server)
+    used = set()
+    for i, store in enumerate(stores):
+        keys = {k for k in set().union(*per_node) if b"{" + store.td_id.encode() + b"}" in k}
+        holders = [n for n, node_keys in enumerate(per_node) if keys & node_keys]
+        assert len(keys) >= 4 and holders == [cluster_server.node_of_key(store._conn.keys.meta)], (keys, holders)
+        used.update(holders)
+        assert torch.equal(store["x"][:, 0], torch.tensor([i, 0, 0, i], dtype=torch.float32))
+        assert torch.equal(store["nested", "y"], torch.arange(4) + i)
+    assert len(used) >= 2, "12 random td_ids all hashed to one master"
+    for store in stores:
+        store.clear_redis()
+        store.close()
+    assert cluster_server.sync_client().dbsize() == 0
+
+
+def test_redis_cluster_client_is_accepted(cluster_server):
+    client = cluster_server.async_client()
+    store = TensorDictStore(client=client, batch_size=[3])
+    store["a"] = torch.arange(3)
+    again = TensorDictStore.from_store(td_id=store.td_id, **cluster_server.connection_kwargs())
+    assert torch.equal(again["a"], torch.arange(3))
+    assert "Redis Cluster node" in repr(store._conn.describe())
+    for s in (again, store):
+        s.clear_redis()
+        s.close()
+
+
+def test_bad_cluster_settings_are_refused(cluster_server, redis_server, wire):
+    before = wire(cluster_server)
+    decoding = cluster_server.async_client(decode_responses=True)
+    with pytest.raises(ClientConfigError, match="decode_responses=True"):
+        TensorDictStore(client=decoding, batch_size=[2])
+    with pytest.raises(ClientConfigError, match="only database 0"):
+        TensorDictStore(db=1, batch_size=[2], **cluster_server.connection_kwargs())
+    with pytest.raises(ClientConfigError, match=r"cluster_nodes must be a list of \(host, port\)"):
+        TensorDictStore(cluster_nodes=[("127.0.0.1",)], batch_size=[2])
+    with pytest.raises(ClientConfigError, match="cluster_nodes is empty"):
+        TensorDictStore(cluster_nodes=[], batch_size=[2])
+    single = [(redis_server.host, redis_server.port)]
+    with pytest.raises(ClientConfigError, match="is not a Redis Cluster node"):
+        TensorDictStore(cluster_nodes=single, batch_size=[2])
+    assert wire(cluster_server) == before
+
+
+def test_unreachable_startup_node_is_skipped(cluster_server):
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    nodes = [("127.0.0.1", dead), *cluster_server.startup_nodes[1:]]
+    store = TensorDictStore(cluster_nodes=nodes, batch_size=[2])
+    store["a"] = torch.ones(2)
+    assert torch.equal(store["a"], torch.ones(2))
+    store.clear_redis()
+    store.close()
+
+
+def _node_ids(cluster):
+    ids = []
+    for index in range(cluster.masters):
+        client = cluster.node_client(index)
+        try:
+            ids.append(client.execute_command("CLUSTER MYID").decode())
+        finally:
+            client.close()
+    return ids
+
+
+class _Migration:
+    """Moves one slot between masters the way ``redis-cli --cluster reshard`` does."""
+
+    def __init__(self, cluster, key: str, dst: int | None = None) -> None:
+        from redis.crc import key_slot
+
+        self.cluster = cluster
+        self.slot = key_slot(key.encode())
+        self.src = cluster.node_of_key(key)
+        self.dst = (self.src + 1) % cluster.masters if dst is None else dst
+        self.ids = _node_ids(cluster)
+        self.clients = [cluster.node_client(i) for i in range(cluster.masters)]
+
+    def start(self) -> None:
+        src, dst = self.clients[self.src], self.clients[self.dst]
+        dst.execute_command("CLUSTER SETSLOT", self.slot, "IMPORTING", self.ids[self.src])
+        src.execute_command("CLUSTER SETSLOT", self.slot, "MIGRATING", self.ids[self.dst])
+
+    def move_keys(self, limit: int | None = None) -> int:
+        src, node = self.clients[self.src], self.cluster.nodes[self.dst]
+        keys = src.execute_command("CLUSTER GETKEYSINSLOT", self.slot, 1000 if limit is None else limit)
+        if keys:
+            src.execute_command("MIGRATE", node.host, node.port, "", 0, 5000, "KEYS", *keys)
+        return len(keys)
+
+    def finish(self) -> None:
+        while self.move_keys():
+            pass
+        for client in self.clients:
+            client.execute_command("CLUSTER SETSLOT", self.slot, "NODE", self.ids[self.dst])
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+def test_store_follows_its_slot_when_it_moves(cluster_server):
+    """Resharding: the old master answers MOVED before running anything; the store switches."""
+    store = TensorDictStore.from_schema({"x": ([2], torch.float32)}, batch_size=[6], **cluster_server.connection_kwargs())
+    store["x"] = torch.arange(12.0).reshape(6, 2)
+    before = cluster_server.node_of_key(store._conn.keys.meta)
+    old_node = store._conn._client_node
+    for hop in range(2):  # there and back again
+        move = _Migration(cluster_server, store._conn.keys.meta)
+        try:
+            move.start()
+            move.finish()
+        finally:
+            move.close()
+        assert cluster_server.node_of_key(store._conn.keys.meta) == move.dst
+        store[hop] = {"x": torch.full((2,), -1.0 - hop)}  # refused with MOVED, re-run on the new master
+        assert store._conn._client_node == (cluster_server.nodes[move.dst].host, cluster_server.nodes[move.dst].port)
+        expected = torch.arange(12.0).reshape(6, 2)
+        expected[: hop + 1] = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])[: hop + 1]
+        assert torch.equal(store["x"], expected)
+        assert torch.equal(store[[0, 5]]["x"], expected[[0, 5]])
+    assert cluster_server.node_of_key(store._conn.keys.meta) != before or old_node != store._conn._client_node
+    store.clear_redis()
+    store.close()
+
+
+def test_operations_wait_out_a_slot_migration(cluster_server, request):
+    """During a migration (ASK / TRYAGAIN) each operation waits, then runs exactly once."""
+    store = TensorDictStore(batch_size=[8], **cluster_server.connection_kwargs())
+    for name in ("a", "b", "c", "d"):
+        store[name] = torch.zeros(8)
+    move = _Migration(cluster_server, store._conn.keys.meta)
+    done: list[float] = []
+    try:
+        move.start()
+        move.move_keys(limit=2)  # half the store's keys moved: multi-key steps get TRYAGAIN / ASK
+
+        def write() -> None:
+            store[2:5] = {"a": torch.ones(3), "d": torch.ones(3)}  # touches moved and unmoved keys
+            done.append(time.monotonic())
+
+        worker = threading.Thread(target=write)
+        worker.start()
+        time.sleep(0.3)
+        finished_early = bool(done)
+        move.finish()
+        finished_at = time.monotonic()
+        worker.join(30)
+    finally:
+        move.close()
+    assert not worker.is_alive() and done
+    _record(request, waited_for_migration=not finished_early)
+    assert not finished_early and done[0] >= finished_at - 0.05
+    expected = torch.zeros(8)
+    expected[2:5] = 1
+    assert torch.equal(store["a"], expected) and torch.equal(store["d"], expected)
+    assert torch.equal(store["b"], torch.zeros(8))
+    store.clear_redis()
+    store.close()
+
+
+def test_scripts_are_reloaded_on_each_master(cluster_server):
+    stores = [TensorDictStore(batch_size=[64], **cluster_server.connection_kwargs()) for _ in range(6)]
+    for store in stores:
+        store["v"] = torch.zeros(64, dtype=torch.int32)
+    for index in range(cluster_server.masters):
+        client = cluster_server.node_client(index)
+        try:
+            client.script_flush()
+        finally:
+            client.close()
+    rows = list(range(0, 64, 3))  # many small runs: the write_runs script (EVALSHA, NOSCRIPT -> load)
+    for i, store in enumerate(stores):
+        store[rows] = {"v": torch.full((len(rows),), i, dtype=torch.int32)}
+        assert torch.equal(store[rows]["v"], torch.full((len(rows),), i, dtype=torch.int32))
+        store.clear_redis()
+        store.close()
+
+
+def test_list_stores_scans_every_master(cluster_server):
+    conn = cluster_server.connection_kwargs()
+    stores = [TensorDictStore(batch_size=[1], prefix="listing", **conn) for _ in range(9)]
+    masters = {cluster_server.node_of_key(s._conn.keys.meta) for s in stores}
+
+    async def listing():
+        client = cluster_server.async_client()
+        try:
+            return await _backend.list_stores(client, "listing", count=2)
+        finally:
+            await client.aclose()
+
+    assert _io.sync(listing(), 30) == sorted(s.td_id for s in stores)
+    assert len(masters) >= 2
+    for store in stores:
+        store.clear_redis()
+        store.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# ShardedStore
+# ---------------------------------------------------------------------------------------------
+
+_SCHEMA = {"obs": ([3], torch.float32), "act": ([], torch.int64), ("next", "done"): ([], torch.bool)}
+
+
+def _random_rows(rng: random.Random, n: int):
+    kind = rng.choice(["int", "neg", "slice", "step", "list", "tensor", "mask", "empty"])
+    if kind == "int":
+        return rng.randrange(n)
+    if kind == "neg":
+        return -rng.randint(1, n)
+    if kind == "slice":
+        a = rng.randrange(n)
+        return slice(a, rng.randint(a, n))
+    if kind == "step":
+        return slice(rng.randrange(n), None, rng.randint(2, 5))
+    if kind == "list":
+        return rng.sample(range(n), rng.randint(1, min(n, 9)))
+    if kind == "tensor":
+        return torch.tensor(rng.sample(range(n), rng.randint(1, min(n, 9))))
+    if kind == "mask":
+        return torch.tensor([rng.random() < 0.3 for _ in range(n)])
+    return []
+
+
+def _as_index(idx):
+    """The same rows as an index of an in-memory TensorDict (a list becomes an int64 tensor)."""
+    return torch.tensor(idx, dtype=torch.int64) if isinstance(idx, list) else idx
+
+
+def _rows_value(rng: random.Random, count: int | None, gen: torch.Generator) -> TensorDict:
+    batch = [] if count is None else [count]
+    return TensorDict(
+        {
+            "obs": torch.randn(*batch, 3, generator=gen),
+            "act": torch.randint(-50, 50, batch, generator=gen),
+            "next": {"done": torch.randint(0, 2, batch, generator=gen).bool()},
+        },
+        batch,
+    )
+
+
+def _check_equal(buf: ShardedStore, local: TensorDict) -> None:
+    remote = buf.to_tensordict()
+    for key in local.keys(True, True):
+        assert torch.equal(remote[key], local[key]), key
+        assert torch.equal(buf[key], local[key]), key
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sharded_store_matches_tensordict(cluster_server, seed, request):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n, block_rows = rng.randint(9, 40), rng.randint(2, 7)
+    buf = ShardedStore.from_schema(_SCHEMA, batch_size=[n], block_rows=block_rows, **cluster_server.connection_kwargs())
+    local = TensorDict({k: torch.zeros(n, *shape, dtype=dtype) for k, (shape, dtype) in _SCHEMA.items()}, [n])
+    assert buf.num_blocks == -(-n // block_rows) and len(buf) == n
+    masters = {cluster_server.node_of_key(block._conn.keys.meta) for block in buf.blocks}
+    assert len(masters) >= 2 or buf.num_blocks < 4, masters
+    ops = 0
+    for _ in range(25):
+        idx = _random_rows(rng, n)
+        selected = torch.arange(n)[_as_index(idx)]
+        count = None if isinstance(idx, int) else int(selected.numel())
+        if rng.random() < 0.5:
+            value = _rows_value(rng, count, gen)
+            buf[idx] = value
+            local[_as_index(idx)] = value
+        else:
+            got = buf[idx]
+            want = local[_as_index(idx)]
+            assert got.batch_size == want.batch_size
+            for key in want.keys(True, True):
+                assert torch.equal(got[key], want[key]), (idx, key)
+        ops += 1
+    buf["act"] = torch.arange(n) * 7  # a whole entry: one write per block
+    local["act"] = torch.arange(n) * 7
+    _check_equal(buf, local)
+    again = ShardedStore.from_store(td_id=buf.td_id, **cluster_server.connection_kwargs())
+    assert again.batch_size == buf.batch_size and again.block_rows == block_rows
+    _check_equal(again, local)
+    _record(request, ops=ops, rows=n, blocks=buf.num_blocks, masters=len(masters))
+    again.close()
+    buf.clear_redis()
+    buf.close()
+    assert cluster_server.sync_client().dbsize() == 0
+
+
+def test_sharded_store_from_tensordict_and_reconnect(cluster_server):
+    conn = cluster_server.connection_kwargs()
+    local = TensorDict({"x": torch.arange(50.0).reshape(25, 2), "n": {"y": torch.arange(25)}}, [25])
+    buf = ShardedStore.from_tensordict(local, block_rows=4, td_id="big-buffer", **conn)
+    assert buf.td_id == "big-buffer" and buf.num_blocks == 7
+    assert [b.td_id for b in buf.blocks] == [f"big-buffer.b{i}" for i in range(7)]
+    assert len({cluster_server.node_of_key(b._conn.keys.meta) for b in buf.blocks}) >= 2
+    again = ShardedStore.from_store(td_id="big-buffer", **conn)
+    assert (again.to_tensordict() == local).all()
+    assert torch.equal(again[[24, 0, 13]]["n", "y"], torch.tensor([24, 0, 13]))
+    with pytest.raises(StoreExistsError):
+        ShardedStore.from_tensordict(local, block_rows=4, td_id="big-buffer", **conn)
+    assert (ShardedStore.from_store(td_id="big-buffer", **conn).to_tensordict() == local).all()
+    with pytest.raises(StoreNotFoundError):
+        ShardedStore.from_store(td_id="no-such-buffer", **conn)
+    again.close()
+    buf.clear_redis()
+    buf.close()
+    assert cluster_server.sync_client().dbsize() == 0
+
+
+def test_sharded_store_bad_input_writes_nothing(cluster_server, wire):
+    buf = ShardedStore.from_schema(_SCHEMA, batch_size=[10], block_rows=3, **cluster_server.connection_kwargs())
+    buf[0:10] = _rows_value(random.Random(0), 10, torch.Generator().manual_seed(0))
+    before = wire(cluster_server)
+    where = f"ShardedStore\\(td_id='{buf.td_id}', 10 rows\\)"
+    cases = [
+        (lambda: buf.__setitem__(slice(0, 5), _rows_value(random.Random(1), 4, torch.Generator())), ValueError, "batch size \\[5\\]"),
+        (lambda: buf.__setitem__(10, _rows_value(random.Random(1), None, torch.Generator())), IndexError, "row 10 is out of range"),
+        (lambda: buf.__setitem__([1, -11], _rows_value(random.Random(1), 2, torch.Generator())), IndexError, "row -11"),
+        (lambda: buf.__setitem__(torch.tensor([0.5]), {}), TypeError, "integer tensor"),
+        (lambda: buf.__setitem__(torch.ones(3, dtype=torch.bool), {}), IndexError, "shape \\[10\\]"),
+        (lambda: buf.__setitem__(slice(0, 2), torch.zeros(2)), TypeError, "TensorDict or a dict"),
+        (lambda: buf.__setitem__("act", torch.zeros(9)), ValueError, "must have 10 rows"),
+        (lambda: buf.__setitem__(slice(2, 5), {"obs": torch.zeros(3, 4)}), RuntimeError, "obs"),
+        (lambda: buf.__getitem__(2.0), TypeError, "takes an entry key"),
+    ]
+    for call, exc, text in cases:
+        with pytest.raises(exc, match=text):
+            call()
+        assert wire(cluster_server) == before, text
+    with pytest.raises(ValueError, match=where):
+        buf[0:5] = _rows_value(random.Random(1), 4, torch.Generator())
+    with pytest.raises(ValueError, match="block_rows must be a positive int"):
+        ShardedStore.from_schema(_SCHEMA, batch_size=[10], block_rows=0, **cluster_server.connection_kwargs())
+    assert wire(cluster_server) == before
+    buf.clear_redis()
+    buf.close()
+
+
+def test_sharded_store_is_atomic_per_block(cluster_server, request):
+    """Writers fill the whole buffer with one value per write; a block never shows two values."""
+    conn = cluster_server.connection_kwargs()
+    buf = ShardedStore.from_schema({"v": ([16], torch.int64)}, batch_size=[12], block_rows=4, **conn)
+    stop = time.monotonic() + 1.0
+    writes = [0]
+
+    def writer(tag: int) -> None:
+        mine = ShardedStore.from_store(td_id=buf.td_id, **conn)
+        for i in range(2000):
+            if time.monotonic() > stop:
+                break
+            value = tag * 100_000 + i
+            mine[0:12] = {"v": torch.full((12, 16), value)}
+            writes[0] += 1
+        mine.close()
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in (1, 2)]
+    for t in threads:
+        t.start()
+    reads = torn_blocks = mixed_reads = 0
+    while time.monotonic() < stop and reads < 5000:
+        rows = buf[0:12]["v"]
+        reads += 1
+        per_block = [torch.unique(rows[i : i + 4]) for i in range(0, 12, 4)]
+        torn_blocks += sum(int(u.numel() != 1) for u in per_block)
+        mixed_reads += int(len({int(u[0]) for u in per_block}) > 1)
+    for t in threads:
+        t.join(30)
+    _record(request, reads=reads, writes=writes[0], torn_blocks=torn_blocks, cross_block_mixed_reads=mixed_reads)
+    assert torn_blocks == 0 and reads > 0 and writes[0] > 0
+    buf.clear_redis()
+    buf.close()
+
+
+@pytest.mark.parametrize("server", ["redis", "fakeredis"], indirect=True)
+def test_sharded_store_on_a_single_server(server):
+    """Without a cluster the blocks share one server: same API, same results."""
+    conn = server.connection_kwargs()
+    local = TensorDict({"x": torch.arange(20).reshape(10, 2)}, [10])
+    buf = ShardedStore.from_tensordict(local, block_rows=3, td_id=f"single-{uuid.uuid4().hex}", **conn)
+    assert torch.equal(buf[[9, 2, 3]]["x"], local[[9, 2, 3]]["x"])
+    buf[::4] = {"x": torch.zeros(3, 2, dtype=torch.int64)}
+    local[::4] = TensorDict({"x": torch.zeros(3, 2, dtype=torch.int64)}, [3])
+    assert torch.equal(buf["x"], local["x"])
+    buf.clear_redis()
+    buf.close()
