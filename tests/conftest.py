@@ -46,6 +46,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -295,14 +296,13 @@ class ServerPool:
         admin = self.get(base if variant == "unix" else f"{base}-{variant}-admin")
         if view is None:
             if variant == "unix":
-                view = admin.as_user(admin._username, admin._password)
-                view.port = None  # connection_kwargs(), url and sync_client() use the socket
+                view = _UserView.of(admin, admin._username, admin._password)
+                view.port = None  # connection_kwargs() and url use the socket
                 view.host = None
             elif variant == "acl":
-                view = admin.as_user(ACL_USER, ACL_PASSWORD)
+                view = _UserView.of(admin, ACL_USER, ACL_PASSWORD)
             else:
-                view = admin.as_user(None, None)
-            view._pool_admin = admin  # type: ignore[attr-defined]
+                view = _UserView.of(admin, None, None)
             self._views[kind] = view
         return view
 
@@ -331,6 +331,27 @@ class ServerPool:
         self._views.clear()
         if self._tls is not None:
             shutil.rmtree(self._tls.directory, ignore_errors=True)
+
+
+class _UserView(ServerHandle):
+    """A non-owning handle that connects stores as a test user, over a secured transport.
+
+    ``connection_kwargs()`` and ``async_client()`` connect as the user (what a store under
+    test gets); ``sync_client()``, the plain client tests inspect and prepare the wire with,
+    connects as the server's administrator, so that KEYS, CONFIG SET, DEBUG... keep working.
+    """
+
+    _pool_admin: ServerHandle
+
+    @classmethod
+    def of(cls, admin: ServerHandle, username: str | None, password: str | None) -> _UserView:
+        view = cls.__new__(cls)
+        view.__setstate__(admin.as_user(username, password).__getstate__())
+        view._pool_admin = admin
+        return view
+
+    def sync_client(self, *, unix: bool = False, **kw: Any) -> Any:
+        return self._pool_admin.sync_client(unix=unix, **kw)
 
 
 def admin_handle(handle: ServerHandle) -> ServerHandle:
