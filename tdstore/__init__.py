@@ -38,12 +38,14 @@ from tdstore.errors import (
     UnsupportedOperationError,
 )
 from tdstore.sharded import ShardedStore
+from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.store import TensorDictStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TensorDictStore",
+    "LazyStackedTensorDictStore",
     "ShardedStore",
     "TDStoreError",
     "StoreNotFoundError",

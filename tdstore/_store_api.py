@@ -25,7 +25,6 @@ from tdstore.errors import (
     SchemaError,
     StaleLayoutError,
     StoreNotFoundError,
-    UnsupportedOperationError,
 )
 
 if TYPE_CHECKING:
@@ -125,10 +124,15 @@ class StoreAPI:
         if is_tensorclass(td) and not isinstance(td, (NonTensorData, NonTensorStack)):
             tensorclass = f"{type(td).__module__}.{type(td).__qualname__}"
             td = td._tensordict
+        from tdstore.lazy import LazyStackedTensorDictStore
+
+        if isinstance(td, LazyStackedTensorDictStore):
+            td = td.to_tensordict()
         if isinstance(td, LazyStackedTensorDict):
-            raise UnsupportedOperationError(
-                "a LazyStackedTensorDict needs LazyStackedTensorDictStore, which is not available in "
-                "this version; upload td.contiguous() (if its members share shapes) instead"
+            # entries of different shapes (ragged leaves) are kept as they are
+            return LazyStackedTensorDictStore.from_lazy_stack(  # type: ignore[return-value]
+                td, backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path,
+                prefix=prefix, device=device, **kwargs,
             )
         if not isinstance(td, TensorDictBase):
             raise TypeError(f"from_tensordict expects a TensorDictBase, got {type(td).__name__}")

@@ -245,6 +245,13 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
                 f"store {self._where()} was written in format {fmt!r}; this tdstore reads "
                 f"format {_backend.FORMAT_VERSION!r}"
             )
+        if layout.meta.get("kind"):
+            from tdstore.errors import UnsupportedOperationError
+
+            raise UnsupportedOperationError(
+                f"store {self._where()} is a LazyStackedTensorDictStore (kind {layout.meta['kind']!r}); "
+                "connect with tdstore.LazyStackedTensorDictStore.from_store(td_id=...)"
+            )
         for path, meta in layout.entries.items():
             _values.check_meta(path, meta, self._where())
 

@@ -1,0 +1,56 @@
+"""Worker for tests/test_lazy.py: a fresh process that reconnects to a lazy store and reads it.
+
+Usage: ``python _lazy_workers.py JOBS.json``, a list of jobs ``["by_id", '<json {td_id, kwargs}>', OUT]``
+or ``["pickled", HANDLE.pkl, OUT]``; each writes the pickled ``to_tensordict()``
+result to OUT, as :func:`describe` gives it (torch cannot pickle every dtype, e.g. uint16).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def describe(td: Any) -> Any:
+    """A picklable exact description of a (lazy) tensordict: structure, dtypes, shapes, bytes."""
+    import torch
+    from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack
+
+    if isinstance(td, LazyStackedTensorDict):
+        return ("lazy", td.stack_dim, list(td.batch_size), [describe(m) for m in td.tensordicts])
+    out = []
+    for key, value in sorted(td.items(), key=lambda kv: str(kv[0])):
+        if isinstance(value, (NonTensorData, NonTensorStack)):
+            out.append((key, type(value).__name__, list(value.batch_size), value.tolist()))
+        elif isinstance(value, torch.Tensor):
+            flat = value.contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            out.append((key, str(value.dtype), list(value.shape), raw))
+        else:
+            out.append((key, "td", list(value.batch_size), describe(value)))
+    return ("td", list(td.batch_size), out)
+
+
+def main() -> None:
+    """Runs every job of the JSON file argv[1]: ``[mode, arg, out]`` each (see the module doc)."""
+    from tdstore import LazyStackedTensorDictStore
+
+    for mode, arg, out in json.loads(Path(sys.argv[1]).read_text()):
+        if mode == "by_id":
+            request = json.loads(arg)
+            store = LazyStackedTensorDictStore.from_store(td_id=request["td_id"], **request["kwargs"])
+        elif mode == "pickled":
+            store = pickle.loads(Path(arg).read_bytes())
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+        try:
+            Path(out).write_bytes(pickle.dumps(describe(store.to_tensordict())))
+        finally:
+            store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,513 @@
+"""LazyStackedTensorDictStore: differential suite against the in-memory lazy stack, and its rules.
+
+The differential tests keep an oracle: the list of element tensordicts, changed by the
+same operations as the store, and compared with the store (bytes, dtypes, shapes,
+non-tensor values, stack dim) after every step. Random stacks are seeded: ragged and
+homogeneous leaves, every storable dtype, 1-3 levels of nesting, stack_dim 0 and 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _counts import add_cases
+from _gen import rand_tensor
+from _lazy_workers import describe
+from _wire import wire_snapshot
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from tdstore import (
+    LazyStackedTensorDictStore,
+    SchemaError,
+    StoreLockedError,
+    TensorDictStore,
+    UnsupportedOperationError,
+)
+from tdstore._codec import DTYPE_BY_NAME
+from tdstore._lazy_plan import split_index
+
+DTYPES = list(DTYPE_BY_NAME.values())
+SEEDS = list(range(6))
+
+
+# --------------------------------------------------------------------------- generators
+def _is_leaf(cls: type) -> bool:
+    return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
+
+
+class Spec:
+    """The structure of one random stack: leaves with dtype and per-element shapes."""
+
+    def __init__(self, rng: random.Random, n: int, elem_bs: tuple[int, ...], depth: int) -> None:
+        self.n = n
+        self.elem_bs = elem_bs
+        self.tree = self._tree(rng, elem_bs, depth, 0)
+
+    def _tree(self, rng: random.Random, bs: tuple[int, ...], depth: int, level: int) -> dict[str, Any]:
+        tree: dict[str, Any] = {}
+        for i in range(rng.randint(1, 3)):
+            kind = rng.choice(["t", "t", "t", "nt"])
+            if kind == "t":
+                dtype = rng.choice(DTYPES)
+                ragged = rng.random() < 0.6
+                if ragged:
+                    shapes = [bs + tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 2))) for _ in range(self.n)]
+                    if self.n > 1 and all(s == shapes[0] for s in shapes):
+                        shapes[-1] = shapes[-1][:-1] + (shapes[-1][-1] + 1,)
+                else:
+                    feat = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 2)))
+                    shapes = [bs + feat] * self.n
+                tree[f"t{level}_{i}"] = ("t", dtype, shapes)
+            else:
+                tree[f"nt{level}_{i}"] = ("nt", rng.choice(["str", "json", "pickle"]))
+        if level + 1 < depth:
+            sub_bs = bs + ((2,) if rng.random() < 0.3 else ())
+            tree[f"n{level}"] = ("td", sub_bs, self._tree(rng, sub_bs, depth, level + 1))
+        return tree
+
+    def element(self, rng: random.Random, j: int) -> TensorDict:
+        return self._fill(rng, self.tree, self.elem_bs, j)
+
+    def _fill(self, rng: random.Random, tree: dict[str, Any], bs: tuple[int, ...], j: int) -> TensorDict:
+        td = TensorDict(batch_size=bs)
+        for key, spec in tree.items():
+            if spec[0] == "t":
+                td[key] = rand_tensor(rng, spec[2][j], spec[1])
+            elif spec[0] == "nt":
+                td[key] = NonTensorData(data=_nt_value(rng, spec[1]), batch_size=bs)
+            else:
+                td[key] = self._fill(rng, spec[2], spec[1], j)
+        return td
+
+    def leaves(self) -> list[tuple[tuple[str, ...], Any]]:
+        out: list[tuple[tuple[str, ...], Any]] = []
+
+        def walk(prefix: tuple[str, ...], tree: dict[str, Any]) -> None:
+            for key, spec in tree.items():
+                if spec[0] == "td":
+                    walk(prefix + (key,), spec[2])
+                else:
+                    out.append((prefix + (key,), spec))
+
+        walk((), self.tree)
+        return out
+
+
+def _nt_value(rng: random.Random, kind: str) -> Any:
+    if kind == "str":
+        return "s" * rng.randint(0, 5) + str(rng.randint(0, 99))
+    if kind == "json":
+        return {"a": rng.randint(0, 9), "b": [rng.random(), None, True]}
+    return (rng.randint(0, 9), frozenset({rng.randint(0, 3)}))  # not JSON: pickled
+
+
+def rand_stack(seed: int, stack_dim: int) -> tuple[Spec, list[TensorDict]]:
+    rng = random.Random(seed * 7919 + stack_dim)
+    n = rng.randint(1, 5)
+    elem_bs = tuple(rng.randint(1, 3) for _ in range(rng.randint(stack_dim, 2)))
+    spec = Spec(rng, n, elem_bs, depth=rng.randint(1, 3))
+    return spec, [spec.element(rng, j) for j in range(n)]
+
+
+# --------------------------------------------------------------------------- comparison
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    """Exact equality: types, stack dims, batch sizes, keys, dtypes, shapes, bytes, non-tensor values."""
+    if isinstance(want, LazyStackedTensorDict):
+        assert isinstance(got, LazyStackedTensorDict), f"{where}: {type(got).__name__} is not a lazy stack"
+        assert got.stack_dim == want.stack_dim, where
+        assert got.batch_size == want.batch_size, where
+        assert len(got.tensordicts) == len(want.tensordicts), where
+        for k, (g, w) in enumerate(zip(got.tensordicts, want.tensordicts, strict=True)):
+            assert_same(g, w, f"{where}[{k}]")
+        return
+    if isinstance(want, (NonTensorData, NonTensorStack)):
+        assert type(got) is type(want), f"{where}: {type(got).__name__} vs {type(want).__name__}"
+        assert got.batch_size == want.batch_size, where
+        assert got.tolist() == want.tolist(), where
+        return
+    if isinstance(want, TensorDictBase):
+        assert isinstance(got, TensorDictBase) and not isinstance(got, LazyStackedTensorDict), f"{where}: {type(got)}"
+        assert got.batch_size == want.batch_size, where
+        gk = set(got.keys(True, True, is_leaf=_is_leaf))
+        wk = set(want.keys(True, True, is_leaf=_is_leaf))
+        assert gk == wk, f"{where}: keys {gk} vs {wk}"
+        for key in wk:
+            assert_same(got.get(key), want.get(key), f"{where}.{key}")
+        return
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}"
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
+        assert torch.equal(_raw(got), _raw(want)), f"{where}: values differ"
+        return
+    if isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{k}]")
+        return
+    assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.numel() and t.dtype != torch.uint8 else t.to(torch.uint8) if not t.numel() else t
+
+
+def oracle(members: list[TensorDict], stack_dim: int) -> LazyStackedTensorDict:
+    return LazyStackedTensorDict(*members, stack_dim=stack_dim)
+
+
+def rand_index(rng: random.Random, n: int, stack_dim: int, ndim: int) -> Any:
+    """An index of the stack, as a tuple positioning the stack dim entry."""
+    choice = rng.choice(["int", "neg", "slice", "list", "mask", "tensor", "other-dim"])
+    if choice == "int":
+        entry: Any = rng.randrange(n)
+    elif choice == "neg":
+        entry = -rng.randint(1, n)
+    elif choice == "slice":
+        a = rng.randrange(n)
+        entry = slice(a, rng.randint(a + 1, n), rng.choice([1, 2]))
+    elif choice == "list":
+        entry = [rng.randrange(n) for _ in range(rng.randint(1, 4))]
+    elif choice == "mask":
+        mask = torch.tensor([rng.random() < 0.6 for _ in range(n)])
+        mask[rng.randrange(n)] = True
+        entry = mask
+    elif choice == "tensor":
+        entry = torch.tensor([rng.randrange(n) for _ in range(rng.randint(1, 3))])
+    else:
+        # an index over another batch dim: every element is read, part of each
+        other = 1 - stack_dim if ndim > 1 else None
+        if other is None:
+            return slice(None)
+        return (slice(None),) * other + (0,)
+    return (slice(None),) * stack_dim + (entry,) if stack_dim else entry
+
+
+# --------------------------------------------------------------------------- differential
+@pytest.mark.parametrize("stack_dim", [0, 1])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_differential(server, seed: int, stack_dim: int, request: pytest.FixtureRequest) -> None:
+    spec, members = rand_stack(seed, stack_dim)
+    rng = random.Random(seed)
+    ref = oracle([m.clone() for m in members], stack_dim)
+    store = TensorDictStore.from_tensordict(oracle(members, stack_dim), **server.connection_kwargs())
+    assert isinstance(store, LazyStackedTensorDictStore)
+    counts = {"reads": 0, "writes": 0, "errors": 0, "key_ops": 0}
+    try:
+        assert store.stack_dim == stack_dim and store.batch_size == ref.batch_size
+        assert_same(store.to_tensordict(), ref, "upload")
+        for _step in range(25):
+            op = rng.choice(["index", "index", "leaf", "as_list", "write", "write_entry", "bad_write", "key"])
+            ref = oracle(members, stack_dim)
+            if op == "index":
+                idx = rand_index(rng, spec.n, stack_dim, len(ref.batch_size))
+                assert_same(store[idx], ref[idx], f"store[{idx}]")
+                counts["reads"] += 1
+            elif op in ("leaf", "as_list"):
+                path, leaf = rng.choice(spec.leaves())
+                if op == "as_list":
+                    got, want = store.get(path, as_list=True), ref.get(path, as_list=True)
+                    assert_same(list(got), list(want), f"get({path}, as_list)")
+                else:
+                    try:
+                        want = ref.get(path)
+                    except RuntimeError:
+                        with pytest.raises(RuntimeError, match="ragged|as_list"):
+                            store.get(path)
+                        counts["errors"] += 1
+                        continue
+                    assert_same(store.get(path), want, f"get({path})")
+                counts["reads"] += 1
+            elif op == "write":
+                j = rng.randrange(spec.n)
+                new = spec.element(rng, j)
+                store[(slice(None),) * stack_dim + (j,)] = new
+                members[j] = new.clone()
+                counts["writes"] += 1
+            elif op == "write_entry":
+                j = rng.randrange(spec.n)
+                path, leaf = rng.choice(spec.leaves())
+                value = spec.element(rng, j).get(path)
+                store[(slice(None),) * stack_dim + (j,)] = TensorDict({path: value}, batch_size=[])
+                members[j].set(path, value.clone() if isinstance(value, torch.Tensor) else value)
+                counts["writes"] += 1
+            elif op == "bad_write":
+                ragged = [(p, s) for p, s in spec.leaves() if s[0] == "t"]
+                if not ragged:
+                    continue
+                path, leaf = rng.choice(ragged)
+                j = rng.randrange(spec.n)
+                shape = list(leaf[2][j])
+                if len(shape) > len(spec.elem_bs):
+                    shape[-1] += 2  # never broadcastable to the old shape
+                else:
+                    shape.append(2)
+                before = wire_snapshot(server)
+                with pytest.raises(SchemaError, match=rf"element {j}.*keep their shapes"):
+                    store[(slice(None),) * stack_dim + (j,)] = TensorDict({path: torch.zeros(shape, dtype=leaf[1])}, [])
+                assert wire_snapshot(server) == before, "a refused element write changed the server"
+                counts["errors"] += 1
+            else:
+                _key_op(rng, store, members, spec, stack_dim)
+                counts["key_ops"] += 1
+            assert_same(store.to_tensordict(), oracle(members, stack_dim), f"after {op}")
+        # a fresh handle (by td_id) and a pickled one see the same stack
+        again = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+        assert_same(again.to_tensordict(), oracle(members, stack_dim), "from_store")
+        again.close()
+        if server.kind != "fakeredis":  # an in-process server cannot be reached from a pickle
+            assert_same(pickle.loads(pickle.dumps(store)).to_tensordict(), oracle(members, stack_dim), "pickle")
+    finally:
+        store.clear_redis()
+        store.close()
+    assert not wire_snapshot(server), "clear_redis left keys behind"
+    add_cases(request, f"lazy differential cases on {server.kind}", **counts)
+
+
+def _key_op(rng: random.Random, store: LazyStackedTensorDictStore, members: list[TensorDict], spec: Spec, stack_dim: int) -> None:
+    """Adds, renames or deletes a top-level key on the store and on every oracle element."""
+    keys = [k for k in members[0].keys() if not k.startswith("n") and k in spec.tree]
+    choice = rng.choice(["add_ragged", "add_tensor", "add_nt", "rename", "delete"])
+    name = f"k{rng.randrange(1000)}"
+    if choice == "add_ragged":
+        dtype = rng.choice(DTYPES)
+        values = [rand_tensor(rng, spec.elem_bs + (j + 1,), dtype) for j in range(spec.n)]
+        store[name] = LazyStackedTensorDict(*[TensorDict({"v": v}, spec.elem_bs) for v in values], stack_dim=stack_dim)
+        for m, v in zip(members, values, strict=True):
+            m[name] = TensorDict({"v": v.clone()}, spec.elem_bs)
+        spec.tree[name] = ("td", spec.elem_bs, {"v": ("t", dtype, [tuple(v.shape) for v in values])})
+    elif choice == "add_tensor":
+        full = store.batch_size
+        value = rand_tensor(rng, tuple(full) + (2,), rng.choice(DTYPES))
+        store[name] = value
+        for m, v in zip(members, value.unbind(stack_dim), strict=True):
+            m[name] = v.clone()
+        spec.tree[name] = ("t", value.dtype, [spec.elem_bs + (2,)] * spec.n)
+    elif choice == "add_nt":
+        store[name] = "constant"
+        for m in members:
+            m[name] = "constant"
+        spec.tree[name] = ("nt", "str")
+    elif choice == "rename" and keys:
+        old = rng.choice(keys)
+        store.rename_key_(old, name)
+        for m in members:
+            m.rename_key_(old, name)
+        _rename_spec(spec, old, name)
+    elif choice == "delete" and len(keys) > 1:
+        old = rng.choice(keys)
+        del store[old]
+        for m in members:
+            del m[old]
+        spec.tree.pop(old, None)
+
+
+def _rename_spec(spec: Spec, old: str, new: str) -> None:
+    if old in spec.tree:
+        spec.tree[new] = spec.tree.pop(old)
+
+
+# --------------------------------------------------------------------------- unit tests
+def _ragged(stack_dim: int = 0) -> LazyStackedTensorDict:
+    a = TensorDict({"x": torch.arange(12.0).reshape(3, 4), "h": torch.arange(3), "s": {"y": torch.zeros(3, 2)}, "nt": "a"}, [3])
+    b = TensorDict({"x": torch.arange(15.0).reshape(3, 5), "h": torch.arange(3) + 3, "s": {"y": torch.ones(3, 2)}, "nt": "b"}, [3])
+    return LazyStackedTensorDict(a, b, stack_dim=stack_dim)
+
+
+def test_split_index_unit() -> None:
+    assert split_index(1, 2, 0, 4) == ([1], (0,), 1)
+    members, remapped, pick = split_index([3, 1, 3], 2, 0, 4)
+    assert members == [1, 3] and pick == [3, 1, 3] and remapped[0].tolist() == [1, 0, 1]
+    assert split_index((slice(None), 2), 2, 1, 4)[2] == 2
+    assert split_index((0, slice(None)), 2, 1, 4)[2] is None
+    assert split_index(slice(1, 3), 2, 0, 4)[0] == [1, 2]
+    with pytest.raises(IndexError, match="out of bounds"):
+        split_index(7, 2, 0, 4)
+
+
+def test_wire_layout_and_kind(server) -> None:
+    ref = _ragged()
+    store = LazyStackedTensorDictStore.from_lazy_stack(ref, **server.connection_kwargs())
+    try:
+        wire = wire_snapshot(server)
+        meta = next(v for k, (t, v) in wire.items() if k.endswith(b":meta"))
+        assert meta[b"kind"] == b"lazy" and meta[b"stack_dim"] == b"0"
+        assert json.loads(meta[b"batch_size"]) == [2, 3]
+        reg = next(v for k, (t, v) in wire.items() if k.endswith(b":reg"))
+        x = json.loads(reg[b"x"])
+        assert x["shapes"] == [[3, 4], [3, 5]] and x["dtype"] == "float32"
+        assert json.loads(reg[b"h"])["shape"] == [3]
+        data = next(v for k, (t, v) in wire.items() if k.endswith(b":d:x"))
+        assert data == ref.tensordicts[0]["x"].numpy().tobytes() + ref.tensordicts[1]["x"].numpy().tobytes()
+        with pytest.raises(UnsupportedOperationError, match="LazyStackedTensorDictStore.from_store"):
+            TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+        plain = TensorDictStore.from_dict({"a": torch.zeros(2)}, batch_size=[2], **server.connection_kwargs())
+        with pytest.raises(UnsupportedOperationError, match="not a lazy stack"):
+            LazyStackedTensorDictStore.from_store(td_id=plain.td_id, **server.connection_kwargs())
+        plain.clear_redis()
+        plain.close()
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+@pytest.mark.parametrize("stack_dim", [0, 1])
+def test_reads_match_lazy_stack(server, stack_dim: int) -> None:
+    ref = _ragged(stack_dim)
+    store = LazyStackedTensorDictStore.from_lazy_stack(ref, **server.connection_kwargs())
+    try:
+        assert store.batch_size == ref.batch_size and len(store) == len(ref)
+        assert_same(store.to_tensordict(), ref)
+        assert_same(store["h"], ref["h"])
+        assert_same(store["s"]["y"], ref["s"]["y"])
+        assert isinstance(store["s"], LazyStackedTensorDictStore) and store["s"].batch_size == ref["s"].batch_size
+        assert store["nt"] == ref["nt"]
+        with pytest.raises(UnsupportedOperationError, match=r"ragged .*as_list=True.*store\[j\].*to_tensordict"):
+            store["x"]
+        assert_same(store.get("x", as_list=True), ref.get("x", as_list=True))
+        nested = store.get("x", as_nested_tensor=True)
+        assert nested.is_nested and torch.equal(nested[1], ref.tensordicts[1]["x"])
+        assert_same(store.get("x", as_padded_tensor=True), ref.get("x", as_padded_tensor=True))
+        elem = (slice(None),) * stack_dim + (1,)
+        assert_same(store[elem], ref[elem])
+        assert set(store.keys(True, True)) == set(ref.keys(True, True))
+        assert store.entry_class("s") is LazyStackedTensorDictStore
+        assert store.get("missing", "default") == "default"
+        with pytest.raises(KeyError, match="missing"):
+            store["missing"]
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def test_element_write_errors_leave_data(server) -> None:
+    ref = _ragged()
+    store = LazyStackedTensorDictStore.from_lazy_stack(ref, **server.connection_kwargs())
+    try:
+        before = wire_snapshot(server)
+        with pytest.raises(SchemaError, match=r"key \('x',\) at element 1 .*\[3, 5\]"):
+            store[1] = TensorDict({"x": torch.zeros(3, 6)}, [3])
+        with pytest.raises(KeyError, match="not in"):
+            store[0] = TensorDict({"zz": torch.zeros(3)}, [3])
+        with pytest.raises(UnsupportedOperationError, match="whole elements"):
+            store[:, 0] = TensorDict({"nt": "q"}, [2])
+        assert wire_snapshot(server) == before
+        # a non-tensor and a tensor of one element, in one write
+        store[1] = TensorDict({"nt": "changed", "h": torch.tensor([7, 8, 9])}, [3])
+        got = store[1]
+        assert got["nt"] == "changed" and got["h"].tolist() == [7, 8, 9]
+        # part of every element (a batch dim that is not the stack dim)
+        store[:, 0] = 0
+        assert store[0]["x"][0].abs().sum() == 0 and store[1]["x"][0].abs().sum() == 0
+        assert store[0]["x"][1].abs().sum() > 0
+        store.set_at_("h", torch.tensor(-1), (0, 2))
+        assert store[0]["h"].tolist() == [0, 1, -1]
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def test_upload_refusals_write_nothing(server) -> None:
+    kw = server.connection_kwargs()
+    a = TensorDict({"x": torch.zeros(2)}, [])
+    b = TensorDict({"x": torch.zeros(2, dtype=torch.int32)}, [])
+    with pytest.raises(SchemaError, match=r"different dtypes"):
+        LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(a, b), **kw)
+    c = TensorDict({"y": torch.zeros(2)}, [])
+    with pytest.raises(SchemaError, match=r"differ in their keys.*element 1"):
+        LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(a, c), **kw)
+    with pytest.raises(TypeError, match="expects a LazyStackedTensorDict"):
+        LazyStackedTensorDictStore.from_lazy_stack(a, **kw)
+    assert not wire_snapshot(server)
+
+
+def test_layout_changes_seen_by_other_handles(server) -> None:
+    kw = server.connection_kwargs()
+    store = LazyStackedTensorDictStore.from_lazy_stack(_ragged(), **kw)
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **kw)
+    try:
+        assert "x" in other.keys()
+        # another client replaces x with other shapes: the cached layout must not be used
+        store["x"] = LazyStackedTensorDict(*[TensorDict({"a": torch.full((3, k), float(k))}, [3]) for k in (1, 2)], stack_dim=0)
+        assert isinstance(other["x"], LazyStackedTensorDictStore)
+        assert other[1]["x", "a"].shape == (3, 2)
+        with pytest.raises(SchemaError, match="keep their shapes"):
+            other[0] = TensorDict({"x": {"a": torch.zeros(3, 5)}}, [3])
+        other[0] = TensorDict({"x": {"a": torch.full((3, 1), 9.0)}}, [3])
+        assert store[0]["x", "a"].flatten().tolist() == [9.0, 9.0, 9.0]
+        other.rename_key_("h", "hh")
+        assert "hh" in store.keys() and "h" not in store.keys()
+        store.lock_()
+        assert other.is_locked
+        with pytest.raises(StoreLockedError):
+            other[0] = TensorDict({"hh": torch.zeros(3, dtype=torch.long)}, [3])
+        with pytest.raises(StoreLockedError):
+            other["new"] = torch.zeros(2, 3)
+        store.unlock_()
+        other[0] = TensorDict({"hh": torch.zeros(3, dtype=torch.long)}, [3])
+        assert store[0]["hh"].tolist() == [0, 0, 0]
+    finally:
+        other.close()
+        store.clear_redis()
+        store.close()
+    assert not wire_snapshot(server)
+
+
+def test_clone_and_unsupported(server) -> None:
+    store = LazyStackedTensorDictStore.from_lazy_stack(_ragged(1), **server.connection_kwargs())
+    try:
+        copy = store.clone()
+        assert copy.td_id != store.td_id and isinstance(copy, LazyStackedTensorDictStore)
+        assert_same(copy.to_tensordict(), store.to_tensordict())
+        copy.clear_redis()
+        copy.close()
+        with pytest.raises(UnsupportedOperationError, match="apply_"):
+            store.apply_(lambda t: t + 1)
+        with pytest.raises(UnsupportedOperationError, match="to_tensordict"):
+            store.view(-1)
+        assert_same(store.select("h"), _ragged(1).select("h"))
+    finally:
+        store.clear_redis()
+        store.close()
+    store.close()  # idempotent
+
+
+# --------------------------------------------------------------------------- other processes
+def test_reconnect_from_spawned_process(real_server, tmp_path: Path) -> None:
+    """A spawned process reconnects by td_id, and by a pickled handle, and reads the stack exactly."""
+    stores, jobs, expected = [], [], {}
+    try:
+        for stack_dim in (0, 1):
+            _, members = rand_stack(100 + stack_dim, stack_dim)
+            ref = oracle(members, stack_dim)
+            store = LazyStackedTensorDictStore.from_lazy_stack(ref, **real_server.connection_kwargs())
+            stores.append(store)
+            request = json.dumps({"td_id": store.td_id, "kwargs": real_server.connection_kwargs()})
+            handle_file = tmp_path / f"handle{stack_dim}.pkl"
+            handle_file.write_bytes(pickle.dumps(store))
+            for mode, arg in (("by_id", request), ("pickled", str(handle_file))):
+                out = str(tmp_path / f"{mode}{stack_dim}.pkl")
+                jobs.append([mode, arg, out])
+                expected[out] = describe(ref)
+        (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "_lazy_workers.py"), str(tmp_path / "jobs.json")],
+            capture_output=True, text=True, timeout=120, env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        for out, want in expected.items():
+            assert pickle.loads(Path(out).read_bytes()) == want, out
+    finally:
+        for store in stores:
+            store.clear_redis()
+            store.close()
