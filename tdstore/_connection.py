@@ -420,9 +420,9 @@ class Connection:
         if nbytes <= limit:
             return
         raise EntryTooLargeError(
-            f"{what} {path!r} of {where} is {nbytes} bytes ({_mib(nbytes)}), more than the server's "
-            f"proto-max-bulk-len of {limit} bytes ({_mib(limit)}) for one string on {self.describe()}; "
-            "nothing was written. Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
+            f"{what} {path!r} of {where} needs {nbytes} bytes, more than the server's "
+            f"proto-max-bulk-len of {limit} bytes for one string. Nothing was written ({_mib(nbytes)} > "
+            f"{_mib(limit)} on {self.describe()}). Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
             f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split the entry "
             "into row blocks with chunk_bytes= (chunked entries)."
         )
