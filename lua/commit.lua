@@ -27,6 +27,12 @@ ARGV[7]   expected write version (KEYS[3], bumped by every write of any process;
 ARGV[8]   the first layout version of a new store (decimal string; default "0"). The
           client draws it at random, so that a store re-created under the same td_id
           never repeats a version that a client may still have cached.
+ARGV[9]   optional: the lifetime of a new store in ms (a positive decimal of at most 15
+          digits), or "" for none; only read when ARGV[1] is "new". Every key of the store
+          then expires at that time (see expire.lua; meta fields "exp" and "ttl").
+
+A store with an expiry (meta field "exp") gives every key this script creates or renames
+into place that same expiry, so that the whole store expires at once.
 
 Returns: the layout version after the change (integer)
 
@@ -92,8 +98,8 @@ local function op_error(op)
   end
   return nil
 end
--- the counters are owned by the scripts: a meta update must not overwrite them
-for _, reserved in ipairs({'lv', 'fmt'}) do
+-- the counters and the expiry are owned by the scripts: a meta update must not overwrite them
+for _, reserved in ipairs({'lv', 'fmt', 'exp', 'ttl'}) do
   if meta_updates[reserved] ~= nil then
     drop_tmps()
     return fail('TDS_BADARG', 'meta field ' .. reserved .. ' cannot be set')
@@ -118,6 +124,11 @@ if expected == 'new' then
   if ARGV[8] ~= nil and not (string.match(ARGV[8], '^[1-9]%d*$') or ARGV[8] == '0') then
     drop_tmps()
     return fail('TDS_BADARG', 'the first layout version must be a non-negative integer')
+  end
+  local ttl = ARGV[9] or ''
+  if ttl ~= '' and not (string.match(ttl, '^[1-9]%d*$') and #ttl <= 15) then
+    drop_tmps()
+    return fail('TDS_BADARG', 'the lifetime must be a positive number of ms, got ' .. ttl)
   end
   if rcall('EXISTS', meta_key) == 1 then
     drop_tmps()
@@ -147,8 +158,19 @@ for _, op in ipairs(ops) do
 end
 
 -- apply
+-- exp: the absolute expiry (ms, server clock) every key of the store shares, or false
+local exp = false
 if expected == 'new' then
   rcall('HSET', meta_key, 'lv', ARGV[8] or '0', 'fmt', ARGV[6], 'lock', '0')
+  if (ARGV[9] or '') ~= '' then
+    local now = rcall('TIME')
+    exp = int_str(tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[9]))
+    rcall('HSET', meta_key, 'exp', exp, 'ttl', ARGV[9])
+    rcall('PEXPIREAT', meta_key, exp)
+  end
+else
+  exp = rcall('HGET', meta_key, 'exp')
+  if exp == '' then exp = false end
 end
 for field, value in pairs(meta_updates) do
   rcall('HSET', meta_key, field, value)
@@ -158,8 +180,9 @@ for _, op in ipairs(ops) do
   if kind == 'put' then
     local dst = key_at(op, 'dst')
     rcall('RENAME', key_at(op, 'src'), dst)
-    -- tmp keys carry a TTL so that an abandoned one expires; the entry must not
-    rcall('PERSIST', dst)
+    -- tmp keys carry a TTL so that an abandoned one expires; the entry must not, or
+    -- must expire with its store
+    if exp then rcall('PEXPIREAT', dst, exp) else rcall('PERSIST', dst) end
     rcall('HSET', reg_key, op.f, op.m)
   elseif kind == 'zero' then
     local dst = key_at(op, 'dst')
@@ -170,6 +193,7 @@ for _, op in ipairs(ops) do
     else
       rcall('SET', dst, '')
     end
+    if exp then rcall('PEXPIREAT', dst, exp) end
     rcall('HSET', reg_key, op.f, op.m)
   elseif kind == 'del' then
     rcall('HDEL', reg_key, op.f)
@@ -179,13 +203,22 @@ for _, op in ipairs(ops) do
     rcall('HSET', reg_key, op.f, op.m)
   elseif kind == 'move' then
     local src, dst = key_at(op, 'src'), key_at(op, 'dst')
-    if rcall('EXISTS', src) == 1 then rcall('RENAME', src, dst) end
+    if rcall('EXISTS', src) == 1 then
+      rcall('RENAME', src, dst)
+      if exp then rcall('PEXPIREAT', dst, exp) end
+    end
     rcall('HDEL', reg_key, op.f)
     rcall('HSET', reg_key, op.t, op.m)
   end
 end
 if #ops > 0 then
   rcall('INCR', wv_key)
+  -- the registry and the counter may have been created just now (a hash emptied by
+  -- "del" is deleted); the meta hash is left alone, as writers WATCH it
+  if exp then
+    rcall('PEXPIREAT', reg_key, exp)
+    rcall('PEXPIREAT', wv_key, exp)
+  end
 end
 if bump == '1' then
   return rcall('HINCRBY', meta_key, 'lv', 1)

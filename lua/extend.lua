@@ -13,6 +13,9 @@ ARGV[2]   number of rows n appended (1 <= n <= capacity)
 ARGV[3]   capacity: the size of the first batch dim
 ARGV[4..] one group per data key: the bytes of one row, then the payload of n rows
 
+A store with an expiry (meta field "exp", see expire.lua) gives the cursor and the counter
+that same expiry (SET drops a key's TTL).
+
 Returns: the cursor before the append (integer); the rows written are
          (cursor + i) % capacity for i = 0 .. n-1
 
@@ -75,4 +78,9 @@ for k = 4, #KEYS do
 end
 rcall('SET', KEYS[3], int_str(cursor + n))
 rcall('INCR', KEYS[2])
+local exp = rcall('HGET', KEYS[1], 'exp')
+if exp and exp ~= '' then
+  rcall('PEXPIREAT', KEYS[3], exp)
+  rcall('PEXPIREAT', KEYS[2], exp)
+end
 return cursor

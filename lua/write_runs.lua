@@ -11,6 +11,9 @@ ARGV[2..] one group per entry: the number of runs r, then r pairs of decimal
           (offset, length), then the payload: the runs' bytes concatenated in order.
           Later runs overwrite earlier ones where they overlap (the last write wins).
 
+The data keys must exist, so the script creates no key but, at most, the counter: when it
+does and the store has an expiry (meta field "exp", see expire.lua), the counter gets it.
+
 Returns: the number of runs written (integer)
 
 Errors:
@@ -76,5 +79,8 @@ for _, group in ipairs(groups) do
   end
   count = count + #runs
 end
-rcall('INCR', KEYS[2])
+if rcall('INCR', KEYS[2]) == 1 then
+  local exp = rcall('HGET', KEYS[1], 'exp')
+  if exp and exp ~= '' then rcall('PEXPIREAT', KEYS[2], exp) end
+end
 return count

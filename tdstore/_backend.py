@@ -33,6 +33,7 @@ __all__ = [
     "commit",
     "write_runs",
     "clear",
+    "expire",
     "list_stores",
 ]
 
@@ -285,10 +286,8 @@ class Op:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def commit(
-    client: Any,
+def commit_args(
     keys: StoreKeys,
-    runner: ScriptRunner,
     ops: Sequence[Op],
     *,
     expected: str,
@@ -296,12 +295,9 @@ async def commit(
     check_lock: bool,
     meta_updates: dict[str, str] | None = None,
     expected_wv: str = "",
-) -> int:
-    """Applies ``ops`` in one atomic step; returns the new layout version.
-
-    The bytes of "put" ops are SET into tmp keys (with a TTL, in case the MULTI is cut
-    short) inside the same MULTI as the script that renames them into place.
-    """
+    ttl_ms: int | None = None,
+) -> tuple[list[str], list[str], list[tuple[str, Any]]]:
+    """KEYS and ARGV of the commit script for ``ops``, and the ``(tmp key, bytes)`` of its "put" ops."""
     key_list: list[str] = [keys.meta, keys.reg, keys.wv]
     tmp_payloads: list[tuple[str, Any]] = []
     wire_ops: list[dict[str, str]] = []
@@ -343,6 +339,35 @@ async def commit(
         # a new store starts at a random layout version (see lua/commit.lua, ARGV[8])
         str(secrets.randbits(40) * 1024) if expected == "new" else "0",
     ]
+    if ttl_ms is not None and expected == "new":
+        args.append(str(int(ttl_ms)))  # ARGV[9], sent only when set: older callers send 8
+    return key_list, args, tmp_payloads
+
+
+async def commit(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    ops: Sequence[Op],
+    *,
+    expected: str,
+    bump: bool,
+    check_lock: bool,
+    meta_updates: dict[str, str] | None = None,
+    expected_wv: str = "",
+    ttl_ms: int | None = None,
+) -> int:
+    """Applies ``ops`` in one atomic step; returns the new layout version.
+
+    The bytes of "put" ops are SET into tmp keys (with a TTL, in case the MULTI is cut
+    short) inside the same MULTI as the script that renames them into place.
+    ``ttl_ms``: the lifetime of a new store (``expected="new"``); every key it creates
+    expires then (see lua/expire.lua).
+    """
+    key_list, args, tmp_payloads = commit_args(
+        keys, ops, expected=expected, bump=bump, check_lock=check_lock, meta_updates=meta_updates,
+        expected_wv=expected_wv, ttl_ms=ttl_ms,
+    )
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
     for attempt in range(2):
@@ -372,6 +397,7 @@ async def commit(
             raise result
         return int(result)
     raise AssertionError("unreachable")
+
 
 
 async def write_runs(
@@ -462,7 +488,7 @@ async def write_runs_watched(
     nt_keys = [keys.data(path) for path, _ in nontensor]
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(keys.meta, *nt_keys)
-        lv, lock = await pipe.hmget(keys.meta, ["lv", "lock"])
+        lv, lock, exp = await pipe.hmget(keys.meta, ["lv", "lock", "exp"])
         if lv is None:
             raise StoreNotFoundError(f"no store at {keys.meta}")
         if _s(lv) != expected:
@@ -517,6 +543,14 @@ async def write_runs_watched(
         for key, field, new_meta, payload in nt_writes:
             pipe.set(key, payload)
             pipe.hset(keys.reg, field, json.dumps(new_meta, separators=(",", ":")))
+        if _s(exp):
+            # a store with an expiry: the keys this step creates (or SET, which drops a
+            # TTL) expire with it; the meta hash is WATCHed, so "exp" cannot change meanwhile
+            for key in [keys.data(op.path) for op in creates] + [key for key, _, _, _ in nt_writes]:
+                pipe.pexpireat(key, int(_s(exp)))
+            if creates or nt_writes:
+                pipe.pexpireat(keys.reg, int(_s(exp)))
+            pipe.pexpireat(keys.wv, int(_s(exp)))
         if layout_changed:
             pipe.hincrby(keys.meta, "lv", 1)
         try:
@@ -536,6 +570,23 @@ async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layo
             "clear",
             [keys.meta, keys.reg, keys.wv, keys.ring, *data_keys],
             [str(layout.lv), str(len(layout.entries))],
+        )
+    )
+
+
+async def expire(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout, ttl_ms: int | None) -> int:
+    """Sets (``ttl_ms``) or removes (None) the expiry of every key of the store at ``layout.lv``.
+
+    Returns:
+        The absolute expiry in ms on the server's clock, or 0 when removed.
+    """
+    data_keys = [keys.data(p) for p, e in layout.entries.items() if e.get("k") != "td"]
+    return int(
+        await runner.call(
+            client,
+            "expire",
+            [keys.meta, keys.reg, keys.wv, keys.ring, *data_keys],
+            [str(layout.lv), str(len(layout.entries)), "" if ttl_ms is None else str(int(ttl_ms))],
         )
     )
 

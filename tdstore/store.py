@@ -21,12 +21,13 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _io, _values
+from tdstore import _backend, _codec, _io, _transfer, _values
 from tdstore._compat import StoreCompat014
 from tdstore._connection import Connection, connection_defaults
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import as_path as _as_path
 from tdstore._keys import new_td_id
+from tdstore._lifetime import LifetimeAPI, ttl_ms
 from tdstore._planner import WritePlanner, check_tensor, flatten_values, tensor_like
 from tdstore._reads import StoreReads
 from tdstore._retry import RetryPolicy
@@ -51,7 +52,9 @@ _MAX_CAS_RETRIES = 1000
 
 
 
-class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, StoreCompat014, TensorDictBase):
+class TensorDictStore(
+    StoreAPI, StoreReads, RingBufferAPI, LifetimeAPI, StoreUnsupported, StoreCompat014, TensorDictBase
+):
     """A TensorDict whose entries live on a Redis-compatible server.
 
     See the module docstring and ``docs/`` for the full guide; the public API follows
@@ -100,6 +103,8 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
         names: Sequence[str | None] | None = None,
         allow_pickle: bool | None = None,
         pickle_key: bytes | str | None = None,
+        expire: float | None = None,
+        progress: bool | None = None,
         retry: RetryPolicy | int | bool | None = None,
         _create: bool = True,
         **redis_kwargs: Any,
@@ -120,6 +125,9 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
         )
         device = torch.device(device) if device is not None else None
         self._init_handle(conn, (), device, cache_metadata, backend)
+        # expire=: the lifetime given to the store when this call creates it (seconds)
+        self._create_ttl_ms = ttl_ms(expire, self._where())
+        conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
         if not _create:
             return
         bs = torch.Size(batch_size) if batch_size is not None else torch.Size([])
@@ -614,9 +622,9 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
                     )
                     return
                 conn.run(
-                    lambda c: _backend.commit(
+                    lambda c: _transfer.commit(
                         c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=bump,
-                        check_lock=check_lock,
+                        check_lock=check_lock, progress=_transfer.upload_bar(self, ops),
                     )
                 )
             except StaleLayoutError:
@@ -636,6 +644,9 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
         self._cleared_meta = None
         bs = torch.Size(json.loads(meta.get("batch_size", "[]")))
         dev = meta.get("device") or None
+        if meta.get("ttl"):
+            # the recreated store lives as long as the cleared one was set to, from now
+            self._create_ttl_ms = int(meta["ttl"])
         try:
             self._create_store(bs, torch.device(dev) if dev else None, json.loads(meta.get("names") or "null"), [], None)
         except StoreExistsError:
@@ -685,8 +696,9 @@ class TensorDictStore(StoreAPI, StoreReads, RingBufferAPI, StoreUnsupported, Sto
         }
         conn = self._conn
         conn.run(
-            lambda c: _backend.commit(
-                c, conn.keys, conn.runner, ops, expected="new", bump=True, check_lock=False, meta_updates=meta
+            lambda c: _transfer.commit(
+                c, conn.keys, conn.runner, ops, expected="new", bump=True, check_lock=False, meta_updates=meta,
+                ttl_ms=getattr(self, "_create_ttl_ms", None), progress=_transfer.upload_bar(self, ops),
             ),
             idempotent=False,  # a re-sent create would find its own store and call it taken
         )

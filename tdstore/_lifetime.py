@@ -1,0 +1,108 @@
+"""Lifetimes of stores: ``expire(seconds)``, ``persist()``, ``ttl()`` (a mixin of TensorDictStore).
+
+A lifetime applies to every key of the store at once (``lua/expire.lua``): the meta hash,
+the registry, the counters and every data key expire at the same millisecond of the
+server's clock. The scripts that create keys later (``commit``, ``extend``, ``write_runs``,
+and the WATCH-guarded MULTI of indexed writes) read the store's expiry from its meta hash
+and give the new keys the same one, in the same atomic step. Data left by a job that
+crashed thus cleans itself up.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TYPE_CHECKING, Any
+
+from tdstore import _backend, _io
+from tdstore.errors import StaleLayoutError
+
+if TYPE_CHECKING:
+    from tdstore.store import TensorDictStore
+
+__all__ = ["LifetimeAPI", "ttl_ms"]
+
+#: The longest lifetime a store takes, in ms (15 digits: the scripts' limit).
+MAX_TTL_MS = 10**15 - 1
+
+
+def ttl_ms(seconds: Any, where: str) -> int | None:
+    """``expire=`` / ``expire(seconds)`` as whole ms (rounded up); None stays None.
+
+    Raises:
+        TypeError: ``seconds`` is not a real number.
+        ValueError: ``seconds`` is not finite and positive, or too large.
+    """
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(
+            f"the lifetime of {where} must be a number of seconds (int or float), got {type(seconds).__name__} "
+            f"{seconds!r}"
+        )
+    value = float(seconds)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"the lifetime of {where} must be a positive, finite number of seconds, got {seconds!r}; "
+            "use persist() to remove an expiry, clear_redis() to delete the store now"
+        )
+    ms = math.ceil(value * 1000)
+    if ms > MAX_TTL_MS:
+        raise ValueError(f"the lifetime of {where} must be at most {MAX_TTL_MS // 1000} seconds, got {seconds!r}")
+    return ms
+
+
+class LifetimeAPI:
+    """Lifetime methods of :class:`~tdstore.TensorDictStore`."""
+
+    def expire(self: TensorDictStore, seconds: float) -> TensorDictStore:  # type: ignore[misc]
+        """Makes the whole store expire ``seconds`` from now, atomically; returns the store.
+
+        Every key of the store (also on a nested handle: the lifetime is the store's)
+        expires at the same time, and entries created later inherit it. Calling it again
+        replaces the expiry; :meth:`persist` removes it. The time is the server's clock.
+
+        Examples:
+            >>> import torch
+            >>> from tdstore import TensorDictStore
+            >>> store = TensorDictStore.from_dict({"x": torch.zeros(3)}, batch_size=[3], expire=3600)
+            >>> 3590 < store.ttl() <= 3600
+            True
+            >>> store.persist().ttl() is None
+            True
+            >>> store.clear_redis()
+            >>> store.close()
+        """
+        self._set_expiry(ttl_ms(seconds, self._where()))
+        return self
+
+    def persist(self: TensorDictStore) -> TensorDictStore:  # type: ignore[misc]
+        """Removes the store's expiry, from every key at once; returns the store."""
+        self._set_expiry(None)
+        return self
+
+    def ttl(self: TensorDictStore) -> float | None:  # type: ignore[misc]
+        """Seconds until the store expires, or None when it has no expiry.
+
+        Raises:
+            StoreNotFoundError: the store does not exist (or has expired).
+        """
+        conn = self._conn
+        pttl = int(conn.run(lambda c: c.pttl(conn.keys.meta)))
+        if pttl == -2:
+            raise self._not_found()
+        return None if pttl < 0 else pttl / 1000
+
+    def _set_expiry(self: TensorDictStore, ms: int | None) -> None:  # type: ignore[misc]
+        conn = self._conn
+        for attempt in range(_io.MAX_RETRIES):
+            layout = self._layout(refresh=attempt > 0)
+            try:
+                conn.run(lambda c, layout=layout: _backend.expire(c, conn.keys, conn.runner, layout, ms))
+            except StaleLayoutError:
+                # a key was added or removed meanwhile: list the keys again
+                _io.backoff(attempt)
+                continue
+            conn.layout = None  # the meta hash changed ("exp", "ttl")
+            return
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during expire()/persist()")

@@ -1,0 +1,271 @@
+"""Long transfers in chunks, so that a progress bar can follow them; same guarantees as one step.
+
+Used only when a transfer shows a progress bar (:mod:`tdstore._progress`); otherwise the
+store writes with one MULTI/EXEC (:func:`tdstore._backend.commit`) and reads with one
+(:func:`tdstore._backend.read_entries`).
+
+* Upload (:func:`commit_staged`): the bytes of every "put" op go to their tmp keys before
+  the commit, in chunks (``SET ... PX``, then ``APPEND``); zero-filled entries are grown
+  in tmp keys chunk by chunk (``SETRANGE``). Then the ``commit`` script renames them all
+  into place, registers them and bumps the versions in one step, exactly as it does when
+  the SETs share its MULTI. Readers never see the tmp keys; if anything fails before the
+  commit, the tmp keys are deleted (and carry a TTL in case the client dies).
+* Download (:func:`read_staged`): the layout and the write version are read in one
+  snapshot, then the entries in chunks (``GET``, or ``GETRANGE`` for large ones), then the
+  write and layout versions again. Every write bumps one of them, so if both are
+  unchanged no write came in between and the bytes form one snapshot; otherwise the
+  caller reads again (and after a few tries falls back to the one-MULTI read).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tdstore import _backend, _codec, _progress
+from tdstore._backend import Layout, Op, parse_layout
+from tdstore._keys import StoreKeys
+from tdstore._progress import Progress
+from tdstore._scripts import ScriptRunner
+
+__all__ = ["CHUNK", "commit", "commit_staged", "read_staged", "STALE", "upload_bar", "download_bar"]
+
+#: Bytes per round trip of a chunked transfer (one progress step).
+CHUNK = 16 * 1024 * 1024
+#: Bytes a zero-filled entry grows by per SETRANGE (also keeps each server step short).
+ZERO_CHUNK = 64 * 1024 * 1024
+#: The tmp keys of a staged upload get this TTL again every :data:`REFRESH_S` seconds.
+REFRESH_S = 60.0
+
+#: Chunked reads tried before a read falls back to one MULTI/EXEC (under many writers).
+STAGED_TRIES = 3
+
+#: Returned by :func:`read_staged` when a write came in between: read again.
+STALE = object()
+
+
+def _choice(store: Any) -> bool | None:
+    """The store's ``progress=`` (None when not given), shared by its nested handles."""
+    return getattr(store._conn, "progress", None)
+
+
+def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> Progress | None:
+    """The bar of a commit of ``ops`` (None: this one shows none); ``progress``: the call's choice."""
+    choice = _progress.enabled(progress, _choice(store))
+    if choice is False or not any(op.op in ("put", "zero") for op in ops):
+        return None
+    total = sum(int(op.nbytes or 0) for op in ops if op.op == "zero")
+    total += sum(_byte_view(op.payload).nbytes for op in ops if op.op == "put")
+    return _progress.start(total, "upload", choice)
+
+
+def download_bar(
+    store: Any, leaves: Sequence[tuple[tuple[str, ...], dict[str, Any]]], progress: bool | None = None
+) -> tuple[Progress | None, list[int | None]]:
+    """The bar of a read of ``leaves`` (path, metadata), and each leaf's byte size where known."""
+    choice = _progress.enabled(progress, _choice(store))
+    if choice is False:
+        return None, []
+    sizes = [
+        _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
+        if meta.get("k") == "t"
+        else None
+        for _, meta in leaves
+    ]
+    return _progress.start(sum(size or 0 for size in sizes), "download", choice), sizes
+
+
+async def commit(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    ops: Sequence[Op],
+    *,
+    progress: Progress | None = None,
+    **commit_kwargs: Any,
+) -> int:
+    """:func:`tdstore._backend.commit`, or :func:`commit_staged` when ``progress`` is a bar (closed here)."""
+    if progress is None:
+        return await _backend.commit(client, keys, runner, ops, **commit_kwargs)
+    try:
+        return await commit_staged(client, keys, runner, ops, progress, **commit_kwargs)
+    finally:
+        progress.close()
+
+
+@dataclass
+class _Zeros:
+    """The payload of a staged zero-filled entry: ``n`` zero bytes, grown on the server."""
+
+    n: int
+
+
+def _byte_view(payload: Any) -> memoryview:
+    view = memoryview(payload)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+async def commit_staged(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    ops: Sequence[Op],
+    progress: Progress,
+    **commit_kwargs: Any,
+) -> int:
+    """:func:`tdstore._backend.commit`, with the bytes sent ahead in chunks; returns the layout version."""
+    staged = [
+        Op("put", op.path, op.meta, payload=_Zeros(int(op.nbytes))) if op.op == "zero" and op.nbytes else op
+        for op in ops
+    ]
+    key_list, args, tmp_payloads = _backend.commit_args(keys, staged, **commit_kwargs)
+    sent: list[str] = []
+    try:
+        refreshed = time.monotonic()
+        batch: list[tuple[str, Any]] = []
+        batch_bytes = 0
+
+        async def flush() -> None:
+            nonlocal batch, batch_bytes
+            if batch:
+                async with client.pipeline(transaction=False) as pipe:
+                    for tmp, view in batch:
+                        pipe.set(tmp, view, px=_backend.TMP_TTL_MS)
+                    _raise_first(await pipe.execute(raise_on_error=False))
+                progress.update(batch_bytes)
+            batch, batch_bytes = [], 0
+
+        for tmp, payload in tmp_payloads:
+            sent.append(tmp)
+            if time.monotonic() - refreshed > REFRESH_S:
+                # a long upload: keep the tmp keys sent so far alive until the commit
+                await flush()
+                async with client.pipeline(transaction=False) as pipe:
+                    for key in sent:
+                        pipe.pexpire(key, _backend.TMP_TTL_MS)
+                    await pipe.execute()
+                refreshed = time.monotonic()
+            if isinstance(payload, _Zeros):
+                await flush()
+                await client.set(tmp, b"", px=_backend.TMP_TTL_MS)
+                grown = 0
+                while grown < payload.n:
+                    end = min(grown + ZERO_CHUNK, payload.n)
+                    await client.setrange(tmp, end - 1, b"\0")  # the bytes up to end are zeros
+                    progress.update(end - grown)
+                    grown = end
+                continue
+            view = _byte_view(payload)
+            if view.nbytes <= CHUNK:
+                batch.append((tmp, view))
+                batch_bytes += view.nbytes
+                if batch_bytes >= CHUNK:
+                    await flush()
+                continue
+            await flush()
+            await client.set(tmp, view[:CHUNK], px=_backend.TMP_TTL_MS)
+            progress.update(CHUNK)
+            for off in range(CHUNK, view.nbytes, CHUNK):
+                part = view[off : off + CHUNK]
+                await client.append(tmp, part)
+                progress.update(part.nbytes)
+        await flush()
+        what = progress.what
+        progress.set_status(f"{what} (committing)")
+        # the script deletes every tmp key of its "put" ops when it refuses the commit
+        lv = int(await runner.call(client, "commit", key_list, args))
+        progress.set_status(what)
+        return lv
+    except BaseException:
+        if sent:
+            try:
+                await client.delete(*sent)
+            except Exception:  # noqa: BLE001 - the TTL removes them; report the first error
+                pass
+        raise
+
+
+def _raise_first(replies: list[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+
+
+async def read_staged(
+    client: Any,
+    keys: StoreKeys,
+    expected_lv: int,
+    paths: Sequence[tuple[str, ...]],
+    sizes: Sequence[int | None],
+    progress: Progress,
+) -> Any:
+    """Reads the entries at ``paths`` in chunks; one consistent snapshot, or :data:`STALE`.
+
+    ``sizes``: the byte size of each entry where the layout tells it (tensors), else None.
+
+    Returns:
+        ``(layout, blobs)``: the layout read with the entries (None when there is no store;
+        when its version is not ``expected_lv``, ``blobs`` is empty), and the bytes of each
+        path (None where the key is missing); or :data:`STALE` when a write came in
+        between.
+    """
+
+    def build(pipe: Any) -> None:
+        pipe.hgetall(keys.meta)
+        pipe.hgetall(keys.reg)
+        pipe.get(keys.wv)
+
+    meta_raw, reg_raw, wv = await _backend.read_snapshot(client, keys, build)
+    layout: Layout | None = parse_layout(meta_raw, reg_raw)
+    if layout is None or layout.lv != expected_lv:
+        return layout, []
+    layout.wv = (wv.decode() if isinstance(wv, bytes) else wv) or "0"
+    blobs: list[Any] = [None] * len(paths)
+    batch: list[int] = []
+    batch_bytes = 0
+
+    async def flush() -> None:
+        nonlocal batch, batch_bytes
+        if batch:
+            async with client.pipeline(transaction=False) as pipe:
+                for i in batch:
+                    pipe.get(keys.data(paths[i]))
+                replies = await pipe.execute(raise_on_error=False)
+            _raise_first(replies)
+            for i, reply in zip(batch, replies, strict=True):
+                blobs[i] = reply
+            progress.update(batch_bytes)
+        batch, batch_bytes = [], 0
+
+    for i, (path, size) in enumerate(zip(paths, sizes, strict=True)):
+        if size is None or size <= CHUNK:
+            batch.append(i)
+            batch_bytes += size or 0
+            if batch_bytes >= CHUNK:
+                await flush()
+            continue
+        await flush()
+        buf = bytearray(size)
+        complete = True
+        for off in range(0, size, CHUNK):
+            part = await client.getrange(keys.data(path), off, min(off + CHUNK, size) - 1)
+            if len(part) != min(CHUNK, size - off):
+                complete = False  # missing or resized: the version check below decides
+                break
+            buf[off : off + len(part)] = part
+            progress.update(len(part))
+        blobs[i] = buf if complete else None
+    await flush()
+
+    def check(pipe: Any) -> None:
+        pipe.get(keys.wv)
+        pipe.hget(keys.meta, "lv")
+
+    wv_after, lv_after = await _backend.read_snapshot(client, keys, check)
+    if wv_after != wv or lv_after is None or int(lv_after) != layout.lv:
+        return STALE
+    return layout, blobs

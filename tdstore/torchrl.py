@@ -1,0 +1,375 @@
+"""TorchRL replay-buffer storage that keeps its rows in a :class:`~tdstore.TensorDictStore`.
+
+``ReplayBuffer(storage=TensorDictStoreStorage(...), writer=TensorDictStoreWriter())`` keeps
+the buffer on a Redis-wire server, so any number of processes (on any machines) can append
+to and sample from one buffer. The writer appends through the store's atomic cursor
+(:meth:`~tdstore.TensorDictStore.extend`, one server-side step): concurrent writers never
+get the same rows, never leave a gap, and the buffer's length is the server's count, the
+same in every process.
+
+torchrl is an optional dependency: ``pip install 'tdstore[torchrl]'``. This module imports
+it; ``import tdstore`` does not.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import ReplayBuffer
+    >>> from tdstore.torchrl import TensorDictStoreStorage, TensorDictStoreWriter
+    >>> rb = ReplayBuffer(storage=TensorDictStoreStorage(100), writer=TensorDictStoreWriter(), batch_size=4)
+    >>> rb.extend(TensorDict(obs=torch.randn(10, 3), batch_size=[10]))
+    tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    >>> rb.sample()["obs"].shape
+    torch.Size([4, 3])
+    >>> rb.storage.store.clear_redis()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict.utils import is_tensorclass
+
+from tdstore.errors import SchemaError, StoreExistsError, StoreNotFoundError
+from tdstore.store import TensorDictStore
+
+try:
+    from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+    from torchrl.data.replay_buffers.writers import Writer
+except ImportError as exc:  # pragma: no cover - exercised by the main env, which has no torchrl
+    raise ImportError(
+        "tdstore.torchrl needs TorchRL: pip install 'tdstore[torchrl]' (torchrl>=0.14.1, which "
+        f"pins tensordict<0.15,>=0.14.3); importing torchrl failed: {exc}"
+    ) from exc
+
+__all__ = ["TensorDictStoreStorage", "TensorDictStoreWriter"]
+
+
+def _as_tensordict(data: Any, what: str) -> TensorDictBase:
+    if is_tensorclass(data):
+        data = data._tensordict
+    if not isinstance(data, TensorDictBase):
+        raise TypeError(
+            f"TensorDictStoreStorage.{what}() takes a TensorDict (or a tensorclass), got {type(data).__name__}; "
+            "wrap tensors as TensorDict(obs=tensor, batch_size=[n])"
+        )
+    return data
+
+
+def _is_leaf(cls: type) -> bool:
+    return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
+
+
+async def _set_ring_total(client: Any, keys: Any, total: int) -> None:
+    """Sets the ring counter (rows ever appended) and bumps the write version, in one MULTI."""
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.set(keys.ring, str(int(total)))
+        pipe.incr(keys.wv)
+        await pipe.execute()
+
+
+class TensorDictStoreStorage(TensorStorage):
+    """A TorchRL storage whose rows live in a :class:`~tdstore.TensorDictStore`.
+
+    The store is a preallocated ring of ``max_size`` rows (``TensorDictStore.from_schema``),
+    created from the first data written, or given (``store=``), or found on the server by
+    ``td_id=`` (another process's buffer). ``len(storage)`` is read from the server, so every
+    process sees the rows that any process appended. Sampling reads the rows in one
+    consistent snapshot, and returns an in-memory TensorDict.
+
+    Use it with :class:`TensorDictStoreWriter`, which appends through the store's atomic
+    cursor. With TorchRL's default ``RoundRobinWriter`` the buffer works in one process
+    (rows go where that writer's local cursor says), but writers in different processes
+    would overwrite each other's rows.
+
+    Args:
+        max_size (int, optional): the number of rows. Defaults to the first batch dim of
+            ``store``, or of the store found by ``td_id``; required otherwise.
+
+    Keyword Args:
+        store (TensorDictStore, optional): an existing store with a batch dim, to use as is.
+        td_id (str, optional): the id of the store: connect to it if it exists, else create it
+            under that id at the first write. Give the same id in every process that shares
+            the buffer.
+        device: where sampled rows are placed. Defaults to ``"cpu"``.
+        **store_kwargs: connection arguments of :class:`~tdstore.TensorDictStore`
+            (``host``, ``port``, ``unix_socket_path``, ``prefix``, ``db``, ...).
+
+    Raises:
+        ValueError: for a missing or wrong ``max_size``.
+        TypeError: when written data is not a TensorDict or a tensorclass.
+        SchemaError: when written data does not match the store's entries.
+    """
+
+    _default_checkpointer = Storage._default_checkpointer  # memmap checkpoints would download; use state_dict
+
+    def __init__(
+        self,
+        max_size: int | None = None,
+        *,
+        store: TensorDictStore | None = None,
+        td_id: str | None = None,
+        device: torch.device | str = "cpu",
+        **store_kwargs: Any,
+    ) -> None:
+        if store is not None and (td_id is not None or store_kwargs):
+            raise ValueError("TensorDictStoreStorage: pass either store= or td_id=/connection arguments, not both")
+        if store is None and td_id is not None:
+            try:
+                store = TensorDictStore.from_store(td_id=td_id, **store_kwargs)
+            except StoreNotFoundError:
+                store = None  # created under td_id at the first write
+        if store is not None:
+            if not store.batch_dims:
+                raise ValueError(f"TensorDictStoreStorage needs a store with a batch dim; {store._where()} has none")
+            capacity = store.batch_size[0]
+            if max_size is not None and int(max_size) != capacity:
+                raise ValueError(
+                    f"max_size={max_size} does not match the first batch dim {capacity} of {store._where()}"
+                )
+            max_size = capacity
+        if max_size is None or int(max_size) < 1:
+            raise ValueError(f"TensorDictStoreStorage needs max_size >= 1 (or an existing store), got {max_size}")
+        Storage.__init__(self, int(max_size))
+        self.ndim = 1
+        self.device = torch.device(device) if device != "auto" else "auto"
+        self._storage = store
+        self.initialized = store is not None
+        self._td_id = td_id
+        self._store_kwargs = dict(store_kwargs)
+        self._local_len = 0  # rows written at explicit indices (RoundRobinWriter, write_at) in this process
+        self._last_cursor = None
+        self.__dict__["_storage_keys"] = None
+
+    # ------------------------------------------------------------------ the store
+    @property
+    def store(self) -> TensorDictStore:
+        """The :class:`~tdstore.TensorDictStore` that holds the rows (after the first write)."""
+        if self._storage is None:
+            raise RuntimeError("TensorDictStoreStorage holds no store yet: write some data first")
+        return self._storage
+
+    def _ensure_store(self, data: TensorDictBase, batched: bool) -> TensorDictStore:
+        if self._storage is not None:
+            return self._storage
+        nb = 1 if batched else 0
+        schema: dict[Any, Any] = {}
+        for key, value in data.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
+            if not isinstance(value, torch.Tensor):
+                raise SchemaError(
+                    f"TensorDictStoreStorage stores tensor entries only; entry {key!r} is a "
+                    f"{type(value).__name__}"
+                )
+            schema[key] = (list(value.shape[data.batch_dims :]), value.dtype)
+        if not schema:
+            raise SchemaError("TensorDictStoreStorage: the first data written has no tensor entry")
+        inner = list(data.batch_size[nb:])
+        kwargs = dict(self._store_kwargs)
+        if self._td_id is not None:
+            kwargs["td_id"] = self._td_id
+        try:
+            store = TensorDictStore.from_schema(schema, batch_size=[self.max_size, *inner], **kwargs)
+        except StoreExistsError:
+            # another process created it first under the same td_id
+            store = TensorDictStore.from_store(td_id=self._td_id, **self._store_kwargs)
+        self._storage = store
+        self.initialized = True
+        return store
+
+    # ------------------------------------------------------------------ length
+    @property
+    def _len(self) -> int:  # type: ignore[override]
+        if self._storage is None:
+            return self._local_len
+        return max(self._storage.ring_state().valid, self._local_len)
+
+    @_len.setter
+    def _len(self, value: int) -> None:
+        self._local_len = int(value)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def _total_shape(self) -> torch.Size | None:  # type: ignore[override]
+        return None if self._storage is None else self._storage.batch_size[:1]
+
+    # ------------------------------------------------------------------ writes
+    def extend(self, data: Any) -> torch.Tensor:
+        """Appends the rows of ``data`` through the store's atomic cursor; returns their indices."""
+        data = _as_tensordict(data, "extend")
+        store = self._ensure_store(data, batched=True)
+        n = data.batch_size[0] if data.batch_dims else 0
+        if n > self.max_size:
+            # more rows than the ring holds: appended in chunks, the later rows overwrite the
+            # earlier ones as in LazyTensorStorage (each chunk is atomic, the whole is not)
+            index = torch.cat([store.extend(data[i : i + self.max_size]) for i in range(0, n, self.max_size)])
+        else:
+            index = store.extend(data)
+        self._set_last_cursor(index)
+        self._bump_mutation_revision()
+        return index
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:  # type: ignore[override]
+        """Writes ``data`` at rows ``cursor`` (an int, a slice, a sequence or a tensor of rows), atomically."""
+        data = _as_tensordict(data, "set")
+        single = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
+        store = self._ensure_store(data, batched=not single)
+        if isinstance(cursor, Sequence) and not isinstance(cursor, (str, bytes)):
+            cursor = torch.as_tensor(cursor, dtype=torch.long)
+        store[cursor] = data
+        if set_cursor:
+            self._set_last_cursor(cursor)
+        rows = torch.arange(self.max_size)[cursor].reshape(-1)
+        if rows.numel():
+            self._local_len = min(max(self._local_len, int(rows.max()) + 1), self.max_size)
+        self._bump_mutation_revision()
+
+    # ------------------------------------------------------------------ reads
+    def get(self, index: Any) -> Any:
+        """Reads rows among the valid ones (as ``storage[:len(storage)][index]``) into memory."""
+        if self._storage is None:
+            raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+        valid = len(self)
+        if valid < self.max_size:
+            rows = torch.arange(valid)[index]  # IndexError past the valid rows, as TensorStorage
+            index = int(rows) if rows.ndim == 0 else rows
+        elif isinstance(index, Sequence) and not isinstance(index, (str, bytes)):
+            index = torch.as_tensor(index, dtype=torch.long)
+        out = self._storage[index]
+        if self.device != "auto" and self.device.type != "cpu":
+            out = out.to(self.device)
+        return out
+
+    def contains(self, item: Any) -> Any:
+        valid = len(self)
+        if isinstance(item, int):
+            item = item + valid if item < 0 else item
+            return 0 <= item < valid
+        if isinstance(item, torch.Tensor):
+            return (item >= 0) & (item < valid)
+        raise NotImplementedError(f"type {type(item)} is not supported yet.")
+
+    # ------------------------------------------------------------------ state
+    def _empty(self) -> None:
+        """Empties the buffer for every process: the server's row count goes back to 0."""
+        self._local_len = 0
+        if self._storage is not None:
+            conn = self._storage._conn
+            conn.run(lambda c: _set_ring_total(c, conn.keys, 0))
+        self._bump_mutation_revision()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rows (an in-memory snapshot) and the row counter, as TorchRL checkpoints expect."""
+        if self._storage is None:
+            return {"_storage": {}, "initialized": False, "_len": 0, "total": 0}
+        ring = self._storage.ring_state()
+        return {
+            "_storage": self._storage.to_tensordict().state_dict(),
+            "initialized": True,
+            "_len": max(ring.valid, self._local_len),
+            "total": ring.total,
+            "td_id": self._storage.td_id,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Writes the rows of ``state_dict`` into the store and restores its row counter."""
+        from tensordict import TensorDict
+
+        if not state_dict.get("initialized"):
+            self._empty()
+            return
+        data = TensorDict(batch_size=[self.max_size]).load_state_dict(state_dict["_storage"], strict=False)
+        if data.batch_size[:1] != torch.Size([self.max_size]):
+            raise SchemaError(
+                f"load_state_dict: the saved rows have batch size {list(data.batch_size)}, this storage holds "
+                f"{self.max_size} rows"
+            )
+        store = self._ensure_store(data, batched=True)
+        store.update(data, inplace=True)
+        conn = store._conn
+        total = int(state_dict.get("total", state_dict["_len"]))
+        conn.run(lambda c: _set_ring_total(c, conn.keys, total))
+        self._local_len = int(state_dict["_len"])
+        self._bump_mutation_revision()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Storage.__getstate__ swaps the shared counters for plain values; the store pickles by td_id
+        state = Storage.__getstate__(self)
+        state.pop("_len_value", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Storage.__setstate__(self, state)
+
+    def __repr__(self) -> str:
+        where = self._storage._where() if self._storage is not None else "<no store yet>"
+        return f"{type(self).__name__}(max_size={self.max_size}, len={len(self)}, store={where})"
+
+
+class TensorDictStoreWriter(Writer):
+    """A TorchRL writer that appends through the store's atomic cursor (multi-process safe).
+
+    Each ``extend`` is one server-side step that reserves the next rows of the ring and
+    writes them, so writers in any number of processes never overwrite each other's rows.
+    Needs a :class:`TensorDictStoreStorage`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._write_count = 0
+
+    def register_storage(self, storage: Storage) -> None:
+        if not isinstance(storage, TensorDictStoreStorage):
+            raise TypeError(f"TensorDictStoreWriter needs a TensorDictStoreStorage, got {type(storage).__name__}")
+        super().register_storage(storage)
+
+    @property
+    def _cursor(self) -> int:
+        storage = self._storage
+        if storage is None or storage._storage is None:
+            return 0
+        return storage._storage.ring_state().cursor
+
+    def add(self, data: Any) -> int:
+        data = _as_tensordict(data, "add")
+        index = self._storage.extend(data.unsqueeze(0) if data.batch_dims == 0 else data[None])
+        self._write_count += 1
+        self._mark_update_entities(index[0])
+        return int(index[0])
+
+    def extend(self, data: Any) -> torch.Tensor:
+        index = self._storage.extend(data)
+        self._write_count += index.numel()
+        self._mark_update_entities(index)
+        return index
+
+    def write_at(self, index: Any, data: Any) -> Any:
+        """Writes ``data`` at explicit rows, without moving the shared cursor."""
+        self._storage.set(index, data, set_cursor=False)
+        n = 1 if isinstance(index, int) else torch.as_tensor(index).numel()
+        self._write_count += n
+        self._mark_update_entities(index)
+        return index
+
+    def _mark_update_entities(self, index: Any) -> None:
+        for entity in self._storage._attached_entities_iter():
+            entity.mark_update(index)
+
+    def _empty(self, empty_write_count: bool = True) -> None:
+        if empty_write_count:
+            self._write_count = 0
+
+    def dumps(self, path: Any) -> None:
+        return None  # the cursor lives on the server, with the rows
+
+    def loads(self, path: Any) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"_write_count": self._write_count}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._write_count = int(state_dict.get("_write_count", 0))

@@ -1,0 +1,88 @@
+"""Worker functions of tests/test_torchrl.py (importable by spawned processes).
+
+Each worker builds its own TorchRL ``ReplayBuffer`` on the shared store (by ``td_id``),
+runs a loop bounded in count and in time, and returns what the test counts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+
+def warm_up(seconds: float) -> int:
+    """Keeps a pool worker busy so that every worker starts (and imports torchrl) up front."""
+    import torchrl.data  # noqa: F401
+
+    import tdstore.torchrl  # noqa: F401
+
+    time.sleep(seconds)
+    return 0
+
+
+def _buffer(conn: dict[str, Any], td_id: str, batch_size: int = 8) -> Any:
+    from torchrl.data import ReplayBuffer
+
+    from tdstore.torchrl import TensorDictStoreStorage, TensorDictStoreWriter
+
+    storage = TensorDictStoreStorage(td_id=td_id, **conn)
+    return ReplayBuffer(storage=storage, writer=TensorDictStoreWriter(), batch_size=batch_size)
+
+
+def rows_of(proc: int, step: int, rows: int) -> TensorDict:
+    """``rows`` rows tagged (proc, step, i); obs repeats one value per row, to detect torn rows."""
+    tag = torch.tensor([[proc, step, i] for i in range(rows)], dtype=torch.int64)
+    value = (tag[:, 0] * 1000 + tag[:, 1] * 10 + tag[:, 2]).float()
+    return TensorDict(tag=tag, obs=value[:, None].expand(rows, 6).clone(), batch_size=[rows])
+
+
+def _wait_for(path: str, deadline: float) -> None:
+    while not os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def extender(conn: dict[str, Any], td_id: str, proc: int, steps: int, rows: int, duration: float, go: str) -> list[int]:
+    """Appends ``steps`` batches through the buffer once ``go`` exists; returns the indices handed back."""
+    deadline = time.time() + duration
+    rb = _buffer(conn, td_id)
+    _wait_for(go, deadline)
+    indices: list[int] = []
+    for step in range(steps):
+        if time.time() > deadline:
+            break
+        indices.extend(rb.extend(rows_of(proc, step, rows)).tolist())
+    rb.storage.store.close()
+    return indices
+
+
+def sampler(
+    conn: dict[str, Any], td_id: str, until: int, duration: float, max_rounds: int, go: str
+) -> tuple[int, int, int]:
+    """Creates ``go`` (the writers start), then samples until the buffer holds ``until`` rows.
+
+    Returns (samples, torn rows, rows read that no append had written yet).
+    """
+    deadline = time.time() + duration
+    rb = _buffer(conn, td_id, batch_size=16)
+    samples = torn = unwritten = 0
+    with open(go, "w"):
+        pass
+    for _ in range(max_rounds):
+        if time.time() > deadline or len(rb) >= until:
+            break
+        if len(rb) == 0:
+            time.sleep(0.001)
+            continue
+        batch = rb.sample()
+        samples += 1
+        obs, tag = batch["obs"], batch["tag"]
+        expected = (tag[:, 0] * 1000 + tag[:, 1] * 10 + tag[:, 2]).float()
+        blank = obs[:, 0] == -1  # the test fills the buffer with -1 before any append
+        unwritten += int(blank.sum())
+        torn += int(((obs != expected[:, None]).any(dim=1) & ~blank).sum())
+    rb.storage.store.close()
+    return samples, torn, unwritten

@@ -1,0 +1,248 @@
+"""TorchRL replay buffers on a TensorDictStore (``tdstore.torchrl``).
+
+TorchRL 0.14.1 pins tensordict<0.15, so these tests run in the tensordict 0.14.3
+environment that ``.ci/run`` builds (``-m torchrl``); the main run deselects them with
+``-m "not torchrl"``. Only ``test_missing_torchrl_gives_a_clear_error`` is unmarked: it
+runs in both environments.
+
+Each buffer is compared with TorchRL's in-memory ``LazyTensorStorage`` given the same
+operations, and what the store holds is read back through a second handle.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import _torchrl_workers as w
+import pytest
+import torch
+from _counts import record as _record
+from tensordict import TensorDict
+
+from tdstore import TensorDictStore
+from tdstore.errors import SchemaError
+
+NPROC = 3  # writers; one more process samples
+
+
+def test_missing_torchrl_gives_a_clear_error():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torchrl"] = None  # as if torchrl were not installed
+        import tdstore
+        try:
+            import tdstore.torchrl
+        except ImportError as exc:
+            print(exc)
+        else:
+            print("imported")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'tdstore[torchrl]'" in out.stdout and "tensordict<0.15" in out.stdout
+
+
+@pytest.fixture
+def rl():
+    """The torchrl names the tests use (imported here: the main environment has no torchrl)."""
+    import torchrl.data as data
+
+    import tdstore.torchrl as tds
+
+    return {
+        "ReplayBuffer": data.ReplayBuffer,
+        "TensorDictReplayBuffer": data.TensorDictReplayBuffer,
+        "SamplerWithoutReplacement": data.SamplerWithoutReplacement,
+        "LazyTensorStorage": data.LazyTensorStorage,
+        "RoundRobinWriter": data.RoundRobinWriter,
+        "Storage": tds.TensorDictStoreStorage,
+        "Writer": tds.TensorDictStoreWriter,
+    }
+
+
+def _batch(start: int, n: int) -> TensorDict:
+    x = torch.arange(start, start + n, dtype=torch.float32)
+    return TensorDict(
+        obs=x[:, None].expand(n, 3).clone(),
+        action=(x.long() % 4),
+        next=TensorDict(reward=x * 0.5, batch_size=[n]),
+        batch_size=[n],
+    )
+
+
+def _reread(server: Any, storage: Any) -> TensorDict:
+    return TensorDictStore.from_store(td_id=storage.store.td_id, **server.connection_kwargs()).to_tensordict()
+
+
+@pytest.mark.torchrl
+@pytest.mark.parametrize("writer", ["store", "round_robin"])
+def test_matches_lazy_tensor_storage(server, rl, writer):
+    capacity = 10
+    make_writer = rl["Writer"] if writer == "store" else rl["RoundRobinWriter"]
+    rb = rl["ReplayBuffer"](storage=rl["Storage"](capacity, **server.connection_kwargs()), writer=make_writer(), batch_size=4)
+    ref = rl["ReplayBuffer"](storage=rl["LazyTensorStorage"](capacity), batch_size=4)
+    start = 0
+    for n in (3, 4, 5, 1, 7):  # wraps around twice
+        got, want = rb.extend(_batch(start, n)), ref.extend(_batch(start, n))
+        assert torch.equal(got, want)
+        start += n
+        assert len(rb) == len(ref)
+        assert (rb[:] == ref[:]).all()
+    assert rb.add(_batch(100, 1)[0]) == ref.add(_batch(100, 1)[0])
+    assert (rb[:] == ref[:]).all()
+    assert (rb[[0, 3, 9]] == ref[[0, 3, 9]]).all() and (rb[-1] == ref[-1]).all()
+    assert (_reread(server, rb.storage) == ref.storage._storage).all()
+    sample = rb.sample()
+    assert sample.batch_size == torch.Size([4]) and type(sample) is TensorDict
+    rows = sample["obs"][:, 0].long().tolist()
+    assert all(r in _reread(server, rb.storage)["obs"][:, 0].long().tolist() for r in rows)
+
+
+@pytest.mark.torchrl
+def test_partial_buffer_reads_only_valid_rows(server, rl):
+    rb = rl["ReplayBuffer"](storage=rl["Storage"](8, **server.connection_kwargs()), writer=rl["Writer"](), batch_size=64)
+    rb.extend(_batch(10, 3))
+    assert len(rb) == 3 and rb[:].batch_size == torch.Size([3])
+    sample = rb.sample()
+    assert set(sample["obs"][:, 0].tolist()) <= {10.0, 11.0, 12.0}
+    with pytest.raises(IndexError):
+        rb[5]
+    assert rb.storage.contains(2) and not rb.storage.contains(3)
+
+
+@pytest.mark.torchrl
+def test_tensordict_buffer_and_other_samplers(server, rl):
+    conn = server.connection_kwargs()
+    trb = rl["TensorDictReplayBuffer"](storage=rl["Storage"](16, **conn), writer=rl["Writer"](), batch_size=4)
+    idx = trb.extend(_batch(0, 6))
+    assert torch.equal(idx, torch.arange(6))
+    sample = trb.sample()
+    assert torch.equal(sample["obs"][:, 0].long(), sample["index"])
+    # (PrioritizedSampler needs torchrl's C++ extension, which torchrl 0.14.1 cannot load with torch 2.13)
+    srb = rl["ReplayBuffer"](
+        storage=rl["Storage"](16, **conn), writer=rl["Writer"](), batch_size=3,
+        sampler=rl["SamplerWithoutReplacement"](),
+    )
+    srb.extend(_batch(0, 6))
+    seen = torch.cat([srb.sample()["obs"][:, 0] for _ in range(2)])
+    assert sorted(seen.tolist()) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # one epoch: every row once
+
+
+@pytest.mark.torchrl
+def test_buffers_sharing_a_td_id_see_each_other(server, rl):
+    conn = server.connection_kwargs()
+    a = rl["ReplayBuffer"](storage=rl["Storage"](12, td_id="shared-rb", **conn), writer=rl["Writer"](), batch_size=2)
+    a.extend(_batch(0, 5))
+    b = rl["ReplayBuffer"](storage=rl["Storage"](td_id="shared-rb", **conn), writer=rl["Writer"](), batch_size=2)
+    assert b.storage.max_size == 12 and len(b) == 5
+    assert torch.equal(b.extend(_batch(5, 4)), torch.arange(5, 9))
+    assert len(a) == 9 and (a[:] == b[:]).all()
+    assert torch.equal(a[:]["obs"][:, 0], torch.arange(9, dtype=torch.float32))
+    a.empty()
+    assert len(b) == 0 and len(a) == 0
+    assert torch.equal(b.extend(_batch(0, 1)), torch.tensor([0]))
+
+
+@pytest.mark.torchrl
+def test_storage_pickles_by_td_id(real_server, rl):
+    """What a spawned process receives: the same store, not a copy of its rows."""
+    rb = rl["ReplayBuffer"](storage=rl["Storage"](12, **real_server.connection_kwargs()), writer=rl["Writer"]())
+    rb.extend(_batch(0, 5))
+    clone = pickle.loads(pickle.dumps(rb.storage))
+    assert len(clone) == 5 and clone.store.td_id == rb.storage.store.td_id
+    clone.extend(_batch(5, 2))
+    assert len(rb) == 7 and rb[6]["obs"][0] == 6.0
+
+
+@pytest.mark.torchrl
+def test_state_dict_round_trip(server, rl):
+    conn = server.connection_kwargs()
+    rb = rl["ReplayBuffer"](storage=rl["Storage"](6, **conn), writer=rl["Writer"](), batch_size=2)
+    rb.extend(_batch(0, 8))  # wrapped: cursor at 2
+    state = rb.state_dict()
+    other = rl["ReplayBuffer"](storage=rl["Storage"](6, **conn), writer=rl["Writer"](), batch_size=2)
+    other.load_state_dict(state)
+    assert len(other) == 6 and (other[:] == rb[:]).all()
+    assert other.storage.store.td_id != rb.storage.store.td_id
+    assert torch.equal(other.extend(_batch(50, 1)), torch.tensor([2]))  # the cursor came back too
+    assert _reread(server, other.storage)["obs"][2, 0] == 50.0
+
+
+@pytest.mark.torchrl
+def test_given_store_and_bad_arguments(server, rl, wire):
+    conn = server.connection_kwargs()
+    store = TensorDictStore.from_schema({"obs": ([3], torch.float32)}, batch_size=[5], **conn)
+    storage = rl["Storage"](store=store)
+    assert storage.max_size == 5 and len(storage) == 0
+    with pytest.raises(ValueError, match="max_size=4 does not match"):
+        rl["Storage"](4, store=store)
+    with pytest.raises(ValueError, match="max_size >= 1"):
+        rl["Storage"](**conn)
+    rb = rl["ReplayBuffer"](storage=storage, writer=rl["Writer"](), batch_size=2)
+    rb.extend(TensorDict(obs=torch.ones(2, 3), batch_size=[2]))
+    before = wire(server)
+    with pytest.raises(TypeError, match="takes a TensorDict"):
+        rb.extend(torch.zeros(2, 3))
+    with pytest.raises(SchemaError, match="missing"):
+        rb.extend(TensorDict(other=torch.ones(2, 3), batch_size=[2]))
+    with pytest.raises(SchemaError, match="rows of shape"):
+        rb.extend(TensorDict(obs=torch.ones(2, 4), batch_size=[2]))
+    assert wire(server) == before and len(rb) == 2  # nothing written
+    with pytest.raises(TypeError, match="TensorDictStoreStorage"):
+        rl["ReplayBuffer"](storage=rl["LazyTensorStorage"](4), writer=rl["Writer"]())
+    lazy = rl["Storage"](4, **conn)
+    with pytest.raises(SchemaError, match="tensor entries only"):
+        lazy.extend(TensorDict(obs=torch.ones(2), text=["a", "b"], batch_size=[2]))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=NPROC + 1, mp_context=ctx) as executor:
+        list(executor.map(w.warm_up, [0.5] * (NPROC + 1)))
+        yield executor
+
+
+@pytest.mark.torchrl
+@pytest.mark.multiprocess
+def test_processes_share_one_buffer(redis_server, rl, pool, request, tmp_path):
+    """3 spawned writers append through their own ReplayBuffer while a 4th samples."""
+    conn = redis_server.connection_kwargs()
+    steps, rows = 40, 4
+    capacity = NPROC * steps * rows  # room for every row: none is overwritten
+    store = TensorDictStore.from_schema(
+        {"tag": ([3], torch.int64), "obs": ([6], torch.float32)}, batch_size=[capacity], **conn
+    )
+    store["obs"] = torch.full((capacity, 6), -1.0)
+    go = str(tmp_path / "go")  # the sampler creates it once its buffer is open; then the writers start
+    reader = pool.submit(w.sampler, conn, store.td_id, capacity, 20.0, 20000, go)
+    writers = [pool.submit(w.extender, conn, store.td_id, p, steps, rows, 20.0, go) for p in range(NPROC)]
+    indices = [i for f in writers for i in f.result(timeout=60)]
+    samples, torn_samples, unwritten_samples = reader.result(timeout=60)
+    final = _reread(redis_server, rl["Storage"](store=store))
+    tags = [tuple(t) for t in final["tag"].tolist()]
+    expected = {(p, s, i) for p in range(NPROC) for s in range(steps) for i in range(rows)}
+    duplicates = len(indices) - len(set(indices)) + len(tags) - len(set(tags))
+    lost = len(expected - set(tags))
+    tag = final["tag"]
+    expected_obs = (tag[:, 0] * 1000 + tag[:, 1] * 10 + tag[:, 2]).float()
+    torn = int((final["obs"] != expected_obs[:, None]).any(dim=1).sum())
+    ring = store.ring_state()
+    _record(
+        request, rows_appended=len(indices), duplicate_rows=duplicates, lost_rows=lost, torn_rows=torn,
+        samples=samples, torn_samples=torn_samples, unwritten_samples=unwritten_samples,
+    )
+    assert len(indices) == capacity and sorted(indices) == list(range(capacity))
+    assert (duplicates, lost, torn, torn_samples, unwritten_samples) == (0, 0, 0, 0, 0)
+    assert samples > 0
+    assert ring.valid == capacity and ring.total == capacity
+    store.clear_redis()
+    store.close()
