@@ -14,6 +14,7 @@ Examples:
 from __future__ import annotations
 
 from tdstore._codec import PicklePolicy, set_pickle_policy
+from tdstore._progress import set_progress
 from tdstore._retry import OutcomeUnknownError, RetryPolicy, ServerUnavailableError
 from tdstore.errors import (
     ClientConfigError,
@@ -72,5 +73,6 @@ __all__ = [
     "RetryPolicy",
     "PicklePolicy",
     "set_pickle_policy",
+    "set_progress",
     "__version__",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore import _backend, _codec, _io, _values
+from tdstore import _backend, _codec, _io, _transfer, _values
 from tdstore._indexing import RowSpans, consumed_dims, normalize_index, select_rows
 from tdstore._keys import as_path as _as_path
 from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
@@ -60,27 +60,57 @@ class StoreReads:
             return out
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
 
-    def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
-        """Reads the whole store (or nested sub-store) into memory, in one consistent snapshot."""
-        return self._snapshot()[0]
+    def to_tensordict(self, *, retain_none: bool | None = None, progress: bool | None = None) -> TensorDict:
+        """Reads the whole store (or nested sub-store) into memory, in one consistent snapshot.
 
-    def _snapshot(self) -> tuple[TensorDict, _backend.Layout]:
+        ``progress``: show a progress bar on stderr (True), never (False), or as the store's
+        ``progress=`` and the process-wide switch decide (None; see :func:`tdstore.set_progress`).
+        """
+        return self._snapshot(progress)[0]
+
+    def _snapshot(self, progress: bool | None = None) -> tuple[TensorDict, _backend.Layout]:
         """The store in memory and the layout it was read at (its meta holds the write version)."""
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
-            layout = self._layout()
-            leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
-            paths = [p for p, _ in leaves]
-            lv, _, blobs, snap = conn.run(
-                lambda c: _backend.read_entries(c, conn.keys, paths, with_layout=True)
-            )
-            if snap is None:
-                raise self._not_found()
-            if snap.lv != layout.lv:
-                self._check_layout(snap)
-                conn.layout = snap
-                continue
-            return self._build_tensordict(layout, dict(zip(paths, blobs))), snap
+        bar = None
+        staged_tries = 0
+        try:
+            for attempt in range(_MAX_RETRIES):
+                layout = self._layout()
+                leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
+                paths = [p for p, _ in leaves]
+                if attempt == 0:
+                    bar, sizes = _transfer.download_bar(self, leaves, progress)
+                elif bar is not None:
+                    sizes = _transfer.download_bar(self, leaves, True)[1]
+                if bar is not None and staged_tries < _transfer.STAGED_TRIES:
+                    # read in chunks so the bar moves; a write in between makes it read again,
+                    # and after a few tries the one-step read below takes over
+                    staged_tries += 1
+                    got = conn.run(
+                        lambda c, layout=layout, paths=paths, sizes=sizes: _transfer.read_staged(
+                            c, conn.keys, layout.lv, paths, sizes, bar
+                        )
+                    )
+                    if got is _transfer.STALE:
+                        bar.restart("download (again: the store was written meanwhile)")
+                        continue
+                    snap, blobs = got
+                else:
+                    _, _, blobs, snap = conn.run(
+                        lambda c, paths=paths: _backend.read_entries(c, conn.keys, paths, with_layout=True)
+                    )
+                if snap is None:
+                    raise self._not_found()
+                if snap.lv != layout.lv:
+                    self._check_layout(snap)
+                    conn.layout = snap
+                    continue
+                if bar is not None and staged_tries >= _transfer.STAGED_TRIES:
+                    bar.update(bar.total - bar.done)  # read in one step
+                return self._build_tensordict(layout, dict(zip(paths, blobs, strict=True))), snap
+        finally:
+            if bar is not None:
+                bar.close()
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
 
     def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:

@@ -1595,6 +1595,9 @@ ERROR_TESTS = {
 
 
 def test_every_script_and_declared_error_code_has_a_test() -> None:
-    assert set(ERROR_TESTS) == set(script_names()), "a script without behaviour tests"
-    for name, tests in ERROR_TESTS.items():
+    from .test_expire import EXPIRE_ERROR_TESTS  # here: test_expire imports this module
+
+    error_tests = {**ERROR_TESTS, "expire": EXPIRE_ERROR_TESTS}
+    assert set(error_tests) == set(script_names()), "a script without behaviour tests"
+    for name, tests in error_tests.items():
         assert set(tests) == set(get_script(name).header.errors), f"{name}: the error tests and its header disagree"
