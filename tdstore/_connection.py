@@ -132,9 +132,8 @@ class Connection:
             else:
                 kwargs["host"] = host
                 kwargs["port"] = port
-                connection_class = (
-                    redis.asyncio.SSLConnection if kwargs.pop("ssl", False) else redis.asyncio.Connection
-                )
+                use_tls = bool(kwargs.pop("ssl", False)) or _credentials.tls_from_url(kwargs)
+                connection_class = redis.asyncio.SSLConnection if use_tls else redis.asyncio.Connection
             self._client_class = redis.asyncio.Redis
             self._pool_class = redis.asyncio.ConnectionPool
             self._connection_class = connection_class

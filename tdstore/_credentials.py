@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import pickle
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from redis.credentials import UsernamePasswordCredentialProvider
 
-__all__ = ["SECRET_KWARGS", "strip_secrets", "fill_from_env", "who", "missing_hint"]
+__all__ = ["SECRET_KWARGS", "strip_secrets", "fill_from_env", "tls_from_url", "who", "missing_hint"]
 
 #: Client arguments that are secrets: never pickled unless the store opted in.
 SECRET_KWARGS: tuple[str, ...] = ("password", "ssl_password")
@@ -56,19 +56,42 @@ def strip_secrets(kwargs: dict[str, Any]) -> list[str]:
     return dropped
 
 
-def _url_credentials(kwargs: dict[str, Any]) -> tuple[str | None, str | None]:
-    """User and password of ``TDSTORE_URL`` when it names the server of ``kwargs``."""
+#: Certificate settings a ``rediss://`` TDSTORE_URL may carry as query arguments (paths, no secrets).
+_URL_TLS_ARGS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+
+def _env_url(kwargs: dict[str, Any]) -> Any:
+    """``TDSTORE_URL`` parsed, when it names the server of ``kwargs``; else ``None``."""
     url = os.environ.get("TDSTORE_URL")
     if not url:
-        return None, None
+        return None
     parsed = urlparse(url)
-    if parsed.password is None and parsed.username is None:
-        return None, None
     if parsed.scheme == "unix":
         same = kwargs.get("path") == parsed.path
     else:
         same = kwargs.get("host") == parsed.hostname and int(kwargs.get("port") or 0) == (parsed.port or 6379)
-    if not same:
+    return parsed if same else None
+
+
+def tls_from_url(kwargs: dict[str, Any]) -> bool:
+    """Whether ``TDSTORE_URL`` is a ``rediss://`` URL naming this server; fills its ``ssl_*`` arguments.
+
+    ``TDSTORE_URL=rediss://host:6380/0?ssl_ca_certs=/etc/tds/ca.pem`` makes stores created with
+    default connection arguments use TLS, verified against that CA.
+    """
+    parsed = _env_url(kwargs)
+    if parsed is None or parsed.scheme != "rediss":
+        return False
+    for name, values in parse_qs(parsed.query).items():
+        if name in _URL_TLS_ARGS and values:
+            kwargs.setdefault(name, values[-1])
+    return True
+
+
+def _url_credentials(kwargs: dict[str, Any]) -> tuple[str | None, str | None]:
+    """User and password of ``TDSTORE_URL`` when it names the server of ``kwargs``."""
+    parsed = _env_url(kwargs)
+    if parsed is None or (parsed.password is None and parsed.username is None):
         return None, None
     user = unquote(parsed.username) if parsed.username else None
     password = unquote(parsed.password) if parsed.password else None

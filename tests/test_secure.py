@@ -354,3 +354,22 @@ def test_tls_with_client_certificates_and_acl(tls_files, tmp_path):
         no_cert = {k: v for k, v in user.connection_kwargs().items() if k not in ("ssl_certfile", "ssl_keyfile")}
         with pytest.raises(redis.exceptions.ConnectionError):
             TensorDictStore(batch_size=[2], timeout=5, **no_cert)
+
+
+def test_rediss_url_from_the_environment(tls_server, tls_files, no_env_credentials):
+    """TDSTORE_URL=rediss://...?ssl_ca_certs=... points default-argument stores at a TLS server."""
+    url = f"rediss://{tls_server.host}:{tls_server.port}/0?ssl_ca_certs={tls_files.server.ca_file}"
+    no_env_credentials.setenv("TDSTORE_URL", url)
+    store = TensorDictStore(batch_size=[2])
+    try:
+        assert store._conn._connection_class is redis.asyncio.SSLConnection
+        store["a"] = torch.arange(2)
+        worker = pickle.loads(pickle.dumps(store))
+        assert torch.equal(worker["a"], torch.arange(2))
+        worker.close()
+        store.clear_redis()
+    finally:
+        store.close()
+    no_env_credentials.setenv("TDSTORE_URL", f"rediss://{tls_server.host}:{tls_server.port}/0?ssl_ca_certs={tls_files.other_ca_file}")
+    with pytest.raises(tdstore.ServerTLSError, match="CERTIFICATE_VERIFY_FAILED"):
+        TensorDictStore(batch_size=[2])
