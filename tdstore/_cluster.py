@@ -156,9 +156,10 @@ class ClusterRoute:
                 self.node, self.stale = found, False
                 return found
             problems.append(f"{host}:{port}: slot {slot} is served by no node (cluster not ready?)")
+        # "connecting to": nothing of the operation was sent (the retry policy may try again)
         raise redis.exceptions.ConnectionError(
-            "no node of the Redis Cluster told which master serves slot "
-            f"{slot} (key {key!r}): " + "; ".join(problems)
+            f"Error connecting to the Redis Cluster: no node told which master serves slot {slot} "
+            f"(key {key!r}): " + "; ".join(problems)
         )
 
     def moved(self, err: redis.exceptions.ResponseError) -> None:

@@ -7,7 +7,7 @@ No ``redis-cli --cluster create`` is needed: each node is a ``redis-server`` (or
 the launcher waits until every node says ``cluster_state:ok`` and sees every master.
 
 Example:
-    >>> from tdstore._server_cluster import start_cluster
+    >>> from tdstore.server import start_cluster
     >>> with start_cluster(masters=3) as cluster:               # doctest: +SKIP
     ...     store = TensorDictStore(**cluster.connection_kwargs(), batch_size=[4])
 
@@ -85,11 +85,14 @@ class ClusterHandle(ServerHandle):
 
     Attributes:
         kind: ``"cluster"``.
-        nodes: One :class:`~tdstore.server.ServerHandle` per master, in slot order.
+        nodes: One :class:`~tdstore.server.ServerHandle` per node: the masters first (in
+            slot order, as started), then the replicas (replica ``j`` follows master
+            ``j % masters``). After a failover, ask :meth:`node_of_key` who serves a slot.
+        masters, replicas: Masters, and replicas per master, as started.
         host, port: The first master's address (any master answers cluster commands).
     """
 
-    def __init__(self, nodes: list[ServerHandle], *, node_kind: str) -> None:
+    def __init__(self, nodes: list[ServerHandle], *, node_kind: str, masters: int, node_timeout_ms: int = 5000) -> None:
         first = nodes[0]
         super().__init__(
             kind="cluster", binary=first.binary, version=first.version, host=first.host, port=first.port,
@@ -97,7 +100,9 @@ class ClusterHandle(ServerHandle):
         )  # fmt: skip
         self.nodes = nodes
         self.node_kind = node_kind
-        self.masters = len(nodes)
+        self.masters = masters
+        self.replicas = len(nodes) // masters - 1
+        self.node_timeout_ms = node_timeout_ms
         self._owner_pid = os.getpid()
 
     def __repr__(self) -> str:
@@ -107,7 +112,7 @@ class ClusterHandle(ServerHandle):
     # -- connecting ----------------------------------------------------------------
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
-        """``[(host, port), ...]`` of every master."""
+        """``[(host, port), ...]`` of every node."""
         return [(str(n.host), int(n.port or 0)) for n in self.nodes]
 
     def connection_kwargs(self, *, unix: bool = False) -> dict[str, Any]:
@@ -144,23 +149,37 @@ class ClusterHandle(ServerHandle):
         from redis.crc import key_slot
 
         slot = key_slot(key.encode() if isinstance(key, str) else key)
-        client = self.node_client(0)
-        try:
-            table = client.execute_command("CLUSTER SLOTS")
-        finally:
-            client.close()
+        table = None
+        for index, node in enumerate(self.nodes):
+            if not node.running:
+                continue
+            client = self.node_client(index)
+            try:
+                table = client.execute_command("CLUSTER SLOTS")
+                break
+            finally:
+                client.close()
         ports = [node.port for node in self.nodes]
-        for low, high, primary, *_ in table:
+        for low, high, primary, *_ in table or []:
             if int(low) <= slot <= int(high):
                 return ports.index(int(primary[1]))
         raise LookupError(f"slot {slot} is served by no master")
 
+    def node_of_store(self, td_id: str, prefix: str = "tensordict") -> int:
+        """The index of the master that holds the store ``td_id`` (all its keys are in one slot)."""
+        from tdstore._keys import StoreKeys
+
+        return self.node_of_key(StoreKeys(prefix, td_id).meta)
+
     def flushall(self) -> None:
-        """FLUSHALL on every master."""
-        for index in range(self.masters):
+        """FLUSHALL on every running master (replicas follow)."""
+        for index, node in enumerate(self.nodes):
+            if not node.running:
+                continue
             client = self.node_client(index)
             try:
-                client.flushall()
+                if client.execute_command("ROLE")[0] == b"master":
+                    client.flushall()
             finally:
                 client.close()
 
@@ -192,7 +211,9 @@ class ClusterHandle(ServerHandle):
             for node in self.nodes:
                 with contextlib.suppress(Exception):
                     node.stop()
-            self.nodes = _start_nodes(self.node_kind, self.masters, startup_timeout)
+            self.nodes = _start_nodes(
+                self.node_kind, self.masters, startup_timeout, self.replicas, self.node_timeout_ms
+            )
             self.host, self.port = self.nodes[0].host, self.nodes[0].port
             self._stopped = False
             _register(self)
@@ -207,7 +228,7 @@ class ClusterHandle(ServerHandle):
 
 
 
-def _start_node(kind: str, startup_timeout: float) -> ServerHandle:
+def _start_node(kind: str, startup_timeout: float, node_timeout_ms: int) -> ServerHandle:
     from tdstore.server import start_server
 
     last: Exception | None = None
@@ -217,7 +238,7 @@ def _start_node(kind: str, startup_timeout: float) -> ServerHandle:
             "cluster-enabled": "yes",
             "cluster-port": str(bus),
             "cluster-config-file": "nodes.conf",
-            "cluster-node-timeout": "5000",
+            "cluster-node-timeout": str(node_timeout_ms),
             # a store's keys may outlive one node: never refuse the whole keyspace for it
             "cluster-require-full-coverage": "no",
         }
@@ -228,19 +249,27 @@ def _start_node(kind: str, startup_timeout: float) -> ServerHandle:
     raise RuntimeError(f"could not start a {kind} cluster node: {last}")
 
 
-def _start_nodes(kind: str, masters: int, startup_timeout: float) -> list[ServerHandle]:
+def _start_nodes(
+    kind: str, masters: int, startup_timeout: float, replicas: int = 0, node_timeout_ms: int = 5000
+) -> list[ServerHandle]:
+    """Starts ``masters * (1 + replicas)`` nodes: the masters (slot order), then the replicas."""
     nodes: list[ServerHandle] = []
+    total = masters * (1 + replicas)
     try:
-        for _ in range(masters):
-            nodes.append(_start_node(kind, startup_timeout))
+        for _ in range(total):
+            nodes.append(_start_node(kind, startup_timeout, node_timeout_ms))
         clients = [redis.Redis(host=n.host, port=n.port, socket_timeout=10) for n in nodes]
         try:
-            for client, (low, high) in zip(clients, slot_ranges(masters), strict=True):
+            for client, (low, high) in zip(clients[:masters], slot_ranges(masters), strict=True):
                 client.execute_command("CLUSTER ADDSLOTSRANGE", low, high)
             bus_ports = [int(client.config_get("cluster-port")["cluster-port"]) for client in clients]
             for node, bus in zip(nodes[1:], bus_ports[1:], strict=True):
                 clients[0].execute_command("CLUSTER MEET", node.host, node.port, bus)
-            _wait_ok(clients, masters, startup_timeout)
+            _wait_ok(clients, total, startup_timeout)
+            ids = [client.execute_command("CLUSTER MYID").decode() for client in clients]
+            for index in range(masters, total):
+                _replicate(clients[index], ids[(index - masters) % masters], startup_timeout)
+            _wait_ok(clients, total, startup_timeout)
         finally:
             for client in clients:
                 client.close()
@@ -252,8 +281,21 @@ def _start_nodes(kind: str, masters: int, startup_timeout: float) -> list[Server
     return nodes
 
 
-def _wait_ok(clients: list[redis.Redis], masters: int, timeout: float) -> None:
-    """Waits until every node reports ``cluster_state:ok`` and serves every slot through ``masters`` masters."""
+def _replicate(client: redis.Redis, master_id: str, timeout: float) -> None:
+    """Makes ``client``'s node a replica of ``master_id`` (retried until the node knows that master)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.execute_command("CLUSTER REPLICATE", master_id)
+            return
+        except redis.exceptions.ResponseError:  # "Unknown node": gossip has not reached it yet
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _wait_ok(clients: list[redis.Redis], known_nodes: int, timeout: float) -> None:
+    """Waits until every node reports ``cluster_state:ok``, knows every node and sees every slot served."""
     deadline = time.monotonic() + timeout
     problem = "not checked yet"
     while time.monotonic() < deadline:
@@ -263,7 +305,7 @@ def _wait_ok(clients: list[redis.Redis], masters: int, timeout: float) -> None:
             state = info.get("cluster_state") if isinstance(info, dict) else None
             known = int(info.get("cluster_known_nodes", 0)) if isinstance(info, dict) else 0
             slots_ok = int(info.get("cluster_slots_ok", 0)) if isinstance(info, dict) else 0
-            if state != "ok" or known != masters or slots_ok != SLOTS:
+            if state != "ok" or known != known_nodes or slots_ok != SLOTS:
                 problem = f"node {index}: state={state} known_nodes={known} slots_ok={slots_ok}"
                 break
         if not problem:
@@ -272,13 +314,23 @@ def _wait_ok(clients: list[redis.Redis], masters: int, timeout: float) -> None:
     raise RuntimeError(f"the cluster did not become ready within {timeout} s ({problem})")
 
 
-def start_cluster(masters: int = 3, *, kind: str = "redis", startup_timeout: float = 20.0) -> ClusterHandle:
-    """Starts a private Redis Cluster of ``masters`` master nodes (no replicas) on loopback ports.
+def start_cluster(
+    masters: int = 3,
+    *,
+    replicas: int = 0,
+    kind: str = "redis",
+    node_timeout_ms: int = 5000,
+    startup_timeout: float = 20.0,
+) -> ClusterHandle:
+    """Starts a private Redis Cluster of ``masters`` master nodes on loopback ports.
 
     Args:
         masters: Number of master nodes; the 16384 slots are split evenly among them.
+        replicas: Replicas per master (they take over when their master fails).
         kind: The server of each node: ``"redis"`` (Redis 7+) or ``"valkey"``; both
             support ``cluster-port`` and ``CLUSTER ADDSLOTSRANGE``.
+        node_timeout_ms: ``cluster-node-timeout``: how long a master may be unreachable
+            before its replica is promoted.
         startup_timeout: Seconds to wait for each node, and then for the cluster to be ready.
 
     Returns:
@@ -288,12 +340,16 @@ def start_cluster(masters: int = 3, *, kind: str = "redis", startup_timeout: flo
     Raises:
         ServerNotFoundError: The server binary is not installed.
         RuntimeError: A node did not start, or the cluster did not become ready in time.
-        ValueError: ``masters`` is below 1 or ``kind`` is not a cluster-capable server.
+        ValueError: ``masters`` is below 1, ``replicas`` below 0, or ``kind`` is not a
+            cluster-capable server.
     """
-    if not isinstance(masters, int) or masters < 1:
+    if isinstance(masters, bool) or not isinstance(masters, int) or masters < 1:
         raise ValueError(f"masters must be a positive int, got {masters!r}")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ValueError(f"replicas must be an int >= 0, got {replicas!r}")
     if kind not in ("redis", "valkey"):
         raise ValueError(f"kind must be 'redis' or 'valkey' (Redis 7+ cluster nodes), got {kind!r}")
-    handle = ClusterHandle(_start_nodes(kind, masters, startup_timeout), node_kind=kind)
+    nodes = _start_nodes(kind, masters, startup_timeout, replicas, node_timeout_ms)
+    handle = ClusterHandle(nodes, node_kind=kind, masters=masters, node_timeout_ms=node_timeout_ms)
     _register(handle)
     return handle

@@ -78,6 +78,8 @@ __all__ = [
     "TLSFiles",  # noqa: F822 - provided by __getattr__
     "find_server_binary",
     "start_server",  # noqa: F822 - provided by __getattr__ (lazy: see the end of the module)
+    "start_cluster",  # noqa: F822 - provided by __getattr__ (tdstore/_server_cluster.py)
+    "ClusterHandle",  # noqa: F822 - provided by __getattr__ (tdstore/_server_cluster.py)
 ]
 
 
@@ -733,4 +735,8 @@ def __getattr__(name: str) -> Any:
         from tdstore import _server_start
 
         return getattr(_server_start, name)
+    if name in ("start_cluster", "ClusterHandle"):  # a local Redis Cluster (tdstore/_server_cluster.py)
+        from tdstore import _server_cluster
+
+        return getattr(_server_cluster, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
