@@ -42,16 +42,14 @@ class _Raw:
         from tdstore import _io
 
         self._io = _io
-        self._kwargs = opts.redis_kwargs()
+        self._opts = opts
         self._client: Any = None
         self._timeout = opts.timeout * 4
 
     def run(self, fn: Callable[[Any], Any]) -> Any:
-        import redis.asyncio
-
         async def call() -> Any:
             if self._client is None:
-                self._client = redis.asyncio.Redis(**self._kwargs)
+                self._client = self._opts.async_client()
             return await fn(self._client)
 
         return self._io.sync(call(), self._timeout)
@@ -196,6 +194,15 @@ def _format(results: list[dict[str, Any]], where: str, server: str) -> str:
     return f"tdstore bench on {where} ({server}); medians, ratio = tdstore / raw redis-py\n" + text
 
 
+def _server_version(info: dict[str, Any]) -> str:
+    """``valkey 8.1.8`` or ``redis 7.0.15`` from INFO server (a cluster client answers per node)."""
+    if info and all(isinstance(v, dict) for v in info.values()):
+        info = next(iter(info.values()))
+    if "valkey_version" in info:
+        return f"valkey {info['valkey_version']}"
+    return f"redis {info.get('redis_version', '?')}"
+
+
 def run_bench(opts: Any, args: Any, out: TextIO) -> int:
     """Runs ``tdstore bench``; returns 0."""
     from tdstore.cli import CliError
@@ -208,8 +215,7 @@ def run_bench(opts: Any, args: Any, out: TextIO) -> int:
     stores: list[Any] = []
     keys: list[str] = []
     try:
-        info = raw.run(lambda c: c.info("server"))
-        server = f"{'valkey ' + str(info['valkey_version']) if 'valkey_version' in info else 'redis ' + str(info.get('redis_version', '?'))}"
+        server = _server_version(raw.run(lambda c: c.info("server")))
         results = _cases(opts, args, raw, stores, keys)
     finally:
         for store in stores:

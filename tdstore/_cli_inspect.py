@@ -117,12 +117,10 @@ async def _scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]
 
 def _run(opts: Any, fn: Any) -> Any:
     """Runs ``fn(client)`` on tdstore's IO loop with a fresh ``redis.asyncio`` client."""
-    import redis.asyncio
-
     from tdstore import _io
 
     async def call() -> Any:
-        client = redis.asyncio.Redis(**opts.redis_kwargs())
+        client = opts.async_client()
         try:
             return await fn(client)
         finally:

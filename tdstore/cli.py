@@ -43,13 +43,15 @@ class ConnOptions:
     password: str | None = None
     ssl: bool = False
     ssl_ca_certs: str | None = None
+    cluster: bool = False
     timeout: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         """``unix:///path db=0`` or ``host:port db=0`` (no password)."""
         where = f"unix://{self.unix_socket_path}" if self.unix_socket_path else f"{self.host}:{self.port}"
-        return f"{where} db={self.db}" + (" (tls)" if self.ssl else "")
+        kind = " (cluster)" if self.cluster else ""
+        return f"{where} db={self.db}{kind}" + (" (tls)" if self.ssl else "")
 
     def redis_kwargs(self) -> dict[str, Any]:
         """Arguments for ``redis.Redis`` / ``redis.asyncio.Redis``."""
@@ -81,7 +83,22 @@ class ConnOptions:
         kwargs.pop("socket_connect_timeout")
         kwargs["timeout"] = self.timeout
         kwargs.setdefault("unix_socket_path", None)
+        if self.cluster:
+            kwargs["cluster_nodes"] = [(kwargs.pop("host"), kwargs.pop("port"))]
+            kwargs.pop("db")
         return kwargs
+
+    def async_client(self) -> Any:
+        """A new ``redis.asyncio`` client (a ``RedisCluster`` with ``--cluster``); create it on the loop
+        that will use it, and ``aclose()`` it."""
+        import redis.asyncio
+        import redis.asyncio.cluster
+
+        kwargs = self.redis_kwargs()
+        if self.cluster:
+            kwargs.pop("db")
+            return redis.asyncio.cluster.RedisCluster(**kwargs)
+        return redis.asyncio.Redis(**kwargs)
 
     def sync_client(self) -> Any:
         """A plain synchronous client (bytes replies); close it when done."""
@@ -115,6 +132,8 @@ def _conn_parent() -> argparse.ArgumentParser:
         help="password; prefer the TDSTORE_PASSWORD (or REDISCLI_AUTH) environment variable, "
         "which the process list does not show",
     )
+    group.add_argument("-c", "--cluster", action="store_true",
+                       help="the address is a node of a Redis Cluster: list and reach stores on every master")
     group.add_argument("--tls", action="store_true", help="connect with TLS")
     group.add_argument("--cacert", metavar="FILE", help="CA certificate file to verify the server (with --tls)")
     group.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server (default: 30)")
@@ -229,6 +248,11 @@ def conn_options(args: argparse.Namespace, environ: dict[str, str] | None = None
         opts.ssl_ca_certs = args.cacert
     if opts.ssl and opts.unix_socket_path:
         raise CliError("tdstore: --tls needs a TCP address, not a unix socket", 2)
+    opts.cluster = bool(args.cluster)
+    if opts.cluster and opts.unix_socket_path:
+        raise CliError("tdstore: --cluster needs the TCP address of a cluster node, not a unix socket", 2)
+    if opts.cluster and opts.db:
+        raise CliError(f"tdstore: a Redis Cluster has only database 0, got -n {opts.db}", 2)
     return opts
 
 

@@ -512,3 +512,35 @@ def test_tls_with_ca_and_acl_user(tls_server: ServerHandle, tls_files: Any, acl_
         assert code == 0 and text.startswith("deleted acl ")
     finally:
         acl_store.close()
+
+
+def test_cluster_option_lists_and_reaches_stores_on_every_master(cluster_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TDSTORE_PASSWORD", "REDISCLI_AUTH", "TDSTORE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    kwargs = cluster_server.connection_kwargs()
+    stores = [TensorDictStore.from_dict({"a": torch.arange(3)}, batch_size=[3], td_id=f"cl-{i}", **kwargs) for i in range(6)]
+    try:
+        masters = {cluster_server.node_of_store(s.td_id) for s in stores}
+        assert len(masters) >= 2  # the test means something only if the stores are spread
+        host, port = cluster_server.startup_nodes[0]
+        where = ["-c", "-h", host, "-p", str(port)]
+        code, text = run_cli(["ls", "--json", *where])
+        assert code == 0
+        assert [s["td_id"] for s in json.loads(text)["stores"]] == [f"cl-{i}" for i in range(6)]
+        assert all(s["bytes"] == 24 for s in json.loads(text)["stores"])
+        # without -c, one node shows only its own stores
+        code, text = run_cli(["ls", "--json", "-h", host, "-p", str(port)])
+        assert code == 0 and len(json.loads(text)["stores"]) < 6
+        for store in stores:
+            code, text = run_cli(["info", store.td_id, "--json", *where])
+            assert code == 0 and json.loads(text)["entries"][0]["bytes"] == 24
+        code, text = run_cli(["rm", "-y", "cl-0", "cl-1", "cl-2", "cl-3", "cl-4", *where])
+        assert code == 0 and text.count("deleted cl-") == 5
+        code, text = run_cli(["ls", "--json", *where])
+        assert [s["td_id"] for s in json.loads(text)["stores"]] == ["cl-5"]
+        with pytest.raises(CliError, match="only database 0"):
+            conn_options(build_parser().parse_args(["ls", *where, "-n", "1"]), {})
+    finally:
+        for store in stores:
+            store.clear_redis()
+            store.close()
