@@ -290,9 +290,15 @@ def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[li
     """
     items = list(index) if isinstance(index, tuple) else [index]
     items = [_as_index_item(i) for i in items]
-    everything = (list(range(n)), index, None)
+    if len(items) == 1 and isinstance(items[0], int) and stack_dim == 0:
+        # the common case first: one element
+        j = items[0] + n if items[0] < 0 else items[0]
+        if not 0 <= j < n:
+            raise IndexError(f"index {items[0]} is out of bounds for the stack dim of size {n}")
+        return [j], (0,), j
+    everything = _Everything(n, index)
     if sum(1 for i in items if i is Ellipsis) > 1:
-        return everything
+        return everything.value()
     consumed = sum(_dims_of(i) for i in items if i is not Ellipsis)
     if consumed > batch_ndim:
         raise IndexError(f"too many indices for a lazy store of {batch_ndim} batch dims: {index!r}")
@@ -310,7 +316,7 @@ def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[li
         width = _dims_of(item)
         if dim <= stack_dim < dim + width:
             if width != 1:
-                return everything
+                return everything.value()
             pos = k
             break
         dim += width
@@ -324,28 +330,39 @@ def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[li
             raise IndexError(f"index {entry} is out of bounds for the stack dim of size {n}")
         members, new_entry, picked = [j], 0, j
     elif isinstance(entry, slice):
-        members = list(range(n))[entry]
+        members = list(range(n)[entry])
         if not members:
-            return everything
+            return everything.value()
         new_entry, picked = slice(None), members
     elif isinstance(entry, torch.Tensor) and entry.dtype == torch.bool:
         if entry.shape != (n,):
-            return everything
+            return everything.value()
         members = entry.nonzero().reshape(-1).tolist()
         if not members:
-            return everything
+            return everything.value()
         new_entry, picked = torch.ones(len(members), dtype=torch.bool), members
     elif isinstance(entry, torch.Tensor) and not entry.is_floating_point() and entry.ndim == 1:
         picked = [j + n if j < 0 else j for j in entry.tolist()]
         if not picked or not all(0 <= j < n for j in picked):
-            return everything  # empty, or out of bounds: torch raises its own error
+            return everything.value()  # empty, or out of bounds: torch raises its own error
         members = sorted(set(picked))
         new_entry = torch.tensor([bisect_left(members, j) for j in picked], dtype=torch.long)
     else:
-        return everything
+        return everything.value()
     remapped = list(expanded)
     remapped[pos] = new_entry
     return members, tuple(remapped), (picked if others_full else None)
+
+
+class _Everything:
+    """The answer "read every element and apply the index as it is", built only when needed."""
+
+    def __init__(self, n: int, index: Any) -> None:
+        self.n = n
+        self.index = index
+
+    def value(self) -> tuple[list[int], Any, None]:
+        return list(range(self.n)), self.index, None
 
 
 def _as_index_item(item: Any) -> Any:
@@ -384,17 +401,33 @@ def decode_members(
     their children); ``values[path][j]`` is the value of leaf ``path`` in element ``j``.
     """
     n0 = len(base)
-    out = []
-    for j in members:
-        td = TensorDict(batch_size=root_bs, device=device)
-        for path, meta in layout_entries:
-            rel = path[n0:]
+    # the tree of keys, once: children of each node in insertion order
+    children: dict[tuple[str, ...], list[tuple[tuple[str, ...], dict[str, Any]]]] = {base: []}
+    for path, meta in layout_entries:
+        if meta["k"] == "td" or path in values:
+            children.setdefault(path[:-1], []).append((path, meta))
             if meta["k"] == "td":
-                td._set_tuple(rel, TensorDict(batch_size=meta["batch_size"], device=device), inplace=False, validated=True, non_blocking=False)
-            elif path in values:
-                td._set_tuple(rel, values[path][j], inplace=False, validated=True, non_blocking=False)
-        out.append(td)
-    return out
+                children.setdefault(path, [])
+
+    def build(node: tuple[str, ...], bs: Any, j: int) -> TensorDict:
+        source: dict[str, Any] = {}
+        for path, meta in children.get(node, ()):
+            if meta["k"] == "td":
+                source[path[-1]] = build(path, meta["batch_size"], j)
+            else:
+                source[path[-1]] = values[path][j]
+        return _new_td(source, bs, device)
+
+    del n0
+    return [build(base, root_bs, j) for j in members]
+
+
+def _new_td(source: dict[str, Any], batch_size: Any, device: Any) -> TensorDict:
+    """A TensorDict of already checked values (skips TensorDict's per-value validation)."""
+    try:
+        return TensorDict._new_unsafe(source=source, batch_size=torch.Size(batch_size), device=device)
+    except (AttributeError, TypeError):  # pragma: no cover - a tensordict without _new_unsafe
+        return TensorDict(source, batch_size=batch_size, device=device)
 
 
 def decode_nontensor(meta: dict[str, Any], data: bytes, n: int, owner_bs: torch.Size, path: tuple[str, ...], where: str, policy: _codec.PicklePolicy, device: Any) -> list[Any]:

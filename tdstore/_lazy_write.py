@@ -25,18 +25,26 @@ from tdstore.errors import CorruptMetadataError, EntryNotFoundError, SchemaError
 if TYPE_CHECKING:
     from tdstore.lazy import LazyStackedTensorDictStore
 
-__all__ = ["plan_index_write"]
+__all__ = ["OneLeaf", "plan_index_write"]
 
 
 def _is_leaf(cls: type) -> bool:
     return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
 
 
+class OneLeaf:
+    """The value of ``set_at_(key, value, idx)``: one leaf written at an index."""
+
+    def __init__(self, rel: tuple[str, ...], value: Any) -> None:
+        self.rel = rel
+        self.value = value
+
+
 def plan_index_write(
     store: LazyStackedTensorDictStore, layout: _backend.Layout, index: Any, value: Any
 ) -> tuple[list[tuple[tuple[str, ...], list[tuple[int, int]], Any]], list[tuple[tuple[str, ...], Any]]]:
     """The ``write_runs_watched`` groups and non-tensor updates of ``store[index] = value``."""
-    from tdstore.lazy import LazyStackedTensorDictStore, _OneLeaf
+    from tdstore.lazy import LazyStackedTensorDictStore
 
     bs, s = store._root(layout)
     n = bs[s]
@@ -49,7 +57,7 @@ def plan_index_write(
     tensor_targets: dict[tuple[str, ...], Any] = {}
     nontensor_targets: list[tuple[str, ...]] = []
     source: Any
-    if isinstance(value, _OneLeaf):
+    if isinstance(value, OneLeaf):
         path = base + value.rel
         meta = layout.entries.get(path)
         if meta is None or meta["k"] != "lt":

@@ -1,0 +1,249 @@
+"""Writes of a LazyStackedTensorDictStore (a mixin): keys of the whole stack, and elements.
+
+Key changes (add, replace, delete, rename) are one ``commit`` each and bump the layout
+version; element writes are byte runs written in one WATCH-guarded MULTI (or the
+``write_runs`` script) at the layout version they were planned with (see
+:mod:`tdstore._lazy_write`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack
+from tensordict.utils import is_tensorclass
+
+from tdstore import _backend, _io
+from tdstore import _lazy_plan as plan
+from tdstore._keys import as_path as _as_path
+from tdstore._values import NO_DEFAULT, is_no_default
+from tdstore.errors import SchemaError, StaleLayoutError, UnsupportedOperationError
+
+if TYPE_CHECKING:
+    from tdstore.lazy import LazyStackedTensorDictStore
+
+__all__ = ["LazyWrites"]
+
+_MAX_RETRIES = _io.MAX_RETRIES
+
+
+class LazyWrites:
+    """Write methods of :class:`~tdstore.lazy.LazyStackedTensorDictStore`."""
+
+    # ------------------------------------------------------------------ key writes
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
+            if value is self:
+                raise ValueError("a store cannot hold itself")
+            self._set_key(self._path + _as_path(index), value)
+            return
+        self._write_index(index, value)
+
+    def _set_str(self, key: Any, value: Any, *, inplace: Any = False, validated: bool = False, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: Any) -> LazyStackedTensorDictStore:
+        self._set_key(self._path + _as_path(key), value)
+        return self
+
+    _set_tuple = _set_str
+
+    def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> LazyStackedTensorDictStore:
+        rel = _as_path(key)
+        if not isinstance(value, (torch.Tensor, numbers.Number)):
+            raise TypeError(f"set_at_ writes a tensor at an index of {rel!r} in {self._where()}, got {type(value).__name__}")
+        from tdstore._lazy_write import OneLeaf
+
+        self._write_index(idx, OneLeaf(rel, value))
+        return self
+
+    _set_at_tuple = _set_at_str
+
+    def update(self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, **kwargs: Any) -> LazyStackedTensorDictStore:
+        """Sets every key of a dict or tensordict of the stack's batch size, in one atomic step."""
+        source = kwargs if input_dict_or_td is None else input_dict_or_td
+        items = list(source.items())
+        self._set_keys([(self._path + _as_path(k), v) for k, v in items])
+        return self
+
+    def _set_key(self, path: tuple[str, ...], value: Any) -> None:
+        self._set_keys([(path, value)])
+
+    def _set_keys(self, items: list[tuple[tuple[str, ...], Any]]) -> None:
+        conn = self._conn
+        for attempt in range(_MAX_RETRIES):
+            layout = self._layout()
+            ops: list[_backend.Op] = []
+            try:
+                for k, (path, value) in enumerate(items):
+                    ops.extend(self._key_ops(layout, path, value, k))
+            except (SchemaError, KeyError):
+                if self._fresh_layout().lv != layout.lv:
+                    continue
+                raise
+            try:
+                conn.run(
+                    lambda c, ops=ops, lv=str(layout.lv): _backend.commit(
+                        c, conn.keys, conn.runner, ops, expected=lv, bump=True, check_lock=True
+                    )
+                )
+            except StaleLayoutError:
+                _io.backoff(attempt)
+                self._layout(refresh=True)
+                continue
+            conn.layout = None
+            return
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+
+    def _key_ops(self, layout: _backend.Layout, path: tuple[str, ...], value: Any, k: int) -> list[_backend.Op]:
+        from tdstore.lazy import LazyStackedTensorDictStore
+
+        if isinstance(value, LazyStackedTensorDictStore):
+            value = value.to_tensordict()
+        if is_tensorclass(value) and not isinstance(value, (NonTensorData, NonTensorStack)):
+            value = value._tensordict
+        ops: list[_backend.Op] = []
+        parent = path[:-1]
+        for i in range(len(self._path) + 1, len(parent) + 1):
+            node = layout.entries.get(parent[:i])
+            if node is None:
+                meta = {"k": "td", "batch_size": list(self._elem_bs(layout, parent[: i - 1])), "names": None, "o": [layout.lv + 1, 10**6 * k + i]}
+                ops.append(_backend.Op("node", parent[:i], meta))
+            elif node["k"] != "td":
+                raise SchemaError(f"cannot set {path!r} in {self._where()}: {parent[:i]!r} is a leaf, not a nested tensordict")
+        owner = self._elem_bs(layout, parent) if not ops else torch.Size(ops[-1].meta["batch_size"])  # type: ignore[index]
+        full = self._full_bs(owner, layout)
+        bs, s = self._root(layout)
+        members = plan.members_from_value(value, full, s, path, self._where())
+        for p, m in layout.entries.items():
+            if p[: len(path)] == path:
+                ops.append(_backend.Op("del", p, has_data=m["k"] != "td"))
+        self._conn.run(_noop)
+        ops.extend(
+            plan.plan_members(
+                path, members, owner, where=self._where(), order_base=layout.lv + 1 + k,
+                max_bulk=self._conn.max_bulk, policy=self._conn.pickle_policy,
+            )
+        )
+        return ops
+
+    def del_(self, key: Any) -> LazyStackedTensorDictStore:
+        """Deletes an entry (a nested one with all its content) in one atomic step."""
+        path = self._path + _as_path(key)
+
+        def ops(layout: _backend.Layout) -> list[_backend.Op]:
+            if path not in layout.entries:
+                raise self._key_error(path)
+            return [_backend.Op("del", p, has_data=m["k"] != "td") for p, m in layout.entries.items() if p[: len(path)] == path]
+
+        self._commit_ops(ops)
+        return self
+
+    def _del(self, key: Any) -> None:
+        self.del_(key)
+
+    def __delitem__(self, key: Any) -> None:
+        self.del_(key)
+
+    def pop(self, key: Any, default: Any = NO_DEFAULT) -> Any:
+        path = self._path + _as_path(key)
+        if self._entry(path) is None:
+            if is_no_default(default):
+                raise self._key_error(path)
+            return default
+        tds, s = self._memory_stack([p for p, m in self._descendants(self._layout(), path) if m["k"] != "td"] or [path], None)
+        value = LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :])
+        self.del_(key)
+        return value
+
+    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> LazyStackedTensorDictStore:
+        """Renames an entry on the server (no bytes move through the client), in one atomic step."""
+        old = self._path + _as_path(old_key)
+        new = self._path + _as_path(new_key)
+        if old == new:
+            return self
+
+        def ops(layout: _backend.Layout) -> list[_backend.Op]:
+            if old not in layout.entries:
+                raise self._key_error(old)
+            if new[: len(old)] == old:
+                raise ValueError(f"cannot rename {old!r} into its own sub-key {new!r}")
+            if new in layout.entries and safe:
+                raise KeyError(f"key {new!r} already present in {self._where()}")
+            if len(new) > 1 and new[:-1] not in layout.entries:
+                raise KeyError(f"cannot rename to {new!r}: {new[:-1]!r} does not exist in {self._where()}")
+            if self._elem_bs(layout, old[:-1]) != self._elem_bs(layout, new[:-1]):
+                raise SchemaError(f"cannot rename {old!r} to {new!r} in {self._where()}: their parents' batch sizes differ")
+            out = [_backend.Op("del", p, has_data=m["k"] != "td") for p, m in layout.entries.items() if p[: len(new)] == new]
+            for p, m in sorted(layout.entries.items(), key=lambda item: len(item[0])):
+                if p[: len(old)] != old:
+                    continue
+                target = new + p[len(old) :]
+                if m["k"] == "td":
+                    out.append(_backend.Op("del", p, has_data=False))
+                    out.append(_backend.Op("node", target, m))
+                else:
+                    out.append(_backend.Op("move", p, m, new_path=target))
+            return out
+
+        self._commit_ops(ops)
+        return self
+
+    def _commit_ops(self, build: Callable[[_backend.Layout], list[_backend.Op]]) -> None:
+        conn = self._conn
+        for attempt in range(_MAX_RETRIES):
+            layout = self._layout()
+            try:
+                ops = build(layout)
+            except (SchemaError, KeyError, ValueError):
+                if self._fresh_layout().lv != layout.lv:
+                    continue
+                raise
+            try:
+                conn.run(
+                    lambda c, ops=ops, lv=str(layout.lv): _backend.commit(
+                        c, conn.keys, conn.runner, ops, expected=lv, bump=True, check_lock=True
+                    )
+                )
+            except StaleLayoutError:
+                _io.backoff(attempt)
+                self._layout(refresh=True)
+                continue
+            conn.layout = None
+            return
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+
+    # ------------------------------------------------------------------ element writes
+    def _write_index(self, index: Any, value: Any) -> None:
+        from tdstore._lazy_write import plan_index_write
+
+        conn = self._conn
+        for attempt in range(_MAX_RETRIES):
+            layout = self._layout()
+            try:
+                groups, nontensor = plan_index_write(self, layout, index, value)
+            except (SchemaError, KeyError, UnsupportedOperationError):
+                if self._fresh_layout().lv != layout.lv:
+                    continue  # planned against a stale layout: plan again
+                raise
+            if not groups and not nontensor:
+                return
+            try:
+                changed = conn.run(
+                    lambda c, groups=groups, lv=str(layout.lv), nontensor=nontensor: _backend.write_runs_watched(
+                        c, conn.keys, conn.runner, groups, expected=lv, check_lock=True, nontensor=nontensor
+                    )
+                )
+            except StaleLayoutError:
+                _io.backoff(attempt)
+                self._layout(refresh=True)
+                continue
+            if changed:
+                conn.layout = None
+            return
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+
+
+
+async def _noop(client: Any) -> None:
+    return None

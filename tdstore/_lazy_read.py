@@ -1,0 +1,294 @@
+"""Reads of a LazyStackedTensorDictStore (a mixin): elements, leaves and the whole stack.
+
+Every read of one call comes from one snapshot: the bytes are read in one MULTI (or one
+script call) with the layout version, and decoded only if that is the version they were
+planned with; otherwise the layout is refreshed and the read planned again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from tdstore import _backend, _codec, _io
+from tdstore import _lazy_plan as plan
+from tdstore._keys import as_path as _as_path
+from tdstore._values import NO_DEFAULT, is_no_default
+from tdstore.errors import DataLostError, StaleLayoutError, UnsupportedOperationError
+
+__all__ = ["LazyReads"]
+
+_MAX_RETRIES = _io.MAX_RETRIES
+
+
+class _Stale(Exception):
+    """The bytes were read at another layout version than the one planned with."""
+
+
+class LazyReads:
+    """Read methods of :class:`~tdstore.lazy.LazyStackedTensorDictStore`."""
+
+    # ------------------------------------------------------------------ reads
+    def _read_members(
+        self, layout: _backend.Layout, paths: list[tuple[str, ...]], members: list[int]
+    ) -> dict[tuple[str, ...], dict[int, Any]]:
+        """The values of leaves ``paths`` in elements ``members``, read in one snapshot at ``layout``.
+
+        Raises:
+            _Stale: the server's layout version is not ``layout.lv``.
+        """
+        bs, s = self._root(layout)
+        n = bs[s]
+        conn = self._conn
+        plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
+        gathers: list[tuple[int, str] | None] = []
+        spans: list[Any] = []
+        for path in paths:
+            meta = layout.entries[path]
+            if meta["k"] == "lnt":
+                plans.append((path, [(0, None)]))
+                gathers.append(None)
+                spans.append(None)
+                continue
+            offsets, sizes = self._spans(layout, path)
+            if "shape" in meta and sizes[0] and _backend.choose_read_rows(len(members), sizes[0] * len(members)) == "gather":
+                plans.append((path, []))
+                gathers.append((sizes[0], " ".join(map(str, members))))
+                spans.append("gather")
+                continue
+            runs: list[tuple[int, int | None]] = []
+            for j in members:
+                if not sizes[j]:
+                    continue
+                last = runs[-1] if runs else None
+                if last is not None and last[0] + last[1] == offsets[j]:  # type: ignore[operator]
+                    runs[-1] = (last[0], last[1] + sizes[j])  # type: ignore[operator]
+                else:
+                    runs.append((offsets[j], sizes[j]))
+            plans.append((path, runs))
+            gathers.append(None)
+            spans.append(runs)
+        lv, replies = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers))
+        if lv is None:
+            raise self._not_found()
+        if lv != layout.lv:
+            raise _Stale()
+        device = self.device
+        out: dict[tuple[str, ...], dict[int, Any]] = {}
+        for (path, _), how, chunks in zip(plans, spans, replies, strict=True):
+            meta = layout.entries[path]
+            owner = self._elem_bs(layout, path[:-1])
+            if how is None:
+                if chunks[0] is None or not chunks[0]:
+                    raise DataLostError(f"entry {path!r} of {self._where()} is registered but its bytes are gone from the server")
+                values = plan.decode_nontensor(meta, chunks[0], n, owner, path, self._where(), conn.pickle_policy, device)
+                out[path] = {j: values[j] for j in members}
+                continue
+            dtype = _codec.dtype_from_name(meta["dtype"])
+            shapes = self._shapes(layout, path)
+            offsets, sizes = self._spans(layout, path)
+            found: dict[int, Any] = {}
+            if how == "gather":
+                buf = self._buffer(chunks[0], sizes[0] * len(members), path)
+                stacked = _as_tensor(buf, dtype, [len(members), *shapes[0]])
+                found = dict(zip(members, stacked.unbind(0), strict=True))
+            else:
+                item = dtype.itemsize
+                runs_iter = iter(zip(how, chunks, strict=True))
+                run: Any = None
+                for j in members:
+                    if not sizes[j]:
+                        found[j] = torch.empty(shapes[j], dtype=dtype)
+                        continue
+                    if run is None or not run[0] <= offsets[j] < run[0] + run[1]:
+                        run, data = next(runs_iter)
+                        typed = self._buffer(data, run[1], path)
+                        typed = typed.view(dtype) if dtype != torch.uint8 else typed
+                    rel = (offsets[j] - run[0]) // item
+                    part = typed[rel : rel + sizes[j] // item]
+                    shape = shapes[j]
+                    found[j] = part if len(shape) == 1 else part.reshape(shape)
+            if device is not None and device.type != "cpu":
+                found = {j: t.to(device) for j, t in found.items()}
+            out[path] = found
+        return out
+
+    def _buffer(self, data: Any, expected: int, path: tuple[str, ...]) -> torch.Tensor:
+        if data is None or len(data) != expected:
+            raise DataLostError(
+                f"entry {path!r} of {self._where()}: expected {expected} bytes, the server holds "
+                f"{0 if data is None else len(data)} (evicted or changed by hand?)"
+            )
+        if not self._conn.owned_replies or isinstance(data, memoryview) or len(data) <= 1:
+            data = bytearray(data)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+    def _spans(self, layout: _backend.Layout, path: tuple[str, ...]) -> tuple[list[int], list[int]]:
+        key = ("lazy-spans", path)
+        memo = layout.memo.get(key)
+        if memo is None:
+            bs, s = self._root(layout)
+            memo = layout.memo[key] = plan.elem_spans(layout.entries[path], bs[s])
+        return memo
+
+    def _shapes(self, layout: _backend.Layout, path: tuple[str, ...]) -> list[list[int]]:
+        key = ("lazy-shapes", path)
+        memo = layout.memo.get(key)
+        if memo is None:
+            bs, s = self._root(layout)
+            memo = layout.memo[key] = plan.elem_shapes(layout.entries[path], bs[s])
+        return memo
+
+    def _memory_stack(self, paths: list[tuple[str, ...]] | None, members: list[int] | None) -> tuple[list[TensorDict], int]:
+        """The elements ``members`` (default all) in memory, with leaves ``paths`` (default all)."""
+        for attempt in range(_MAX_RETRIES):
+            layout = self._layout()
+            bs, s = self._root(layout)
+            if members is None:
+                members = list(range(bs[s]))
+            entries = self._descendants(layout)
+            leaves = [p for p, m in entries if m["k"] != "td"] if paths is None else paths
+            try:
+                values = self._read_members(layout, leaves, members)
+            except _Stale:
+                _io.backoff(attempt)
+                self._layout(refresh=True)
+                continue
+            if paths is not None:
+                wanted = set(paths)
+                entries = [(p, m) for p, m in entries if p in wanted or (m["k"] == "td" and any(q[: len(p)] == p for q in wanted))]
+            tds = plan.decode_members(entries, values, members, self._elem_bs(layout), self._path, self.device)
+            return tds, s
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+    def to_tensordict(self, *, retain_none: bool | None = None) -> LazyStackedTensorDict:
+        """Reads the whole stack into memory (one consistent snapshot), ragged leaves included."""
+        tds, s = self._memory_stack(None, None)
+        return LazyStackedTensorDict(*tds, stack_dim=s)
+
+    def to_local(self) -> LazyStackedTensorDict:
+        return self.to_tensordict()
+
+    def contiguous(self) -> TensorDictBase:
+        return self.to_tensordict().contiguous()
+
+    @property
+    def tensordicts(self) -> list[TensorDict]:
+        """The elements, read into memory (one snapshot)."""
+        return self._memory_stack(None, None)[0]
+
+    def __len__(self) -> int:
+        bs = self.batch_size
+        return bs[0] if bs else 0
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
+            path = self._path + _as_path(index)
+            meta = self._entry(path)
+            if meta is None:
+                raise self._key_error(path)
+            if meta["k"] == "lnt":
+                tds, s = self._memory_stack([path], None)
+                return LazyStackedTensorDict(*tds, stack_dim=s)[path[len(self._path) :]]
+            return self._get_path(path, NO_DEFAULT)
+        if index is Ellipsis or (isinstance(index, tuple) and index == ()):
+            return self
+        return self._read_index(index)
+
+    def _read_index(self, index: Any) -> Any:
+        layout = self._layout()
+        bs, s = self._root(layout)
+        full = self._full_bs(self._elem_bs(layout), layout)
+        members, remapped, pick = plan.split_index(index, len(full), s, bs[s])
+        tds, _ = self._memory_stack(None, members)
+        if isinstance(pick, int):
+            return tds[0]
+        if pick is not None:
+            by_id = dict(zip(members, tds, strict=True))
+            return LazyStackedTensorDict(*[by_id[j] for j in pick], stack_dim=s)
+        return LazyStackedTensorDict(*tds, stack_dim=s)[remapped]
+
+    def get(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+        """``get(key)``; ``as_list``, ``as_padded_tensor`` and ``as_nested_tensor`` read ragged leaves."""
+        default = args[0] if args else kwargs.pop("default", None)
+        path = self._path + _as_path(key)
+        if not kwargs:
+            return self._get_path(path, default)
+        meta = self._entry(path)
+        if meta is None:
+            return default
+        tds, s = self._memory_stack([p for p, m in self._descendants(self._layout(), path) if m["k"] != "td"] or [path], None)
+        return LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :], **kwargs)
+
+    def _get_str(self, key: Any, default: Any, **kwargs: Any) -> Any:
+        return self._get_path(self._path + _as_path(key), default)
+
+    _get_tuple = _get_str
+
+    def _get_path(self, path: tuple[str, ...], default: Any, fresh: bool = False) -> Any:
+        meta = self._entry(path)
+        if not fresh and (meta is None or meta["k"] == "td" or (meta["k"] == "lt" and "shape" not in meta)):
+            # no bytes are read on these paths to carry the layout version: check it first
+            self._fresh_layout()
+            return self._get_path(path, default, fresh=True)
+        if meta is None:
+            if is_no_default(default):
+                raise self._key_error(path)
+            return default
+        if meta["k"] == "td":
+            return type(self)._handle(self._conn, path, self._device_override, self._cache_metadata)
+        if meta["k"] == "lnt":
+            tds, s = self._memory_stack([path], None)
+            return LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :])
+        if "shape" not in meta:
+            raise UnsupportedOperationError(
+                f"entry {path!r} of {self._where()} is ragged (its elements differ in shape: "
+                f"{_shape_summary(meta)}), so it is not one tensor. Read it with "
+                f"store.get({path[len(self._path):]!r}, as_list=True) (or as_nested_tensor=True / "
+                "as_padded_tensor=True), element by element with store[j], or as a whole with "
+                "store.to_tensordict()"
+            )
+        for attempt in range(_MAX_RETRIES):
+            layout = self._layout()
+            meta = layout.entries.get(path)
+            if meta is None or meta["k"] != "lt" or "shape" not in meta:
+                return self._get_path(path, default)
+            bs, s = self._root(layout)
+            conn = self._conn
+            lv, replies = conn.run(lambda c, conn=conn: _backend.read_runs(c, conn.keys, conn.runner, [(path, [(0, None)])]))
+            if lv != layout.lv:
+                if lv is None:
+                    raise self._not_found()
+                _io.backoff(attempt)
+                self._layout(refresh=True)
+                continue
+            dtype = _codec.dtype_from_name(meta["dtype"])
+            nbytes = _codec.tensor_nbytes(tuple(meta["shape"]), dtype) * bs[s]
+            raw = self._buffer(replies[0][0], nbytes, path) if nbytes else torch.empty(0, dtype=torch.uint8)
+            tensor = _as_tensor(raw, dtype, [bs[s], *meta["shape"]]).movedim(0, s)
+            if s:
+                tensor = tensor.contiguous()
+            device = self.device
+            return tensor.to(device) if device is not None and device.type != "cpu" else tensor
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+    def _get_at_str(self, key: Any, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        return self._read_index(idx)[key]
+
+    _get_at_tuple = _get_at_str
+
+
+def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    if math.prod(shape) == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return (raw.view(dtype) if dtype != torch.uint8 else raw).reshape(tuple(shape))
+
+
+def _shape_summary(meta: dict[str, Any]) -> str:
+    shapes = meta["shapes"]
+    shown = ", ".join(str(s) for s in shapes[:4])
+    return shown + (f", ... ({len(shapes)} elements)" if len(shapes) > 4 else "")
