@@ -116,9 +116,11 @@ def fill_from_env(kwargs: dict[str, Any]) -> str | None:
         elif url_password:
             kwargs["password"] = url_password
             source = "TDSTORE_URL"
-    if kwargs.get("username") is None:
-        user = os.environ.get(ENV_USERNAME) or url_user
-        if user and kwargs.get("password") is not None:
+    if source is not None and kwargs.get("username") is None:
+        # only beside a password taken from the same place: a password given in code is
+        # the default user's unless the code names a user too
+        user = os.environ.get(ENV_USERNAME) if source == ENV_PASSWORD else url_user
+        if user:
             kwargs["username"] = user
     ssl_password = os.environ.get(ENV_SSL_PASSWORD)
     if ssl_password and kwargs.get("ssl_password") is None and kwargs.get("ssl_keyfile"):

@@ -373,3 +373,63 @@ def test_rediss_url_from_the_environment(tls_server, tls_files, no_env_credentia
     no_env_credentials.setenv("TDSTORE_URL", f"rediss://{tls_server.host}:{tls_server.port}/0?ssl_ca_certs={tls_files.other_ca_file}")
     with pytest.raises(tdstore.ServerTLSError, match="CERTIFICATE_VERIFY_FAILED"):
         TensorDictStore(batch_size=[2])
+
+
+# ---------------------------------------------------------------------------------- pieces
+
+
+def test_strip_secrets_and_fill_from_env(no_env_credentials):
+    from tdstore import _credentials
+
+    kwargs = {"host": "h", "port": 1, "password": "p", "ssl_password": "k", "username": "u"}
+    assert sorted(_credentials.strip_secrets(kwargs)) == ["password", "ssl_password"]
+    assert kwargs == {"host": "h", "port": 1, "username": "u"}
+    provider = {"credential_provider": UsernamePasswordCredentialProvider("u2", "p2"), "host": "h"}
+    assert _credentials.strip_secrets(provider) == ["password"] and provider == {"host": "h", "username": "u2"}
+    unpicklable = {"credential_provider": FileCredentials("u", "/nowhere")}
+    unpicklable["credential_provider"].lock = __import__("threading").Lock()
+    assert _credentials.strip_secrets(unpicklable) == ["credential_provider"] and unpicklable == {}
+    # the environment fills only what is missing, and a user only beside an env password
+    assert _credentials.fill_from_env(kwargs) is None and "password" not in kwargs
+    no_env_credentials.setenv("TDSTORE_USERNAME", "env-user")
+    given = {"host": "h", "port": 1, "password": "code"}
+    assert _credentials.fill_from_env(given) is None and given == {"host": "h", "port": 1, "password": "code"}
+    no_env_credentials.setenv("TDSTORE_PASSWORD", "env-pass")
+    fresh = {"host": "h", "port": 1}
+    assert _credentials.fill_from_env(fresh) == "TDSTORE_PASSWORD"
+    assert fresh == {"host": "h", "port": 1, "password": "env-pass", "username": "env-user"}
+    kept = {"host": "h", "port": 1, "username": "u"}
+    _credentials.fill_from_env(kept)
+    assert kept["username"] == "u" and kept["password"] == "env-pass"
+    # a URL's credentials apply to the server it names only
+    no_env_credentials.delenv("TDSTORE_PASSWORD")
+    no_env_credentials.setenv("TDSTORE_URL", "redis://url-user:url%40pass@h:1/0")
+    other = {"host": "h", "port": 2}
+    assert _credentials.fill_from_env(other) is None and "password" not in other
+    same = {"host": "h", "port": 1}
+    assert _credentials.fill_from_env(same) == "TDSTORE_URL"
+    assert same["password"] == "url@pass" and same["username"] == "url-user"
+    assert not _credentials.tls_from_url(same)
+    no_env_credentials.setenv("TDSTORE_URL", "rediss://h:1/0?ssl_ca_certs=/ca.pem&ssl_password=no")
+    tls = {"host": "h", "port": 1}
+    assert _credentials.tls_from_url(tls) and tls == {"host": "h", "port": 1, "ssl_ca_certs": "/ca.pem"}
+
+
+def test_start_server_refuses_tls_without_socket_and_on_fakeredis(tls_files):
+    with pytest.raises(ValueError, match="unix_socket=True"):
+        start_server("redis", tls=tls_files.server, unix_socket=False)
+    with pytest.raises(ValueError, match="fakeredis"):
+        start_server("fakeredis", acl_users={"u": "p"})
+
+
+def test_tls_server_restarts_in_place(tls_files):
+    with start_server("redis", tls=tls_files.server, acl_users={"u": "pw"}) as handle:
+        assert handle.url.startswith("rediss://")
+        user = handle.as_user("u", "pw")
+        client = redis.Redis(**user.connection_kwargs())
+        client.set("k", b"v")
+        handle.restart()
+        assert client.get("k") is None  # a fresh server (no persistence), same port and certificates
+        assert client.acl_whoami() in ("u", b"u")
+        client.close()
+        assert not user.owned and user.stop() is None and handle.running  # a view stops nothing
