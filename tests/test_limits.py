@@ -28,7 +28,7 @@ BIG_FEATURES = 2 * LIMIT // (4 * ROWS)  # float32 entry of ROWS rows: 2 MiB in a
 BIG_BYTES = ROWS * BIG_FEATURES * 4
 
 
-@pytest.fixture(scope="module", params=["redis", "valkey"])
+@pytest.fixture(scope="module", params=["redis", "valkey", "redis6"])
 def limited(request):
     """A private server started with ``--proto-max-bulk-len 1mb``."""
     try:
