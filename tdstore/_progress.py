@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "set_progress", "get_progress", "enabled", "start"]
+__all__ = ["Progress", "set_progress", "get_progress", "enabled", "start", "stderr_is_tty"]
 
 #: Automatic mode: transfers smaller than this never show a bar.
 AUTO_MIN_BYTES = 16 * 1024 * 1024
@@ -86,6 +86,11 @@ def _is_tty(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
+
+
+def stderr_is_tty() -> bool:
+    """Whether ``sys.stderr`` is a terminal (automatic mode shows bars only there)."""
+    return sys.stderr is not None and _is_tty(sys.stderr)
 
 
 def start(total: int, what: str, *choices: bool | None, stream: TextIO | None = None) -> Progress | None:

@@ -54,7 +54,9 @@ def _choice(store: Any) -> bool | None:
 def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> Progress | None:
     """The bar of a commit of ``ops`` (None: this one shows none); ``progress``: the call's choice."""
     choice = _progress.enabled(progress, _choice(store))
-    if choice is False or not any(op.op in ("put", "zero") for op in ops):
+    if choice is False or (choice is None and not _progress.stderr_is_tty()):
+        return None  # the common case, decided before looking at the ops
+    if not any(op.op in ("put", "zero") for op in ops):
         return None
     total = sum(int(op.nbytes or 0) for op in ops if op.op == "zero")
     total += sum(_byte_view(op.payload).nbytes for op in ops if op.op == "put")
@@ -66,7 +68,7 @@ def download_bar(
 ) -> tuple[Progress | None, list[int | None]]:
     """The bar of a read of ``leaves`` (path, metadata), and each leaf's byte size where known."""
     choice = _progress.enabled(progress, _choice(store))
-    if choice is False:
+    if choice is False or (choice is None and not _progress.stderr_is_tty()):
         return None, []
     sizes = [
         _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
