@@ -107,12 +107,38 @@ def test_limit_read_once_per_connection(make, limited):
     client.close()
 
 
+def _bytes_received(handle) -> int:
+    client = handle.sync_client()
+    try:
+        return int(client.info("stats")["total_net_input_bytes"])
+    finally:
+        client.close()
+
+
+def test_without_the_check_the_server_drops_the_connection(limited):
+    """The failure the check prevents: the server refuses the bulk as a protocol error and hangs up.
+
+    The client sees "Protocol error" (or, when the payload outruns the socket buffers, a broken
+    pipe / reset), and the connection is gone either way.
+    """
+    client = limited.sync_client(socket_timeout=10, retry=None)
+    try:
+        with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.ResponseError)) as info:
+            client.set("raw", bytes(BIG_BYTES))
+        assert isinstance(info.value, redis.exceptions.ConnectionError) or "Protocol error" in str(info.value)
+        assert not client.exists("raw")
+    finally:
+        client.close()
+
+
 def test_whole_entry_set(make, limited, wire):
     store = make(batch_size=[ROWS])
     store["small"] = torch.ones(ROWS)
     before = wire(limited)
+    received = _bytes_received(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
         store["big"] = torch.zeros(ROWS, BIG_FEATURES)
+    assert _bytes_received(limited) - received < 4096  # refused before sending: not one payload byte
     _check_message(info.value, "big", BIG_BYTES)
     assert store.td_id in str(info.value)
     assert wire(limited) == before
