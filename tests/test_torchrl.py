@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -246,3 +247,16 @@ def test_processes_share_one_buffer(redis_server, rl, pool, request, tmp_path):
     assert ring.valid == capacity and ring.total == capacity
     store.clear_redis()
     store.close()
+
+
+@pytest.mark.torchrl
+def test_docs_example_runs(redis_server, monkeypatch):
+    """The example of docs/torchrl.md, as written (default host and port, via TDSTORE_URL)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "torchrl.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1
+    monkeypatch.setenv("TDSTORE_URL", redis_server.url)
+    exec(compile(blocks[0], "docs/torchrl.md", "exec"), {})
+    assert redis_server.sync_client().dbsize() == 0  # the example cleans up after itself
