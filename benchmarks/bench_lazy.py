@@ -9,7 +9,8 @@ strings the store keeps (the elements' bytes back to back, one key per leaf), on
 server and transport, and wraps each element's bytes as tensors with ``torch.frombuffer``:
 
 * ``store[j]`` (one element -> a TensorDict)          vs MULTI of 3 GETRANGE + frombuffer
-* ``store[idx]`` (256 random elements -> a lazy stack) vs MULTI of 3 x 256 GETRANGE + frombuffer
+* ``store[idx]`` (256 random elements -> a lazy stack) vs MULTI of 3 x 256 GETRANGE + frombuffer,
+  and vs the best raw form: 256 GETRANGE for the ragged leaf + a Lua gather per fixed-size leaf
 
 and, for scale, the same index on the in-memory ``LazyStackedTensorDict``. The upload
 (``from_lazy_stack``, one atomic commit) is timed once. Ratios are ``tdstore / raw`` (medians).
@@ -45,6 +46,19 @@ from tensordict import LazyStackedTensorDict, TensorDict
 from tdstore import LazyStackedTensorDictStore
 
 N_SAMPLE = 256
+
+# KEYS[1]: a string of fixed-size rows; ARGV[1]: the row size; ARGV[2..]: row numbers.
+# Returns the rows' bytes concatenated in the order given (the best raw form for small rows).
+GATHER_LUA = """
+local key = KEYS[1]
+local size = tonumber(ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  local off = tonumber(ARGV[i]) * size
+  out[i - 1] = redis.call('GETRANGE', key, off, off + size - 1)
+end
+return table.concat(out)
+"""
 
 
 def _t(timing: Timing) -> str:
@@ -88,6 +102,7 @@ def benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], no
     gen = torch.Generator().manual_seed(6)
     idx = torch.randperm(n, generator=gen)[:N_SAMPLE]
     one = 4321 % n
+    rows = idx.tolist()
 
     start = time.perf_counter()
     first = LazyStackedTensorDictStore.from_lazy_stack(local, **srv.connection_kwargs(unix=True))
@@ -97,11 +112,11 @@ def benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], no
         for k in leaves:
             blob = b"".join(byte_view(m[k]) for m in members)
             raw.call("unix", lambda c, k=k, blob=blob: c.set(keys[k], blob))
+        sha = raw.call("unix", lambda c: c.script_load(GATHER_LUA))
         if "tcp" in transports(args):
             stores["tcp"] = LazyStackedTensorDictStore.from_store(td_id=first.td_id, **srv.connection_kwargs(unix=False))
         for tr in transports(args):
             store = stores[tr]
-            rows = idx.tolist()
 
             async def raw_one(c: Any) -> dict[str, torch.Tensor]:
                 async with c.pipeline(transaction=True) as pipe:
@@ -123,6 +138,20 @@ def benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], no
                     for i, k in enumerate(leaves)
                 }
 
+            async def raw_best(c: Any) -> dict[str, list[torch.Tensor]]:
+                # ragged obs: one GETRANGE per element; fixed-size leaves: one Lua gather each
+                async with c.pipeline(transaction=True) as pipe:
+                    for r in rows:
+                        off, size = spans["obs"][r]
+                        pipe.getrange(keys["obs"], off, off + size - 1)
+                    for k in ("action", "reward"):
+                        pipe.evalsha(sha, 1, keys[k], spans[k][0][1], *rows)
+                    replies = await pipe.execute()
+                out = {"obs": [torch.frombuffer(b, dtype=torch.float32) for b in replies[: len(rows)]]}
+                for i, k in enumerate(("action", "reward")):
+                    out[k] = list(torch.frombuffer(replies[len(rows) + i], dtype=torch.float32).reshape(len(rows), -1).unbind(0))
+                return out
+
             # correctness first (untimed)
             got_one, want_one = store[one], local[one]
             assert all(torch.equal(got_one[k], want_one[k]) for k in leaves), "store[j] differs"
@@ -134,14 +163,17 @@ def benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], no
                 assert all(torch.equal(g[k], members[r][k]) for k in leaves), "store[idx] differs"
             many = raw.call(tr, raw_many)
             assert all(torch.equal(many["obs"][i], members[r]["obs"]) for i, r in enumerate(rows))
+            best = raw.call(tr, raw_best)
+            assert all(torch.equal(best["action"][i], members[r]["action"]) for i, r in enumerate(rows))
 
             t = compare(
-                {"raw:one": raw.timed(tr, raw_one), "raw:one-hop": timed(lambda: raw.call(tr, raw_one)),
-                 "ours:one": timed(lambda: store[one])},
+                {"raw:one": raw.timed(tr, raw_one), "raw:one-hop": timed(lambda tr=tr, fn=raw_one: raw.call(tr, fn)),
+                 "ours:one": timed(lambda store=store: store[one])},
                 repeat=max(rep, 31), warmup=max(warm, 5),
             )
             t.update(compare(
-                {"raw:many": raw.timed(tr, raw_many), "ours:many": timed(lambda: store[idx]),
+                {"raw:many": raw.timed(tr, raw_many), "raw:best": raw.timed(tr, raw_best),
+                 "ours:many": timed(lambda store=store: store[idx]),
                  "mem:many": timed(lambda: local[idx])},
                 repeat=max(rep, 15), warmup=max(warm, 3),
             ))
@@ -151,6 +183,8 @@ def benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], no
                                  t["raw:one-hop"], t["ours:one"], None))
             rows_out.append(_row(f"read store[idx], {N_SAMPLE} random elements", tr,
                                  f"MULTI 3x{N_SAMPLE} GETRANGE + frombuffer", t["raw:many"], t["ours:many"], 1.3))
+            rows_out.append(_row(f"read store[idx], {N_SAMPLE} random elements", tr,
+                                 f"MULTI {N_SAMPLE}x GETRANGE (obs) + 2 Lua gathers", t["raw:best"], t["ours:many"], None))
             rows_out.append(_row(f"read store[idx], {N_SAMPLE} random elements", tr,
                                  "in-memory LazyStackedTensorDict[idx]", t["mem:many"], t["ours:many"], None))
     finally:

@@ -246,9 +246,9 @@ class LazyReads:
             return LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :])
         if "shape" not in meta:
             raise UnsupportedOperationError(
-                f"entry {path!r} of {self._where()} is ragged (its elements differ in shape: "
+                f"entry {_shown(path[len(self._path):])!r} of {self._where()} is ragged (its elements differ in shape: "
                 f"{_shape_summary(meta)}), so it is not one tensor. Read it with "
-                f"store.get({path[len(self._path):]!r}, as_list=True) (or as_nested_tensor=True / "
+                f"store.get({_shown(path[len(self._path):])!r}, as_list=True) (or as_nested_tensor=True / "
                 "as_padded_tensor=True), element by element with store[j], or as a whole with "
                 "store.to_tensordict()"
             )
@@ -292,3 +292,7 @@ def _shape_summary(meta: dict[str, Any]) -> str:
     shapes = meta["shapes"]
     shown = ", ".join(str(s) for s in shapes[:4])
     return shown + (f", ... ({len(shapes)} elements)" if len(shapes) > 4 else "")
+
+
+def _shown(rel: tuple[str, ...]) -> Any:
+    return rel[0] if len(rel) == 1 else rel

@@ -511,3 +511,68 @@ def test_reconnect_from_spawned_process(real_server, tmp_path: Path) -> None:
         for store in stores:
             store.clear_redis()
             store.close()
+
+
+@pytest.mark.multiprocess
+def test_concurrent_element_writes_never_torn(real_server, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Two writer processes rewrite whole ragged elements while this process reads them.
+
+    Every write sets every value of one element to one stamp, so a read that mixes two
+    writes (torn) shows two stamps in one element. Bounded: 2 x 40 writes, 40 s of reads.
+    """
+    import time
+
+    from _counts import record
+
+    n, count = 6, 40
+    members = [TensorDict({"a": torch.zeros(j + 1, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.long)}, []) for j in range(n)]
+    store = LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(*members), **real_server.connection_kwargs())
+    procs = []
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+        for w in (1, 2):
+            job = {"td_id": store.td_id, "kwargs": real_server.connection_kwargs(), "writer": w, "count": count, "seed": w, "n": n}
+            jobs = tmp_path / f"jobs{w}.json"
+            jobs.write_text(json.dumps([["writer", json.dumps(job), str(tmp_path / f"written{w}.json")]]))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "_lazy_workers.py"), str(jobs)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))
+        torn = checked = 0
+        deadline = time.monotonic() + 40
+        rng = random.Random(0)
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            for td in _read_some(store, rng, n):
+                stamps = set(td["a"].tolist()) | set(td["b"].tolist())
+                checked += 1
+                torn += len(stamps) != 1
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+        written: dict[int, set[int]] = {}
+        for w in (1, 2):
+            for j, stamps in json.loads((tmp_path / f"written{w}.json").read_text()).items():
+                written.setdefault(int(j), set()).update(stamps)
+        final = store.to_tensordict()
+        lost = 0
+        for j, td in enumerate(final.tensordicts):
+            stamps = set(td["a"].tolist()) | set(td["b"].tolist())
+            assert len(stamps) == 1, f"element {j} is torn at rest: {stamps}"
+            lost += bool(written.get(j)) and stamps.pop() not in written[j]
+        record(request, reads=checked, torn_reads=f"{torn}/{checked}", elements_not_last_written=f"{lost}/{n}")
+        assert checked > 0 and torn == 0 and lost == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        store.clear_redis()
+        store.close()
+
+
+def _read_some(store: LazyStackedTensorDictStore, rng: random.Random, n: int) -> list[TensorDict]:
+    choice = rng.randrange(3)
+    if choice == 0:
+        return [store[rng.randrange(n)]]
+    if choice == 1:
+        return list(store[[rng.randrange(n) for _ in range(3)]].tensordicts)
+    return list(store.to_tensordict().tensordicts)
