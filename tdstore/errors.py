@@ -37,6 +37,7 @@ __all__ = [
     "ClientConfigError",
     "ServerAuthError",
     "ServerTLSError",
+    "ServerPermissionError",
     "EventLoopError",
     "LUA_ERRORS",
     "translate_response_error",
@@ -138,6 +139,10 @@ class ServerTLSError(TDStoreError, redis.exceptions.AuthenticationError):
     An ``AuthenticationError`` (so a ``ConnectionError``) because the server failed to prove who
     it is: retrying cannot help, so it is never retried.
     """
+
+
+class ServerPermissionError(TDStoreError, redis.exceptions.NoPermissionError):
+    """The server's ACL refused a command or key to this user; the message names the user and the prefix."""
 
 
 class EventLoopError(TDStoreError, RuntimeError):

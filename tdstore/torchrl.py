@@ -140,6 +140,7 @@ class TensorDictStoreStorage(TensorStorage):
         self._td_id = td_id
         self._store_kwargs = dict(store_kwargs)
         self._local_len = 0  # rows written at explicit indices (RoundRobinWriter, write_at) in this process
+        self._known_full = False  # the last count read was max_size (see _len)
         self._last_cursor = None
         self.__dict__["_storage_keys"] = None
 
@@ -183,7 +184,10 @@ class TensorDictStoreStorage(TensorStorage):
     def _len(self) -> int:  # type: ignore[override]
         if self._storage is None:
             return self._local_len
-        return max(self._storage.ring_state().valid, self._local_len)
+        valid = max(self._storage.ring_state().valid, self._local_len)
+        # a full ring stays full until _empty(): get() then skips its own read of the count
+        self._known_full = valid == self.max_size
+        return valid
 
     @_len.setter
     def _len(self, value: int) -> None:
@@ -232,7 +236,7 @@ class TensorDictStoreStorage(TensorStorage):
         """Reads rows among the valid ones (as ``storage[:len(storage)][index]``) into memory."""
         if self._storage is None:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
-        valid = len(self)
+        valid = self.max_size if self._known_full else len(self)
         if valid < self.max_size:
             rows = torch.arange(valid)[index]  # IndexError past the valid rows, as TensorStorage
             index = int(rows) if rows.ndim == 0 else rows
@@ -256,6 +260,7 @@ class TensorDictStoreStorage(TensorStorage):
     def _empty(self) -> None:
         """Empties the buffer for every process: the server's row count goes back to 0."""
         self._local_len = 0
+        self._known_full = False
         if self._storage is not None:
             conn = self._storage._conn
             conn.run(lambda c: _set_ring_total(c, conn.keys, 0))
