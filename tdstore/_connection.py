@@ -33,6 +33,7 @@ from tdstore.errors import (
     EntryTooLargeError,
     ServerAuthError,
     ServerOutOfMemoryError,
+    ServerPermissionError,
     ServerTLSError,
     StoreClosedError,
 )
@@ -170,6 +171,15 @@ class Connection:
         return ServerAuthError(
             f"the server {self.describe()} {problem} for TensorDictStore(td_id={self.keys.td_id!r}, "
             f"prefix={self.keys.prefix!r}). {hint}"
+        )
+
+    def _permission_error(self, err: BaseException) -> ServerPermissionError:
+        prefix = self.keys.prefix
+        return ServerPermissionError(
+            f"the server {self.describe()} refused a command of TensorDictStore(td_id={self.keys.td_id!r}, "
+            f"prefix={prefix!r}) to {_credentials.who(self._conn_kwargs)}: {str(err).rstrip('.')}. The user's ACL "
+            f"must cover the store's keys (~{prefix}:*) and the commands tdstore uses (+@all -@dangerous is "
+            "enough; +info +config|get help)."
         )
 
     def _tls_error(self, err: BaseException) -> ServerTLSError:
@@ -356,6 +366,8 @@ class Connection:
             raise self._out_of_memory(client) from err
         except redis.exceptions.OutOfMemoryError as err:
             raise self._out_of_memory(client) from err
+        except redis.exceptions.NoPermissionError as err:
+            raise self._permission_error(err) from err
         except redis.exceptions.ResponseError as err:
             # Redis 6 and KeyDB (no script flags) refuse a script at its first write when
             # over maxmemory; the scripts validate before writing, so nothing was applied

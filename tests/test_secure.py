@@ -285,8 +285,14 @@ def test_user_limited_to_a_prefix(acl_server, no_env_credentials):
     try:
         store["a"] = torch.arange(2)
         assert torch.equal(store["a"], torch.arange(2))
-        with pytest.raises(redis.exceptions.NoPermissionError):
+        with pytest.raises(tdstore.ServerPermissionError) as info:
             TensorDictStore(prefix="job2", batch_size=[2], username="job1", password="job1-pass", **base)
+        text = str(info.value)
+        assert isinstance(info.value, redis.exceptions.NoPermissionError)
+        assert "user 'job1'" in text and "~job2:*" in text and "no permissions" in text
+        assert "job1-pass" not in text
+        with pytest.raises(tdstore.ServerPermissionError, match="prefix='job2'"):
+            TensorDictStore.from_store(td_id=store.td_id, prefix="job2", username="job1", password="job1-pass", **base)
     finally:
         store.clear_redis()
         store.close()
