@@ -81,7 +81,7 @@ class StoreReads:
                 if attempt == 0:
                     bar, sizes = _transfer.download_bar(self, leaves, progress)
                 elif bar is not None:
-                    sizes = _transfer.download_bar(self, leaves, True)[1]
+                    sizes = _transfer.leaf_sizes(leaves)
                 if bar is not None and staged_tries < _transfer.STAGED_TRIES:
                     # read in chunks so the bar moves; a write in between makes it read again,
                     # and after a few tries the one-step read below takes over

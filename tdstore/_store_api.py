@@ -274,6 +274,11 @@ class StoreAPI:
         **kwargs: Any,
     ) -> Any:
         """Connects to an existing store by its ``td_id``; reads batch size, device and tensorclass."""
+        if kwargs.get("expire") is not None:
+            raise TypeError(
+                f"from_store(td_id={td_id!r}) connects to an existing store and takes no expire=; "
+                "call .expire(seconds) on the store it returns to set its lifetime"
+            )
         store = cls(
             backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path,
             prefix=prefix, td_id=td_id, device=device, _create=False, **kwargs,

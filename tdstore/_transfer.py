@@ -30,7 +30,7 @@ from tdstore._keys import StoreKeys
 from tdstore._progress import Progress
 from tdstore._scripts import ScriptRunner
 
-__all__ = ["CHUNK", "commit", "commit_staged", "read_staged", "STALE", "upload_bar", "download_bar"]
+__all__ = ["CHUNK", "commit", "commit_staged", "read_staged", "STALE", "upload_bar", "download_bar", "leaf_sizes"]
 
 #: Bytes per round trip of a chunked transfer (one progress step).
 CHUNK = 16 * 1024 * 1024
@@ -70,13 +70,18 @@ def download_bar(
     choice = _progress.enabled(progress, _choice(store))
     if choice is False or (choice is None and not _progress.stderr_is_tty()):
         return None, []
-    sizes = [
+    sizes = leaf_sizes(leaves)
+    return _progress.start(sum(size or 0 for size in sizes), "download", choice), sizes
+
+
+def leaf_sizes(leaves: Sequence[tuple[tuple[str, ...], dict[str, Any]]]) -> list[int | None]:
+    """The byte size of each leaf (path, metadata) where the metadata tells it (tensors), else None."""
+    return [
         _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
         if meta.get("k") == "t"
         else None
         for _, meta in leaves
     ]
-    return _progress.start(sum(size or 0 for size in sizes), "download", choice), sizes
 
 
 async def commit(

@@ -211,6 +211,23 @@ class TestTransfers:
             store.clear_redis()
             store.close()
 
+    def test_with_a_lifetime(self, conn, client):
+        """The staged tmp keys' own TTL (10 min) gives way to the store's expiry on rename."""
+        schema = {"obs": ([100_000], torch.uint8), "r": ([], torch.float32)}
+        stores = [
+            TensorDictStore.from_tensordict(sample(), progress=True, expire=30, **conn),
+            TensorDictStore.from_schema(schema, batch_size=[3], progress=True, expire=30, **conn),
+        ]
+        try:
+            for store in stores:
+                keys = client.keys(f"tensordict:{{{store.td_id}}}:*")
+                assert len(keys) >= 4 and not [k for k in keys if b":tmp:" in k]
+                assert all(0 < client.pttl(k) <= 30_000 for k in keys), {k: client.pttl(k) for k in keys}
+        finally:
+            for store in stores:
+                store.clear_redis()
+                store.close()
+
     def test_whole_entry_write_shows_a_bar(self, conn, capsys):
         store = TensorDictStore(batch_size=[4], progress=True, **conn)
         try:

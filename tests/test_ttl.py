@@ -289,6 +289,12 @@ class TestBadLifetime:
         after = expiry(client, store)
         assert set(after) == set(before) and all(0 < v <= 70_000 for v in after.values())
 
+    def test_from_store_takes_no_lifetime(self, make, client, server):
+        store = make("from_dict", {"a": torch.zeros(2)}, batch_size=[2])
+        with pytest.raises(TypeError, match=f"from_store\\(td_id='{store.td_id}'\\).*call .expire\\(seconds\\)"):
+            TensorDictStore.from_store(td_id=store.td_id, expire=10, **server.connection_kwargs())
+        assert_no_expiry(client, store)
+
     @pytest.mark.parametrize("value,exc,text", BAD)
     def test_at_creation_creates_nothing(self, server, client, value, exc, text):
         conn = server.connection_kwargs()
