@@ -225,8 +225,8 @@ def test_indexed_write_that_creates_an_entry(make, limited, wire):
         store[0:2] = TensorDict({"a": torch.ones(2), "wide": torch.ones(2, features)}, [2])
     _check_message(info.value, "wide", rows * features * 4)
     assert wire(limited) == before  # "a" was not written either: one step, refused whole
-    with pytest.raises(tdstore.EntryTooLargeError):
-        store.set_at_("wide", torch.ones(features), 3)
+    with pytest.raises(tdstore.EntryTooLargeError):  # one row, a new key: the same
+        store[3] = TensorDict({"wide": torch.ones(features)}, [])
     assert wire(limited) == before
     store[0:2] = TensorDict({"a": torch.ones(2), "fits": torch.ones(2, 8)}, [2])  # still usable
     assert store["fits"].sum().item() == 16
