@@ -98,6 +98,10 @@ def tensor_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     if flat.is_neg():
         flat = flat.resolve_neg()
     flat = flat.contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride() != (1,):
+        # a one-element view keeps its parent's stride (it counts as contiguous), which
+        # .view(torch.uint8) refuses
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.numel() == 0:
         return flat, memoryview(b"")
     raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
@@ -205,7 +209,13 @@ def encode_non_tensor(value: Any, policy: PicklePolicy | None = None) -> tuple[s
             f"a {type(value).__name__} cannot be stored as JSON, and pickle is switched off "
             "(allow_pickle=False); store a JSON-compatible value"
         )
-    payload = pickle.dumps(value, protocol=5)
+    try:
+        payload = pickle.dumps(value, protocol=5)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise TypeError(
+            f"a {type(value).__name__} value is not JSON-compatible and cannot be pickled ({err}); "
+            "store a JSON-compatible or picklable value"
+        ) from err
     if policy.key is not None:
         return "pickle", _SIGNED + hmac.new(policy.key, payload, hashlib.sha256).digest() + payload
     return "pickle", payload

@@ -117,6 +117,7 @@ class Connection:
             pool = client.connection_pool
             kwargs = dict(pool.connection_kwargs)
             _check_decode(kwargs, "the client passed to TensorDictStore")
+            _check_decode(redis_kwargs, "redis_kwargs")  # beside client=, they must not say otherwise
             self._client_class = type(client)
             self._pool_class = type(pool)
             self._connection_class = pool.connection_class

@@ -25,6 +25,10 @@ _MAX_RETRIES = _io.MAX_RETRIES
 
 
 def _row_payload(value: Any, dtype: torch.dtype, shape: tuple[int, ...], key: tuple[str, ...], where: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        from tdstore._planner import check_tensor  # sparse, nested and meta tensors: a clear TypeError
+
+        check_tensor(value, key, where)
     tensor = torch.as_tensor(value)
     if tensor.dtype != dtype:
         tensor = tensor.to(dtype)

@@ -34,6 +34,16 @@ def _unescape(component: str) -> str:
     return component.replace("%2E", ".").replace("%25", "%")
 
 
+class KeyTypeError(TypeError, KeyError):
+    """A key that is neither a str nor a non-empty tuple of str.
+
+    Also a ``KeyError``: that is what an in-memory TensorDict raises for such keys.
+    """
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 def as_path(key: Any) -> tuple[str, ...]:
     if isinstance(key, str):
         return (key,)
@@ -44,7 +54,7 @@ def as_path(key: Any) -> tuple[str, ...]:
         for part in key:
             out.extend(as_path(part))
         return tuple(out)
-    raise TypeError(f"a key must be a str or a non-empty tuple of str, got {key!r}")
+    raise KeyTypeError(f"a key must be a str or a non-empty tuple of str, got {key!r}")
 
 
 def encode_path(path: tuple[str, ...]) -> str:

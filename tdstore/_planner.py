@@ -49,6 +49,8 @@ def check_tensor(value: torch.Tensor, path: tuple[str, ...], where: str) -> None
         raise TypeError(f"entry {path!r} of {where}: a {value.layout} tensor cannot be stored; call .to_dense() first")
     if getattr(value, "is_nested", False):
         raise TypeError(f"entry {path!r} of {where}: a nested tensor cannot be stored; store its components")
+    if value.device.type == "meta":
+        raise TypeError(f"entry {path!r} of {where}: a tensor on the meta device has no data to store; materialize it first")
     _codec.dtype_name(value.dtype)
 
 
@@ -104,9 +106,12 @@ class WritePlanner:
         elif isinstance(value, (NonTensorData, NonTensorStack)):
             if self.inplace and (existing is None or existing["k"] != "nt"):
                 raise EntryNotFoundError(f"non-tensor key {path!r} not found in {self.where} for an in-place write")
-            meta, payload = _values.nontensor_parts(
-                value, existing["o"] if existing else self.order(), self.store._conn.pickle_policy
-            )
+            try:
+                meta, payload = _values.nontensor_parts(
+                    value, existing["o"] if existing else self.order(), self.store._conn.pickle_policy
+                )
+            except (TypeError, ValueError) as err:  # unpicklable, or pickle switched off: name the entry
+                raise type(err)(f"entry {path!r} of {self.where}: {err}") from err
             self.check_size(path, len(payload))
             if existing is not None and existing != meta:
                 self.remove(path)

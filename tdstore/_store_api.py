@@ -319,6 +319,10 @@ class StoreAPI:
         """Writes every entry of ``input_dict_or_td`` in one atomic step; nested ones merge."""
         if input_dict_or_td is None:
             input_dict_or_td = kwargs
+        if not isinstance(input_dict_or_td, (Mapping, TensorDictBase)) and not is_tensorclass(input_dict_or_td):
+            raise TypeError(
+                f"update() of {self._where()} takes a dict or a TensorDict, got {type(input_dict_or_td).__name__}"
+            )
         items = _leaf_items(self, input_dict_or_td, keys_to_update)
         if items:
             self._write(items, inplace=inplace, ignore_lock=ignore_lock)

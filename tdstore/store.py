@@ -110,6 +110,10 @@ class TensorDictStore(
         **redis_kwargs: Any,
     ) -> None:
         host, port, unix_socket_path = connection_defaults(host, port, unix_socket_path)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if batch_size is not None and any(not isinstance(d, int) or d < 0 for d in torch.Size(batch_size)):
+            raise SchemaError(f"batch_size must hold non-negative ints, got {list(batch_size)}")
         conn = Connection(
             host=host,
             port=port,
@@ -435,11 +439,15 @@ class TensorDictStore(
 
     def lock_(self) -> TensorDictStore:
         """Locks the store on the server: every process sees it locked until ``unlock_()``."""
+        if self._conn.closed:
+            raise self._conn.closed_error()
         self._is_locked = True
         return self
 
     def unlock_(self) -> TensorDictStore:
         """Unlocks the store on the server."""
+        if self._conn.closed:
+            raise self._conn.closed_error()
         self._is_locked = False
         return self
 
@@ -705,7 +713,10 @@ class TensorDictStore(
         conn.layout = None
 
     def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> TensorDictStore:
-        self._write_index(idx, {self._path + _as_path(key): value})
+        path = self._path + _as_path(key)
+        if self._entry(path) is None:  # set_at_ is in place: it never creates an entry
+            raise self._key_error(path)
+        self._write_index(idx, {path: value})
         return self
 
     _set_at_tuple = _set_at_str
