@@ -100,15 +100,17 @@ class Connection:
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
         if cluster_nodes is not None or _cluster.is_cluster_client(client):
             _check_decode(redis_kwargs, "redis_kwargs")
-            route, kwargs, connection_class = _cluster.connection_settings(
+            route, kwargs, node_class = _cluster.connection_settings(
                 client, cluster_nodes, redis_kwargs, db=db, timeout=timeout
             )
             _check_decode(kwargs, "the cluster client passed to TensorDictStore")
             self.cluster_route = route
             self._client_class = redis.asyncio.Redis
             self._pool_class = redis.asyncio.ConnectionPool
-            self._connection_class = connection_class
+            self._connection_class = node_class
             self._conn_kwargs = kwargs
+            if client is None:
+                self._credentials_from = _credentials.fill_from_env(kwargs)
         elif client is not None:
             if not isinstance(client, redis.asyncio.Redis):
                 raise ClientConfigError(
