@@ -36,7 +36,7 @@ from tdstore._codec import DTYPE_BY_NAME
 from tdstore._lazy_plan import split_index
 
 DTYPES = list(DTYPE_BY_NAME.values())
-SEEDS = list(range(6))
+SEEDS = list(range(8))
 
 
 # --------------------------------------------------------------------------- generators
@@ -206,7 +206,7 @@ def test_differential(server, seed: int, stack_dim: int, request: pytest.Fixture
         assert store.stack_dim == stack_dim and store.batch_size == ref.batch_size
         assert_same(store.to_tensordict(), ref, "upload")
         for _step in range(25):
-            op = rng.choice(["index", "index", "leaf", "as_list", "write", "write_entry", "bad_write", "key"])
+            op = rng.choice(["index", "index", "leaf", "as_list", "write", "write_entry", "write_index", "bad_write", "key"])
             ref = oracle(members, stack_dim)
             if op == "index":
                 idx = rand_index(rng, spec.n, stack_dim, len(ref.batch_size))
@@ -239,6 +239,16 @@ def test_differential(server, seed: int, stack_dim: int, request: pytest.Fixture
                 value = spec.element(rng, j).get(path)
                 store[(slice(None),) * stack_dim + (j,)] = TensorDict({path: value}, batch_size=[])
                 members[j].set(path, value.clone() if isinstance(value, torch.Tensor) else value)
+                counts["writes"] += 1
+            elif op == "write_index":
+                # any index, part of elements included: every tensor entry there gets one value
+                idx = rand_index(rng, spec.n, stack_dim, len(ref.batch_size))
+                value = rng.randint(0, 5)
+                store[idx] = value
+                nontensor = [p for p, leaf in spec.leaves() if leaf[0] == "nt"]
+                # the oracle's elements are changed in place (their tensors are shared);
+                # non-tensor entries stay unchanged, as tdstore and TensorDict >= 0.17 do
+                ref.exclude(*nontensor)[idx] = value
                 counts["writes"] += 1
             elif op == "bad_write":
                 ragged = [(p, s) for p, s in spec.leaves() if s[0] == "t"]
@@ -382,6 +392,10 @@ def test_reads_match_lazy_stack(server, stack_dim: int) -> None:
         assert set(store.keys(True, True)) == set(ref.keys(True, True))
         assert store.entry_class("s") is LazyStackedTensorDictStore
         assert store.get("missing", "default") == "default"
+        # a nested key is a lazy store of its own: reads and writes through it
+        assert_same(store["s"].to_tensordict(), ref["s"])
+        store["s"][elem] = TensorDict({"y": torch.full((3, 2), 5.0)}, [3])
+        assert store[elem]["s", "y"].eq(5).all()
         with pytest.raises(KeyError, match="missing"):
             store["missing"]
     finally:
@@ -576,3 +590,47 @@ def _read_some(store: LazyStackedTensorDictStore, rng: random.Random, n: int) ->
     if choice == 1:
         return list(store[[rng.randrange(n) for _ in range(3)]].tensordicts)
     return list(store.to_tensordict().tensordicts)
+
+
+def test_nontensor_stacks_and_corrupt_metadata(server) -> None:
+    """Elements holding NonTensorStacks round-trip; hand-corrupted metadata and lost bytes raise clearly."""
+    from tdstore import CorruptMetadataError, DataLostError
+
+    a = TensorDict({"x": torch.zeros(2), "labels": NonTensorStack("p", "q")}, [2])
+    b = TensorDict({"x": torch.ones(2), "labels": NonTensorStack("r", "s")}, [2])
+    ref = LazyStackedTensorDict(a, b, stack_dim=1)
+    store = LazyStackedTensorDictStore.from_lazy_stack(ref, **server.connection_kwargs())
+    client = server.sync_client()
+    try:
+        assert_same(store.to_tensordict(), ref)
+        assert store[:, 1]["labels"] == ["r", "s"]
+        reg = next(k for k in client.scan_iter(count=1000) if k.endswith(b":reg"))
+        client.hset(reg, "x", json.dumps({"k": "lt", "dtype": "float32", "shapes": [[2]], "o": [1, 1]}))
+        with pytest.raises(CorruptMetadataError, match=r"\('x',\).*needs a shape or 2 element shapes"):
+            LazyStackedTensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+        client.hset(reg, "x", json.dumps({"k": "lt", "dtype": "float32", "shape": [2], "o": [1, 1]}))
+        data = next(k for k in client.scan_iter(count=1000) if k.endswith(b":d:x"))
+        client.delete(data)
+        with pytest.raises(DataLostError, match=r"\('x',\)"):
+            LazyStackedTensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())[0]
+    finally:
+        client.close()
+        store.clear_redis()
+        store.close()
+
+
+def test_too_large_leaf_writes_nothing(real_server) -> None:
+    """A leaf over the server's proto-max-bulk-len is refused before anything is sent."""
+    client = real_server.sync_client()
+    old = client.config_get("proto-max-bulk-len")["proto-max-bulk-len"]
+    client.config_set("proto-max-bulk-len", 1024 * 1024)
+    try:
+        members = [TensorDict({"big": torch.zeros(200_000 + j)}, []) for j in range(2)]  # 1.6 MB together
+        from tdstore import EntryTooLargeError
+
+        with pytest.raises(EntryTooLargeError, match=r"\('big',\).*proto-max-bulk-len"):
+            LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(*members), **real_server.connection_kwargs())
+        assert not wire_snapshot(real_server)
+    finally:
+        client.config_set("proto-max-bulk-len", old)
+        client.close()
