@@ -54,12 +54,19 @@ def _choice(store: Any) -> bool | None:
 def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> Progress | None:
     """The bar of a commit of ``ops`` (None: this one shows none); ``progress``: the call's choice."""
     choice = _progress.enabled(progress, _choice(store))
-    if choice is False or (choice is None and not _progress.stderr_is_tty()):
-        return None  # the common case, decided before looking at the ops
+    if choice is False:
+        return None
+    total = 0
+    for op in ops:
+        if op.op == "zero":
+            total += int(op.nbytes or 0)
+        elif op.op == "put":
+            total += _byte_view(op.payload).nbytes
+    # automatic mode: small writes (the common case) are decided before asking the terminal
+    if choice is None and (total < _progress.AUTO_MIN_BYTES or not _progress.stderr_is_tty()):
+        return None
     if not any(op.op in ("put", "zero") for op in ops):
         return None
-    total = sum(int(op.nbytes or 0) for op in ops if op.op == "zero")
-    total += sum(_byte_view(op.payload).nbytes for op in ops if op.op == "put")
     return _progress.start(total, "upload", choice)
 
 
