@@ -90,7 +90,7 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
     numel = max(1, int(args.mb * 1e6) // 4)
     tensor = torch.randn(numel, generator=gen)
     nbytes = numel * 4
-    view = memoryview(tensor.numpy()).cast("B")
+    view = tensor.numpy().data.cast("B")
     store = TensorDictStore(batch_size=[], prefix=BENCH_PREFIX, **conn)
     stores.append(store)
     raw_key = f"{BENCH_PREFIX}:raw:{uuid.uuid4().hex}"
@@ -125,13 +125,13 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
     keys.append(rows_key)
     data = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=gen)
     rows_store["obs"] = data
-    data_view = memoryview(data.numpy()).cast("B")
+    data_view = data.numpy().data.cast("B")
     raw.run(lambda c: c.set(rows_key, data_view))
     idx = torch.randperm(rows, generator=gen)[:batch]
     idx_list = idx.tolist()
     new_rows = TensorDict(obs=torch.randint(0, 256, (batch, row_bytes), dtype=torch.uint8, generator=gen),
                           batch_size=[batch])
-    new_view = memoryview(new_rows["obs"].numpy()).cast("B")
+    new_view = new_rows["obs"].numpy().data.cast("B")
 
     async def raw_rows_read(c: Any) -> torch.Tensor:
         async with c.pipeline(transaction=True) as pipe:

@@ -179,7 +179,8 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
 
 def list_store_infos(opts: Any, prefix: str | None) -> list[dict[str, Any]]:
     """One summary per store (dicts ready for JSON), sorted by prefix and td_id."""
-    return _run(opts, lambda client: _summaries(client, prefix))  # type: ignore[no-any-return]
+    summaries: list[dict[str, Any]] = _run(opts, lambda client: _summaries(client, prefix))
+    return summaries
 
 
 def _parent_batch(layout: _backend.Layout, path: tuple[str, ...]) -> list[int]:

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     conn = _conn_parent()
-    common = {"parents": [conn], "add_help": False, "conflict_handler": "resolve"}
+    common: dict[str, Any] = {"parents": [conn], "add_help": False}
 
     sub.add_parser("ls", help="list the stores on a server", description="List the stores on a server.", **common)
 
