@@ -11,10 +11,11 @@ store writes with one MULTI/EXEC (:func:`tdstore._backend.commit`) and reads wit
   the SETs share its MULTI. Readers never see the tmp keys; if anything fails before the
   commit, the tmp keys are deleted (and carry a TTL in case the client dies).
 * Download (:func:`read_staged`): the layout and the write version are read in one
-  snapshot, then the entries in chunks (``GET``, or ``GETRANGE`` for large ones), then the
-  write and layout versions again. Every write bumps one of them, so if both are
-  unchanged no write came in between and the bytes form one snapshot; otherwise the
-  caller reads again (and after a few tries falls back to the one-MULTI read).
+  snapshot, then the entries in chunks (``GET``, or ``GETRANGE`` for large ones), each
+  chunk followed on the same connection by the write and layout versions. Every write
+  bumps one of them, so while both are unchanged no write came in between and the bytes
+  form one snapshot; at the first change the read stops and the caller reads again (and
+  after a few tries falls back to the one-MULTI read), having lost at most one chunk.
 """
 
 from __future__ import annotations
@@ -241,45 +242,66 @@ async def read_staged(
     blobs: list[Any] = [None] * len(paths)
     batch: list[int] = []
     batch_bytes = 0
+    lv_raw = str(layout.lv).encode()
 
-    async def flush() -> None:
+    def unchanged(wv_now: Any, lv_now: Any) -> bool:
+        # every write bumps the write or the layout version: both as read first, no write yet
+        if lv_now is None:
+            return False
+        return wv_now == wv and (lv_now if isinstance(lv_now, bytes) else str(lv_now).encode()) == lv_raw
+
+    async def flush() -> bool:
+        """Reads the batched entries, then the versions (same connection, in order)."""
         nonlocal batch, batch_bytes
+        ok = True
         if batch:
             async with client.pipeline(transaction=False) as pipe:
                 for i in batch:
                     pipe.get(keys.data(paths[i]))
+                pipe.get(keys.wv)
+                pipe.hget(keys.meta, "lv")
                 replies = await pipe.execute(raise_on_error=False)
             _raise_first(replies)
-            for i, reply in zip(batch, replies, strict=True):
+            for i, reply in zip(batch, replies[:-2], strict=True):
                 blobs[i] = reply
             progress.update(batch_bytes)
+            ok = unchanged(*replies[-2:])
         batch, batch_bytes = [], 0
+        return ok
 
     for i, (path, size) in enumerate(zip(paths, sizes, strict=True)):
         if size is None or size <= CHUNK:
             batch.append(i)
             batch_bytes += size or 0
-            if batch_bytes >= CHUNK:
-                await flush()
+            if batch_bytes >= CHUNK and not await flush():
+                return STALE  # stop at the first chunk read after a write: read again
             continue
-        await flush()
+        if not await flush():
+            return STALE
         buf = bytearray(size)
         complete = True
         for off in range(0, size, CHUNK):
-            part = await client.getrange(keys.data(path), off, min(off + CHUNK, size) - 1)
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.getrange(keys.data(path), off, min(off + CHUNK, size) - 1)
+                pipe.get(keys.wv)
+                pipe.hget(keys.meta, "lv")
+                part, wv_now, lv_now = await pipe.execute(raise_on_error=False)
+            _raise_first([part, wv_now, lv_now])
+            if not unchanged(wv_now, lv_now):
+                return STALE
             if len(part) != min(CHUNK, size - off):
-                complete = False  # missing or resized: the version check below decides
+                complete = False  # missing, though no write came: the entry was evicted
                 break
             buf[off : off + len(part)] = part
             progress.update(len(part))
         blobs[i] = buf if complete else None
-    await flush()
+    if not await flush():
+        return STALE
 
     def check(pipe: Any) -> None:
         pipe.get(keys.wv)
         pipe.hget(keys.meta, "lv")
 
-    wv_after, lv_after = await _backend.read_snapshot(client, keys, check)
-    if wv_after != wv or lv_after is None or int(lv_after) != layout.lv:
+    if not unchanged(*await _backend.read_snapshot(client, keys, check)):
         return STALE
     return layout, blobs
