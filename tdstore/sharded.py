@@ -12,11 +12,14 @@ Atomicity is **per block**, exactly:
 
 * a read or write of rows that fall in one block is one atomic step of that block's store
   (all entries, all rows, or nothing), with every guarantee of ``docs/guarantees.md``;
-* a read or write that spans several blocks is one atomic step per block, run one block
-  after the other: a concurrent reader may see the new rows of one block and the old rows
-  of another, and a failure (a server down, a lost connection) between two blocks leaves
-  the earlier blocks written and the later ones not. Bad input (a wrong shape, dtype, row
-  index or value batch size) is refused before any block is written.
+* a read or write that spans several blocks is one atomic step per block: the first block
+  alone, then the others in parallel threads (their round trips overlap, on one master or
+  several). A concurrent reader may see the new rows of one block and the old rows of
+  another, and a failure (a server down, a lost connection) part-way leaves some blocks
+  written and others not. Bad input (a wrong shape, dtype, row index or value batch size)
+  is refused before any block is written: the index and batch size are checked first, and
+  every block gets a slice of the same value, which the first block checks before the
+  others start.
 
 Pick ``block_rows`` so that a block's largest entry stays well under the server's
 ``proto-max-bulk-len`` and so that the operations that must be atomic stay inside a block.
@@ -38,8 +41,11 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -49,6 +55,42 @@ from tdstore.errors import FormatVersionError, StoreNotFoundError
 from tdstore.store import TensorDictStore
 
 __all__ = ["ShardedStore"]
+
+T = TypeVar("T")
+
+#: Blocks are read and written by up to this many threads at once (their round trips overlap).
+MAX_PARALLEL_BLOCKS = 8
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(MAX_PARALLEL_BLOCKS, thread_name_prefix="tdstore-blocks")
+        return _POOL
+
+
+def _after_fork() -> None:  # a forked child has no pool threads: start a new pool on first use
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _each(fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+    """``[fn(item) for item in items]``, the first item alone, then the others in parallel.
+
+    The first call runs before any other starts, so input that every block would refuse
+    (all of them get slices of one value) is refused before a second block is touched.
+    """
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    first = fn(items[0])
+    return [first, *_pool().map(fn, items[1:])]
 
 #: Version of the manifest layout.
 _FORMAT = 1
@@ -269,15 +311,14 @@ class ShardedStore:
     def __getitem__(self, idx: Any) -> Any:
         """An entry (all rows, one read per block) or rows (a TensorDict)."""
         if self._is_key(idx):
-            return torch.cat([block.get(idx) for block in self._blocks])
+            return torch.cat(_each(lambda block: block.get(idx), self._blocks))
         rows, single = self._rows(idx)
         if single:
             row = int(rows[0])
             return self._blocks[row // self._block_rows][row % self._block_rows]
-        parts, order = [], []
-        for block, positions, local in self._split(rows):
-            parts.append(self._blocks[block][local])
-            order.append(positions)
+        pieces = list(self._split(rows))
+        parts = _each(lambda piece: self._blocks[piece[0]][piece[2]], pieces)
+        order = [positions for _, positions, _ in pieces]
         if not parts:
             return self._blocks[0][0:0]
         out = torch.cat(parts)
@@ -291,7 +332,7 @@ class ShardedStore:
 
     def to_tensordict(self) -> TensorDict:
         """The whole buffer in memory (one consistent read per block)."""
-        return torch.cat([block.to_tensordict() for block in self._blocks])
+        return torch.cat(_each(lambda block: block.to_tensordict(), self._blocks))
 
     # ------------------------------------------------------------------ writes
     def __setitem__(self, idx: Any, value: Any) -> None:
@@ -305,8 +346,11 @@ class ShardedStore:
             row = int(rows[0])
             self._blocks[row // self._block_rows][row % self._block_rows] = value
             return
-        for block, positions, local in self._split(rows):
+        def write(piece: tuple[int, torch.Tensor, Any]) -> None:
+            block, positions, local = piece
             self._blocks[block][local] = value[positions]
+
+        _each(write, list(self._split(rows)))
 
     def _as_rows(self, value: Any, rows: torch.Tensor, single: bool) -> TensorDictBase:
         """Checks that ``value`` holds one item per selected row, before any block is written."""
@@ -340,9 +384,11 @@ class ShardedStore:
                 f"entry {key!r} of {self._where()} must have {len(self)} rows (shape [{len(self)}, ...]), "
                 f"got shape {list(value.shape)}"
             )
-        for index, block in enumerate(self._blocks):
+        def write(index: int) -> None:
             lo = index * self._block_rows
-            block[key] = value[lo : lo + int(block.batch_size[0])]
+            self._blocks[index][key] = value[lo : lo + int(self._blocks[index].batch_size[0])]
+
+        _each(write, range(len(self._blocks)))
 
     # ------------------------------------------------------------------ lifecycle
     def clear_redis(self) -> None:

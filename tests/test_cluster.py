@@ -603,3 +603,29 @@ def test_sharded_store_docstring_examples(redis_server, monkeypatch):
     result = doctest.testmod(tdstore.sharded, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 5 and result.failed == 0
     assert redis_server.sync_client().dbsize() == 0
+
+
+def test_sharded_store_describes_itself(cluster_server):
+    buf = ShardedStore.from_schema(_SCHEMA, batch_size=[7, 2], block_rows=3, **cluster_server.connection_kwargs())
+    assert len(buf) == 7 and buf.batch_size == torch.Size([7, 2]) and buf.block_rows == 3
+    assert [b.batch_size[0] for b in buf.blocks] == [3, 3, 1]
+    assert set(buf.keys(True, True)) == {"obs", "act", ("next", "done")}
+    assert repr(buf) == f"ShardedStore(td_id={buf.td_id!r}, batch_size=[7, 2], block_rows=3, blocks=3)"
+    assert buf[6].batch_size == torch.Size([2]) and buf[2:5]["obs"].shape == torch.Size([3, 2, 3])
+    with ShardedStore.from_store(td_id=buf.td_id, **cluster_server.connection_kwargs()) as again:
+        assert again.batch_size == buf.batch_size
+    buf.clear_redis()
+    buf.close()
+
+
+def test_start_cluster_refuses_bad_arguments():
+    from tdstore.server import start_cluster
+
+    for kwargs, text in [
+        ({"masters": 0}, "masters must be a positive int"),
+        ({"masters": True}, "masters must be a positive int"),
+        ({"replicas": -1}, "replicas must be an int >= 0"),
+        ({"kind": "redis6"}, "kind must be 'redis' or 'valkey'"),
+    ]:
+        with pytest.raises(ValueError, match=text):
+            start_cluster(**kwargs)
