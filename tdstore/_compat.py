@@ -22,6 +22,7 @@ from typing import Any
 import tensordict
 from tensordict import TensorDict, TensorDictBase
 
+from tdstore._keys import KeyTypeError
 from tdstore.errors import UnsupportedOperationError
 
 __all__ = ["NEEDS_COMPAT", "StoreCompat014", "TENSORDICT_VERSION"]
@@ -54,6 +55,12 @@ def _snapshot_operand(value: Any) -> Any:
     from tdstore.store import TensorDictStore
 
     return value.to_tensordict() if isinstance(value, TensorDictStore) else value
+
+
+def _is_nested_key(key: Any) -> bool:
+    if isinstance(key, str):
+        return True
+    return isinstance(key, tuple) and bool(key) and all(_is_nested_key(k) for k in key)
 
 
 def _inplace(name: str) -> Callable[..., Any]:
@@ -157,6 +164,15 @@ if NEEDS_COMPAT:
 
         def from_dict_instance(self: Any, input_dict: Any, *args: Any, **kwargs: Any) -> Any:
             return TensorDict.from_dict(input_dict, *args, **kwargs)
+
+        def set(self: Any, key: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
+            # 0.14.3 turns a key such as 3 into () before the store sees it; 0.15 refuses it here
+            if not _is_nested_key(key):
+                raise KeyTypeError(
+                    "Only NestedKeys are supported: a key must be a string or a non-empty, possibly nested "
+                    f"tuple of strings. Got key {key!r} for {self._where()}."
+                )
+            return TensorDictBase.set(self, key, item, *args, **kwargs)
 
         def popitem(self: Any) -> tuple[Any, Any]:
             keys = list(self.keys())

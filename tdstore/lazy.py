@@ -27,6 +27,7 @@ from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, Tensor
 
 from tdstore import _backend, _io
 from tdstore import _lazy_plan as plan
+from tdstore._compat import StoreCompat014
 from tdstore._keys import as_path as _as_path
 from tdstore._keys import new_td_id
 from tdstore._lazy_keys import LazyWrites
@@ -40,6 +41,7 @@ from tdstore.errors import (
     FormatVersionError,
     SchemaError,
     StaleLayoutError,
+    StoreExistsError,
     StoreNotFoundError,
     UnsupportedOperationError,
 )
@@ -49,7 +51,7 @@ __all__ = ["LazyStackedTensorDictStore"]
 _MAX_RETRIES = _io.MAX_RETRIES
 
 
-class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, TensorDictBase):
+class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, StoreCompat014, TensorDictBase):
     """A lazy stack of tensordicts kept on a Redis-wire server; elements may differ in shape.
 
     Create one with :meth:`from_lazy_stack` (or ``TensorDictStore.from_tensordict`` of a
@@ -85,6 +87,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, Tensor
     def _init_handle(self, conn: Any, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool) -> None:
         self._conn = conn
         self._path = path
+        self._cleared_meta: dict[str, str] | None = None
         self._device_override = device
         self._cache_metadata = bool(cache_metadata)
         self._is_shared = False
@@ -459,9 +462,26 @@ class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, Tensor
                 continue
             except StoreNotFoundError:
                 return
+            self._cleared_meta = {k: v for k, v in layout.meta.items() if k not in ("lv", "fmt", "lock")}
             conn.layout = None
             return
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")
+
+    def _ensure_exists(self) -> None:
+        """After clear_redis() on this handle, the next write recreates the stack, with no keys."""
+        meta, self._cleared_meta = self._cleared_meta, None
+        if meta is None or self._path:
+            return
+        conn = self._conn
+        try:
+            conn.run(
+                lambda c: _backend.commit(
+                    c, conn.keys, conn.runner, [], expected="new", bump=True, check_lock=False, meta_updates=meta
+                )
+            )
+        except StoreExistsError:
+            pass
+        conn.layout = None
 
     def __enter__(self) -> LazyStackedTensorDictStore:
         return self
