@@ -87,10 +87,13 @@ def test_wheel_holds_the_lua_scripts_as_files_and_py_typed(wheel: Path) -> None:
 @pytest.mark.timeout(BUILD_TIMEOUT + DEMO_TIMEOUT + 120)
 def test_fresh_venv_installs_the_wheel_and_runs_the_demo(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    # --without-pip: no ensurepip needed (Debian's python3 lacks it without python3-venv);
+    # this process's pip installs into the venv through --python
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=120)
     python = venv / "bin" / "python"
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
         capture_output=True, text=True, timeout=BUILD_TIMEOUT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
