@@ -203,12 +203,28 @@ def test_unreachable_startup_node_is_skipped(cluster_server):
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         dead = sock.getsockname()[1]
-    nodes = [("127.0.0.1", dead), *cluster_server.startup_nodes[1:]]
+    nodes = [("127.0.0.1", dead), *(f"{host}:{port}" for host, port in cluster_server.startup_nodes[1:])]
     store = TensorDictStore(cluster_nodes=nodes, batch_size=[2])
     store["a"] = torch.ones(2)
     assert torch.equal(store["a"], torch.ones(2))
     store.clear_redis()
     store.close()
+
+
+def test_lazy_stacked_store_on_the_cluster(cluster_server):
+    """A lazy stack is one store too (one td_id, one slot): its ragged elements work on a cluster."""
+    from tensordict import LazyStackedTensorDict
+
+    from tdstore import LazyStackedTensorDictStore
+
+    local = LazyStackedTensorDict(*[TensorDict({"x": torch.arange(i + 1)}, []) for i in range(4)])
+    lazy = LazyStackedTensorDictStore.from_lazy_stack(local, **cluster_server.connection_kwargs())
+    lazy[1] = TensorDict({"x": torch.tensor([9, 9])}, [])
+    assert torch.equal(lazy[1]["x"], torch.tensor([9, 9])) and torch.equal(lazy[3]["x"], torch.arange(4))
+    assert torch.equal(lazy.to_tensordict()[2]["x"], torch.arange(3))
+    lazy.clear_redis()
+    lazy.close()
+    assert cluster_server.sync_client().dbsize() == 0
 
 
 def _node_ids(cluster):
