@@ -59,17 +59,33 @@ class LazyWrites:
 
     _set_at_tuple = _set_at_str
 
-    def update(self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, **kwargs: Any) -> LazyStackedTensorDictStore:
+    def update(
+        self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, *,
+        keys_to_update: Any = None, non_blocking: bool = False, **kwargs: Any,
+    ) -> LazyStackedTensorDictStore:
         """Sets every key of a dict or tensordict of the stack's batch size, in one atomic step."""
+        for option in ("is_leaf", "update_batch_size", "ignore_lock"):
+            kwargs.pop(option, None)
         source = kwargs if input_dict_or_td is None else input_dict_or_td
-        items = list(source.items())
-        self._set_keys([(self._path + _as_path(k), v) for k, v in items])
+        if isinstance(source, LazyStackedTensorDict):
+            # each key's value in every element (ragged leaves included)
+            s = self.stack_dim
+            elements = source.tensordicts if source.stack_dim == s else source.unbind(s)
+            items = [(k, plan.ElementValues(e._get_str(k, NO_DEFAULT) for e in elements)) for k in source.keys()]
+        else:
+            items = list(source.items())
+        if keys_to_update is not None:
+            allowed = {_as_path(k) for k in keys_to_update}
+            items = [(k, v) for k, v in items if _as_path(k) in allowed]
+        if items:
+            self._set_keys([(self._path + _as_path(k), v) for k, v in items])
         return self
 
     def _set_key(self, path: tuple[str, ...], value: Any) -> None:
         self._set_keys([(path, value)])
 
     def _set_keys(self, items: list[tuple[tuple[str, ...], Any]]) -> None:
+        self._ensure_exists()
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
             layout = self._layout()
@@ -190,6 +206,7 @@ class LazyWrites:
         return self
 
     def _commit_ops(self, build: Callable[[_backend.Layout], list[_backend.Op]]) -> None:
+        self._ensure_exists()
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
             layout = self._layout()
@@ -217,6 +234,7 @@ class LazyWrites:
     def _write_index(self, index: Any, value: Any) -> None:
         from tdstore._lazy_write import plan_index_write
 
+        self._ensure_exists()
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
             layout = self._layout()

@@ -249,9 +249,17 @@ def plan_members(
     return planner.ops
 
 
+class ElementValues(list):  # type: ignore[type-arg]
+    """The values of one key in every element, in element order (e.g. a ragged leaf's tensors)."""
+
+
 def members_from_value(value: Any, batch_size: torch.Size, stack_dim: int, path: tuple[str, ...], where: str) -> list[Any]:
     """Splits a value written at a key of the whole stack into the elements' values."""
     n = batch_size[stack_dim]
+    if isinstance(value, ElementValues):
+        if len(value) != n:
+            raise SchemaError(f"cannot set {path!r} of {where} from {len(value)} elements' values; the stack has {n}")
+        return list(value)
     if isinstance(value, LazyStackedTensorDict):
         if value.batch_size != batch_size:
             raise SchemaError(

@@ -634,3 +634,26 @@ def test_too_large_leaf_writes_nothing(real_server) -> None:
     finally:
         client.config_set("proto-max-bulk-len", old)
         client.close()
+
+
+def test_update_and_recreate_after_clear(server) -> None:
+    """update() with a ragged lazy stack adds its keys in one step; a write after clear_redis() recreates the stack."""
+    ref = _ragged()
+    store = LazyStackedTensorDictStore.from_lazy_stack(ref, **server.connection_kwargs())
+    try:
+        extra = LazyStackedTensorDict(TensorDict({"y": torch.ones(3, 1)}, [3]),
+                                      TensorDict({"y": torch.ones(3, 4)}, [3]))
+        store.update(extra)
+        assert store.get("y", as_list=True)[1].shape == (3, 4)
+        store.update({"w": torch.arange(6).reshape(2, 3), "skipped": torch.zeros(2, 3)}, keys_to_update=["w"])
+        assert store["w"].tolist() == [[0, 1, 2], [3, 4, 5]] and "skipped" not in store.keys()
+        store.clear_redis()
+        assert not wire_snapshot(server)
+        with pytest.raises(KeyError, match="no LazyStackedTensorDictStore"):
+            store[0]
+        store["q"] = torch.arange(6).reshape(2, 3)  # recreates the stack (same batch size and stack dim), no other keys
+        assert list(store.keys()) == ["q"] and store.batch_size == ref.batch_size
+        assert_same(store.to_tensordict(), LazyStackedTensorDict(*[TensorDict({"q": torch.arange(3) + 3 * j}, [3]) for j in range(2)]))
+    finally:
+        store.clear_redis()
+        store.close()
