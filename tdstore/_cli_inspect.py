@@ -264,6 +264,10 @@ def _leaves(info: dict[str, Any]) -> int:
     return sum(1 for e in info["entries"] if e["kind"] != "tensordict")
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
+
+
 def format_ls(stores: list[dict[str, Any]], where: str) -> str:
     if not stores:
         return f"no stores on {where}\n"
@@ -305,7 +309,7 @@ def format_info(info: dict[str, Any]) -> str:
         ("ring", "-" if info["ring_total"] is None else f"{info['ring_total']:,} rows appended"),
         ("age", human_seconds(info["age_s"])),
         ("ttl", human_seconds(info["ttl_s"]) if info["ttl_s"] is not None else "none"),
-        ("size", f"{human_bytes(info['bytes'])} ({info['bytes']:,} bytes) in {_leaves(info)} entries"),
+        ("size", f"{human_bytes(info['bytes'])} ({info['bytes']:,} bytes) in {_count(_leaves(info), 'entry')}"),
     ]
     width = max(len(name) for name, _ in header)
     lines = "".join(f"{name.ljust(width)}  {value}\n" for name, value in header)
@@ -348,7 +352,9 @@ def remove_stores(
     if not found:
         return 1
     if not yes:
-        listing = ", ".join(f"{s['td_id']} ({human_bytes(s['bytes'])})" for s in found)
+        listing = ", ".join(
+            f"{s['td_id']} ({human_bytes(s['bytes'])}{', locked' if s['locked'] else ''})" for s in found
+        )
         prompt = f"delete {len(found)} store{'s' if len(found) != 1 else ''} on {opts.describe()}: {listing}? [y/N] "
         print(prompt, end="", file=sys.stderr, flush=True)
         answer = stdin.readline().strip().lower()
@@ -376,5 +382,5 @@ def remove_stores(
         out.write("\n")
     else:
         for d in deleted:
-            out.write(f"deleted {d['td_id']} ({human_bytes(d['bytes'])}, {_leaves(d)} entries)\n")
+            out.write(f"deleted {d['td_id']} ({human_bytes(d['bytes'])}, {_count(_leaves(d), 'entry')})\n")
     return 1 if missing else 0

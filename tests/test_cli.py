@@ -201,12 +201,13 @@ def test_rm_asks_first_and_deletes_only_what_was_confirmed(
     password_env(real_server, monkeypatch)
     first, second = make_stores(real_server)
     try:
+        first.lock_()  # the prompt says so; clear_redis() deletes a locked store too
         before = wire_snapshot(real_server)
         for answer in ("n\n", "", "maybe\n"):  # no, end of input, anything but y/yes
             code, _ = run_cli(["rm", "cli-first", *conn_args(real_server)], stdin=answer)
             assert code == 1
             err = capsys.readouterr().err
-            assert "delete 1 store on" in err and "cli-first (207 B)? [y/N]" in err
+            assert "delete 1 store on" in err and "cli-first (207 B, locked)? [y/N]" in err
             assert "nothing deleted" in err
             assert wire_snapshot(real_server) == before
 
@@ -238,6 +239,8 @@ def test_rm_yes_several_with_a_missing_one(real_server: ServerHandle, monkeypatc
 
         code, _ = run_cli(["rm", "-y", "missing", *conn_args(real_server)])
         assert code == 1
+        code, text = run_cli(["rm", "-y", "rm-1", *conn_args(real_server)])
+        assert (code, text) == (0, "deleted rm-1 (32 B, 1 entry)\n")
     finally:
         for store in stores:
             store.clear_redis()
