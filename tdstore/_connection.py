@@ -96,7 +96,7 @@ class Connection:
         # Redis Cluster (see tdstore/_cluster.py): one plain client to the master of the store's slot
         self.cluster_route: _cluster.ClusterRoute | None = None
         self._client_node: tuple[str, int] | None = None
-        self._retired: list[Any] = []
+        self._retired: list[tuple[int, Any]] = []  # (loop generation, client) replaced by node_client()
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
         if cluster_nodes is not None or _cluster.is_cluster_client(client):
             _check_decode(redis_kwargs, "redis_kwargs")
@@ -287,7 +287,8 @@ class Connection:
         """The client to cluster master ``node`` (on the IO loop); replaces the one to another node."""
         if node != self._client_node:
             if self._client is not None:
-                self._retired.append(self._client)  # may still serve another thread's call: closed in close()
+                # it may still serve another thread's call: closed in close(), if this process made it
+                self._retired.append((self._generation, self._client))
             self._client = self._build_client(node)
             self._runner = None
         return self._client
@@ -472,7 +473,8 @@ class Connection:
         self.closed = True
         client, self._client = self._client, None
         if client is not None and self._generation == _io.loop_generation():
-            for old in [client, *self._retired]:
+            mine = [old for generation, old in self._retired if generation == self._generation]
+            for old in [client, *mine]:
                 try:
                     _io.sync(old.aclose(), 5.0)
                 except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort

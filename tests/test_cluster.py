@@ -124,6 +124,7 @@ test_disjoint_rows_never_revert = _on_cluster(races.test_disjoint_rows_never_rev
 test_overlapping_rows_never_torn = _on_cluster(races.test_overlapping_rows_never_torn, on_server=False)
 test_read_modify_write_loses_no_update = _on_cluster(races.test_read_modify_write_loses_no_update, on_server=False)
 test_concurrent_appends_get_disjoint_rows = _on_cluster(races.test_concurrent_appends_get_disjoint_rows, on_server=False)
+test_fork_dataloader_workers = _on_cluster(races.test_fork_dataloader_workers, on_server=False)
 
 
 # ---------------------------------------------------------------------------------------------
