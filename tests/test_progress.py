@@ -211,6 +211,44 @@ class TestTransfers:
             store.clear_redis()
             store.close()
 
+    def test_chunk_boundaries(self, conn, client):
+        """Entries one byte around each chunk boundary arrive byte for byte, both ways."""
+        c, z = _transfer.CHUNK, _transfer.ZERO_CHUNK
+        gen = torch.Generator().manual_seed(1)
+        sizes = [0, 1, c - 1, c, c + 1, 2 * c, 2 * c + 7]
+        td = TensorDict({f"e{n}": torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for n in sizes}, [])
+        store = TensorDictStore.from_tensordict(td, progress=True, **conn)
+        zeros = TensorDictStore.from_schema(
+            {f"z{n}": ([n], torch.uint8) for n in (1, z - 1, z, z + 1, 3 * z)}, progress=True, **conn
+        )
+        try:
+            for n in sizes:
+                assert client.strlen(f"tensordict:{{{store.td_id}}}:d:e{n}") == n
+            for progress in (True, False):
+                out = store.to_tensordict(progress=progress)
+                for n in sizes:
+                    assert torch.equal(out[f"e{n}"], td[f"e{n}"]), (n, progress)
+            for n in (1, z - 1, z, z + 1, 3 * z):
+                assert client.strlen(f"tensordict:{{{zeros.td_id}}}:d:z{n}") == n
+                assert int(zeros[f"z{n}"].sum()) == 0
+        finally:
+            for s in (store, zeros):
+                s.clear_redis()
+                s.close()
+
+    def test_evicted_entry_is_reported_not_zero_filled(self, conn, client):
+        """A data key gone without a write (evicted, deleted by hand): DataLostError, small or chunked."""
+        store = TensorDictStore.from_tensordict(sample(), **conn)
+        try:
+            for key in ("small", "big"):
+                store.update(sample())  # every entry back in place
+                client.delete(f"tensordict:{{{store.td_id}}}:d:{key}")
+                with pytest.raises(tdstore.DataLostError, match=f"entry \\('{key}',\\)"):
+                    store.to_tensordict(progress=True)
+        finally:
+            store.clear_redis()
+            store.close()
+
     def test_with_a_lifetime(self, conn, client):
         """The staged tmp keys' own TTL (10 min) gives way to the store's expiry on rename."""
         schema = {"obs": ([100_000], torch.uint8), "r": ([], torch.float32)}
