@@ -16,7 +16,7 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _io
+from tdstore import _backend, _codec, _io
 from tdstore import _lazy_plan as plan
 from tdstore._keys import as_path as _as_path
 from tdstore._values import NO_DEFAULT, is_no_default
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["LazyWrites"]
 
 _MAX_RETRIES = _io.MAX_RETRIES
+_MAX_CAS_RETRIES = 1000
 
 
 class LazyWrites:
@@ -261,6 +262,70 @@ class LazyWrites:
             return
         raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
 
+    # ------------------------------------------------------------------ in-place math
+    def _inplace_on_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """In-place methods (``add_``, ``mul_``, ``+=``...): run on a snapshot, written back as one compare-and-set.
+
+        The snapshot carries the store's write version; the commit refuses the write-back if
+        any process wrote the store since (no update is lost), and the method is run again
+        on a fresh snapshot. Ragged leaves work: the method runs on the in-memory lazy stack.
+        """
+        from tdstore.errors import WriteConflictError
+
+        self._ensure_exists()
+        conn = self._conn
+        for attempt in range(_MAX_CAS_RETRIES):
+            local, layout, wv = self._snapshot()
+            result = method(local, *args, **kwargs)
+            if result is not local:
+                return result  # not in place: a new tensordict, nothing to write
+            ops = []
+            for path, meta in self._descendants(layout):
+                if meta["k"] != "lt":
+                    continue
+                rel = path[len(self._path) :]
+                values = [td.get(rel) for td in local.tensordicts]
+                shapes = self._shapes(layout, path)
+                for j, value in enumerate(values):
+                    if list(value.shape) != list(shapes[j]) or _codec.dtype_name(value.dtype) != meta["dtype"]:
+                        raise SchemaError(
+                            f"{method.__name__} changed entry {path!r} of element {j} of {self._where()} to "
+                            f"{value.dtype}{list(value.shape)}; an in-place method must keep dtypes and shapes"
+                        )
+                ops.append(_backend.Op("put", path, meta, payload=plan.concat_bytes(values)))
+            if not ops:
+                return self
+            try:
+                conn.run(
+                    lambda c, ops=ops, lv=str(layout.lv), wv=wv: _backend.commit(
+                        c, conn.keys, conn.runner, ops, expected=lv, bump=False, check_lock=True, expected_wv=wv
+                    )
+                )
+            except (StaleLayoutError, WriteConflictError):
+                _io.backoff(attempt)
+                self._layout(refresh=True)
+                continue
+            return self
+        raise WriteConflictError(
+            f"{method.__name__} on {self._where()} lost the compare-and-set {_MAX_CAS_RETRIES} times in a row "
+            "(other processes kept writing); try again"
+        )
+
+    def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:
+        """``fn`` applied to every tensor leaf in place: one snapshot, written back as one compare-and-set."""
+        from tdstore.lazy import LazyStackedTensorDictStore
+
+        others = tuple(o.to_tensordict() if isinstance(o, LazyStackedTensorDictStore) else o for o in others)
+
+        def run(td: Any) -> Any:
+            td.apply_(fn, *others, **kwargs)
+            return td
+
+        run.__name__ = "apply_"
+        return self._inplace_on_copies(run)
+
+    def _inplace_on_nested_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._inplace_on_copies(method, *args, **kwargs)
 
 
 async def _noop(client: Any) -> None:

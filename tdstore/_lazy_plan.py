@@ -43,6 +43,7 @@ __all__ = [
     "split_index",
     "members_from_value",
     "decode_members",
+    "concat_bytes",
     "nontensor_item",
 ]
 
@@ -172,7 +173,7 @@ class MemberPlanner:
         else:
             meta["shapes"] = shapes
         meta["o"] = self.order()
-        payload = _concat_bytes(values)
+        payload = concat_bytes(values)
         self.check_size(path, len(payload))
         self.ops.append(_backend.Op("put", path, meta, payload=payload))
 
@@ -215,7 +216,7 @@ class MemberPlanner:
             )
 
 
-def _concat_bytes(values: list[torch.Tensor]) -> Any:
+def concat_bytes(values: list[torch.Tensor]) -> Any:
     """The elements' bytes back to back: one torch.cat and one view (no copy per element)."""
     flat = [(v.detach() if v.requires_grad else v).reshape(-1) for v in values]
     if any(f.device.type != "cpu" or f.is_conj() or f.is_neg() for f in flat):

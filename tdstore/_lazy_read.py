@@ -41,8 +41,6 @@ class LazyReads:
         Raises:
             _Stale: the server's layout version is not ``layout.lv``.
         """
-        bs, s = self._root(layout)
-        n = bs[s]
         conn = self._conn
         plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
         gathers: list[tuple[int, str] | None] = []
@@ -77,9 +75,19 @@ class LazyReads:
             raise self._not_found()
         if lv != layout.lv:
             raise _Stale()
+        return self._decode(layout, [(path, how, chunks) for (path, _), how, chunks in zip(plans, spans, replies, strict=True)], members)
+
+    def _decode(
+        self, layout: _backend.Layout, items: list[tuple[tuple[str, ...], Any, list[Any]]], members: list[int]
+    ) -> dict[tuple[str, ...], dict[int, Any]]:
+        """Element values from the bytes read: ``(path, how, chunks)`` per leaf, where ``how`` is
+        None (a non-tensor leaf, read whole), "gather" (the members' bytes in order) or the runs read."""
+        bs, s = self._root(layout)
+        n = bs[s]
+        conn = self._conn
         device = self.device
         out: dict[tuple[str, ...], dict[int, Any]] = {}
-        for (path, _), how, chunks in zip(plans, spans, replies, strict=True):
+        for path, how, chunks in items:
             meta = layout.entries[path]
             owner = self._elem_bs(layout, path[:-1])
             if how is None:
@@ -163,6 +171,35 @@ class LazyReads:
                 entries = [(p, m) for p, m in entries if p in wanted or (m["k"] == "td" and any(q[: len(p)] == p for q in wanted))]
             tds = plan.decode_members(entries, values, members, self._elem_bs(layout), self._path, self.device)
             return tds, s
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+    def _snapshot(self) -> tuple[LazyStackedTensorDict, _backend.Layout, str]:
+        """The stack in memory, its layout and the write version, all read in one snapshot."""
+        conn = self._conn
+        for attempt in range(_MAX_RETRIES):
+            layout = self._layout()
+            bs, s = self._root(layout)
+            paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]
+            _, _, blobs, snap = conn.run(
+                lambda c, paths=paths: _backend.read_entries(c, conn.keys, paths, with_layout=True)
+            )
+            if snap is None:
+                raise self._not_found()
+            if snap.lv != layout.lv:
+                _io.backoff(attempt)
+                self._layout(refresh=True)
+                continue
+            items = []
+            for path, blob in zip(paths, blobs, strict=True):
+                if layout.entries[path]["k"] == "lnt":
+                    items.append((path, None, [blob]))
+                else:
+                    total = sum(self._spans(layout, path)[1])
+                    items.append((path, [(0, total)] if total else [], [blob] if total else []))
+            members = list(range(bs[s]))
+            values = self._decode(layout, items, members)
+            tds = plan.decode_members(self._descendants(layout), values, members, self._elem_bs(layout), self._path, self.device)
+            return LazyStackedTensorDict(*tds, stack_dim=s), layout, snap.wv
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
 
     def to_tensordict(self, *, retain_none: bool | None = None) -> LazyStackedTensorDict:

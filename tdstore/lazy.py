@@ -519,7 +519,7 @@ for _name in ("select", "exclude", "apply", "named_apply", "to_dict", "numpy", "
     _delegate.__doc__ = f"``{_name}`` of the stack read into memory (``to_tensordict().{_name}(...)``)."
     setattr(LazyStackedTensorDictStore, _name, _delegate)
 
-for _name in ("apply_", "zero_", "fill_", "masked_fill_", "copy_", "update_", "update_at_", "_stack_onto_", "where", "masked_select", "set_non_tensor", "batch_size_"):
+for _name in ("fill_", "copy_", "update_", "update_at_", "_stack_onto_", "where", "masked_select", "set_non_tensor", "batch_size_"):
     def _refuse(self: Any, *args: Any, _name: str = _name, **kwargs: Any) -> Any:
         raise UnsupportedOperationError(
             f"LazyStackedTensorDictStore.{_name}() is not supported ({self._where()}). Write elements with "

@@ -3,7 +3,8 @@
 Usage: ``python _lazy_workers.py JOBS.json``, a list of jobs ``["by_id", '<json {td_id, kwargs}>', OUT]``
 or ``["pickled", HANDLE.pkl, OUT]``, each writing the pickled ``to_tensordict()``
 result to OUT, as :func:`describe` gives it (torch cannot pickle every dtype, e.g. uint16);
-or ``["writer", '<json request>', OUT]`` (see :func:`write_stamps`).
+or ``["writer", '<json request>', OUT]`` (see :func:`write_stamps`), or ``["adder", '<json
+{td_id, kwargs, count}>', OUT]``: ``count`` times ``store.add_(1)``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def main() -> None:
     from tdstore import LazyStackedTensorDictStore
 
     for mode, arg, out in json.loads(Path(sys.argv[1]).read_text()):
+        if mode == "adder":
+            request = json.loads(arg)
+            store = LazyStackedTensorDictStore.from_store(td_id=request["td_id"], **request["kwargs"])
+            try:
+                for _ in range(request["count"]):
+                    store.add_(1)
+            finally:
+                store.close()
+            Path(out).write_text("done")
+            continue
         if mode == "writer":
             write_stamps(json.loads(arg), out)
             continue

@@ -206,7 +206,7 @@ def test_differential(server, seed: int, stack_dim: int, request: pytest.Fixture
         assert store.stack_dim == stack_dim and store.batch_size == ref.batch_size
         assert_same(store.to_tensordict(), ref, "upload")
         for _step in range(25):
-            op = rng.choice(["index", "index", "leaf", "as_list", "write", "write_entry", "write_index", "bad_write", "key"])
+            op = rng.choice(["index", "index", "leaf", "as_list", "write", "write_entry", "write_index", "inplace", "bad_write", "key"])
             ref = oracle(members, stack_dim)
             if op == "index":
                 idx = rand_index(rng, spec.n, stack_dim, len(ref.batch_size))
@@ -250,6 +250,12 @@ def test_differential(server, seed: int, stack_dim: int, request: pytest.Fixture
                 # non-tensor entries stay unchanged, as tdstore and TensorDict >= 0.17 do
                 ref.exclude(*nontensor)[idx] = value
                 counts["writes"] += 1
+            elif op == "inplace":
+                # in-place math: a snapshot changed in memory and written back as one compare-and-set
+                store.apply_(_invert)
+                for m in members:
+                    m.apply_(_invert)
+                counts["writes"] += 1
             elif op == "bad_write":
                 ragged = [(p, s) for p, s in spec.leaves() if s[0] == "t"]
                 if not ragged:
@@ -281,6 +287,16 @@ def test_differential(server, seed: int, stack_dim: int, request: pytest.Fixture
         store.close()
     assert not wire_snapshot(server), "clear_redis left keys behind"
     add_cases(request, f"lazy differential cases on {server.kind}", **counts)
+
+
+def _invert(t: torch.Tensor) -> torch.Tensor:
+    """Every bit inverted (bool: logical not): defined for every dtype, float8 included."""
+    if t.dtype == torch.bool:
+        return ~t
+    flat = t.contiguous().reshape(-1)
+    if not flat.numel():
+        return t.clone()
+    return (~flat.view(torch.uint8)).view(t.dtype).reshape(t.shape)
 
 
 def _key_op(rng: random.Random, store: LazyStackedTensorDictStore, members: list[TensorDict], spec: Spec, stack_dim: int) -> None:
@@ -484,8 +500,8 @@ def test_clone_and_unsupported(server) -> None:
         assert_same(copy.to_tensordict(), store.to_tensordict())
         copy.clear_redis()
         copy.close()
-        with pytest.raises(UnsupportedOperationError, match="apply_"):
-            store.apply_(lambda t: t + 1)
+        with pytest.raises(UnsupportedOperationError, match="update_"):
+            store.update_({"h": torch.zeros(3, 2, dtype=torch.long)})
         with pytest.raises(UnsupportedOperationError, match="to_tensordict"):
             store.view(-1)
         assert_same(store.select("h"), _ragged(1).select("h"))
@@ -654,6 +670,38 @@ def test_update_and_recreate_after_clear(server) -> None:
         store["q"] = torch.arange(6).reshape(2, 3)  # recreates the stack (same batch size and stack dim), no other keys
         assert list(store.keys()) == ["q"] and store.batch_size == ref.batch_size
         assert_same(store.to_tensordict(), LazyStackedTensorDict(*[TensorDict({"q": torch.arange(3) + 3 * j}, [3]) for j in range(2)]))
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+@pytest.mark.multiprocess
+def test_concurrent_inplace_math_loses_no_update(real_server, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Two processes each run ``store.add_(1)`` 15 times on a ragged stack: every increment lands."""
+    from _counts import record
+
+    count = 15
+    members = [TensorDict({"a": torch.zeros(j + 1, dtype=torch.long)}, []) for j in range(3)]
+    store = LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(*members), **real_server.connection_kwargs())
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+        procs = []
+        for w in (1, 2):
+            job = {"td_id": store.td_id, "kwargs": real_server.connection_kwargs(), "count": count}
+            jobs = tmp_path / f"add{w}.json"
+            jobs.write_text(json.dumps([["adder", json.dumps(job), str(tmp_path / f"done{w}")]]))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "_lazy_workers.py"), str(jobs)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err
+        final = store.to_tensordict()
+        values = [int(v) for td in final.tensordicts for v in td["a"].tolist()]
+        lost = sum(2 * count - v for v in values)
+        record(request, increments=2 * count * len(values), lost_increments=lost)
+        assert values == [2 * count] * len(values)
     finally:
         store.clear_redis()
         store.close()
