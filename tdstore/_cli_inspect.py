@@ -65,6 +65,8 @@ def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set
 
 
 def _shape(dims: Any) -> str:
+    if isinstance(dims, dict) and "ragged" in dims:
+        return "ragged " + " | ".join(_shape(d) for d in dims["ragged"])
     return "[" + ", ".join(str(d) for d in dims) + "]" if isinstance(dims, list) else "-"
 
 
@@ -96,8 +98,22 @@ def _age_seconds(meta: dict[str, str], now: float) -> float | None:
     return None
 
 
+#: the registry entry of a ShardedStore's manifest store (tdstore.sharded)
+SHARDED_MANIFEST = ("sharded_manifest",)
+
+
 def _leaf_paths(layout: _backend.Layout) -> list[tuple[str, ...]]:
-    return [p for p, e in layout.entries.items() if e.get("k") in ("t", "nt")]
+    """Entries that have a data key: tensors and non-tensors, of plain (t, nt) and lazy (lt, lnt) stores."""
+    return [p for p, e in layout.entries.items() if e.get("k") != "td"]
+
+
+def store_kind(layout: _backend.Layout) -> str:
+    """``"lazy"`` (LazyStackedTensorDictStore), ``"sharded"`` (a ShardedStore's manifest) or ``"store"``."""
+    if layout.meta.get("kind") == "lazy":
+        return "lazy"
+    if SHARDED_MANIFEST in layout.entries and len(layout.entries) == 1:
+        return "sharded"
+    return "store"
 
 
 async def _scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]:
@@ -167,6 +183,7 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
                 {
                     "td_id": k.td_id,
                     "prefix": k.prefix,
+                    "kind": store_kind(layout),
                     "batch_size": json.loads(layout.meta.get("batch_size") or "[]"),
                     "entries": len(leaves),
                     "bytes": sum(int(next(sizes)) for _ in leaves),
@@ -202,8 +219,20 @@ async def _details(client: Any, keys: StoreKeys) -> tuple[Any, ...]:
         for path in paths:
             if layout.entries[path].get("k") != "td":
                 pipe.strlen(keys.data(path))
+        if store_kind(layout) == "sharded":
+            pipe.get(keys.data(SHARDED_MANIFEST))
         replies = await pipe.execute()
     return layout, replies[0], replies[1], replies[2], replies[3:]
+
+
+def _manifest(raw: Any) -> dict[str, Any] | None:
+    """The manifest of a ShardedStore (a JSON text stored as a JSON non-tensor value)."""
+    try:
+        value = json.loads(raw)
+        value = json.loads(value) if isinstance(value, str) else value
+    except (TypeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
@@ -220,21 +249,27 @@ def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
             f"tdstore: no store with td_id={td_id!r} under prefix {prefix!r} on {opts.describe()} "
             "(`tdstore ls` lists the stores)"
         )
+    kind = store_kind(layout)
+    manifest = _manifest(strlens.pop()) if kind == "sharded" else None
     lengths = iter(strlens)
     paths = sorted(layout.entries, key=lambda p: tuple(layout.entries[p].get("o") or [0, 0]))
     entries = []
     for path in paths:
         meta = layout.entries[path]
-        kind = meta.get("k")
+        k = meta.get("k")
         row: dict[str, Any] = {"key": list(path), "field": encode_path(path)}
-        if kind == "t":
-            row.update(kind="tensor", shape=meta.get("shape"), dtype=meta.get("dtype"), bytes=int(next(lengths)))
-        elif kind == "nt":
+        if k in ("t", "lt"):
+            # a lazy leaf has one shape per element when the elements differ (ragged)
+            shape = meta.get("shape") if "shapes" not in meta else {"ragged": meta["shapes"]}
+            row.update(kind="tensor", shape=shape, dtype=meta.get("dtype"), bytes=int(next(lengths)))
+        elif k in ("nt", "lnt"):
             stack = int(meta.get("stack") or 0)
-            shape = _parent_batch(layout, path)[:stack]
+            shape = _parent_batch(layout, path)[:stack] if k == "nt" else None
             row.update(kind="non-tensor", shape=shape, dtype=meta.get("enc"), bytes=int(next(lengths)))
-        else:
+        elif k == "td":
             row.update(kind="tensordict", shape=meta.get("batch_size"), dtype=None, bytes=None)
+        else:
+            row.update(kind=f"unknown ({k!r})", shape=None, dtype=None, bytes=int(next(lengths)))
         entries.append(row)
     m = layout.meta
     total = sum(e["bytes"] for e in entries if e["bytes"] is not None)
@@ -242,6 +277,9 @@ def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
         "td_id": td_id,
         "prefix": prefix,
         "server": opts.describe(),
+        "kind": kind,
+        "stack_dim": int(m["stack_dim"]) if kind == "lazy" and m.get("stack_dim", "").lstrip("-").isdigit() else None,
+        "sharded_blocks": int(manifest["blocks"]) if manifest and str(manifest.get("blocks", "")).isdigit() else None,
         "batch_size": json.loads(m.get("batch_size") or "[]"),
         "device": m.get("device") or None,
         "names": json.loads(m.get("names") or "null"),
@@ -275,6 +313,7 @@ def format_ls(stores: list[dict[str, Any]], where: str) -> str:
         [
             s["td_id"],
             s["prefix"],
+            s["kind"],
             _shape(s["batch_size"]),
             str(s["entries"]),
             human_bytes(s["bytes"]),
@@ -283,20 +322,31 @@ def format_ls(stores: list[dict[str, Any]], where: str) -> str:
         ]
         for s in stores
     ]
-    text = table(["TD_ID", "PREFIX", "BATCH", "ENTRIES", "BYTES", "AGE", "TTL"], rows, right={3, 4, 5, 6})
+    text = table(["TD_ID", "PREFIX", "KIND", "BATCH", "ENTRIES", "BYTES", "AGE", "TTL"], rows, right={4, 5, 6, 7})
     total = sum(s["bytes"] for s in stores)
     plural = "s" if len(stores) != 1 else ""
     return text + f"{len(stores)} store{plural}, {human_bytes(total)} ({total:,} bytes) on {where}\n"
 
 
-def format_info(info: dict[str, Any]) -> str:
-    def show(value: Any) -> str:
-        return "-" if value is None else str(value)
+def _kind_text(info: dict[str, Any]) -> str:
+    if info["kind"] == "lazy":
+        return f"LazyStackedTensorDictStore (stack_dim {show(info['stack_dim'])})"
+    if info["kind"] == "sharded":
+        blocks = info["sharded_blocks"]
+        return f"ShardedStore manifest ({show(blocks)} blocks: {info['td_id']}.b0 ...)"
+    return "TensorDictStore"
 
+
+def show(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def format_info(info: dict[str, Any]) -> str:
     header = [
         ("td_id", info["td_id"]),
         ("prefix", info["prefix"]),
         ("server", info["server"]),
+        ("kind", _kind_text(info)),
         ("batch size", _shape(info["batch_size"])),
         ("device", show(info["device"])),
         ("names", show(info["names"])),
@@ -329,13 +379,32 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- deleting
+def _open(info: dict[str, Any], prefix: str, opts: Any) -> Any:
+    """The store of ``info`` opened with its own class, so that ``clear_redis()`` deletes all of it."""
+    from tdstore import LazyStackedTensorDictStore, ShardedStore, TensorDictStore
+
+    kwargs = {"td_id": info["td_id"], "prefix": prefix, **opts.store_kwargs()}
+    if info["kind"] == "lazy":
+        return LazyStackedTensorDictStore.from_store(**kwargs)
+    if info["kind"] == "sharded":
+        return ShardedStore.from_store(**kwargs)  # clear_redis(): the manifest, then every block
+    # tensorclass_cls=TensorDictStore: connect without importing the stored tensorclass
+    return TensorDictStore.from_store(tensorclass_cls=TensorDictStore, **kwargs)
+
+
+def _rm_summary(info: dict[str, Any]) -> str:
+    if info["kind"] == "sharded":
+        return f"ShardedStore with {show(info['sharded_blocks'])} blocks"
+    return human_bytes(info["bytes"])
+
+
 def remove_stores(
     opts: Any, prefix: str, td_ids: list[str], *, yes: bool, as_json: bool, out: TextIO, stdin: TextIO
 ) -> int:
     """Deletes the stores ``td_ids`` (each in one atomic step, as ``clear_redis()``)."""
     import sys
 
-    from tdstore import StoreNotFoundError, TensorDictStore
+    from tdstore import StoreNotFoundError
     from tdstore.cli import CliError
 
     found: list[dict[str, Any]] = []
@@ -352,9 +421,7 @@ def remove_stores(
     if not found:
         return 1
     if not yes:
-        listing = ", ".join(
-            f"{s['td_id']} ({human_bytes(s['bytes'])}{', locked' if s['locked'] else ''})" for s in found
-        )
+        listing = ", ".join(f"{s['td_id']} ({_rm_summary(s)}{', locked' if s['locked'] else ''})" for s in found)
         prompt = f"delete {len(found)} store{'s' if len(found) != 1 else ''} on {opts.describe()}: {listing}? [y/N] "
         print(prompt, end="", file=sys.stderr, flush=True)
         answer = stdin.readline().strip().lower()
@@ -364,10 +431,7 @@ def remove_stores(
     deleted = []
     for info in found:
         try:
-            # tensorclass_cls=TensorDictStore: connect without importing the stored tensorclass
-            store = TensorDictStore.from_store(
-                td_id=info["td_id"], prefix=prefix, tensorclass_cls=TensorDictStore, **opts.store_kwargs()
-            )
+            store = _open(info, prefix, opts)
         except StoreNotFoundError:
             missing.append(info["td_id"])  # deleted by someone else since
             continue
@@ -382,5 +446,5 @@ def remove_stores(
         out.write("\n")
     else:
         for d in deleted:
-            out.write(f"deleted {d['td_id']} ({human_bytes(d['bytes'])}, {_count(_leaves(d), 'entry')})\n")
+            out.write(f"deleted {d['td_id']} ({_rm_summary(d)}, {_count(_leaves(d), 'entry')})\n")
     return 1 if missing else 0

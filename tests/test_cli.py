@@ -101,7 +101,7 @@ def test_ls_lists_every_store_with_sizes_and_ttl(real_server: ServerHandle, monk
         by_id = {s["td_id"]: s for s in doc["stores"]}
         assert set(by_id) == {"cli-first", "cli-second"}
         a, b = by_id["cli-first"], by_id["cli-second"]
-        assert (a["prefix"], a["batch_size"], a["entries"]) == ("tensordict", [5], 3)
+        assert (a["prefix"], a["kind"], a["batch_size"], a["entries"]) == ("tensordict", "store", [5], 3)
         # bytes are the servers' string lengths: 30 float32 + 10 int64 + the JSON of "hello"
         assert a["bytes"] == 30 * 4 + 10 * 8 + len(json.dumps("hello"))
         assert a["ttl_s"] is None and a["age_s"] is None
@@ -115,11 +115,11 @@ def test_ls_lists_every_store_with_sizes_and_ttl(real_server: ServerHandle, monk
         code, text = run_cli(["ls", *conn_args(real_server)])
         assert code == 0
         lines = text.splitlines()
-        assert lines[0].split() == ["TD_ID", "PREFIX", "BATCH", "ENTRIES", "BYTES", "AGE", "TTL"]
+        assert lines[0].split() == ["TD_ID", "PREFIX", "KIND", "BATCH", "ENTRIES", "BYTES", "AGE", "TTL"]
         row = next(line for line in lines if line.startswith("cli-first"))
-        assert row.split() == ["cli-first", "tensordict", "[5]", "3", "207", "B", "-", "none"]
+        assert row.split() == ["cli-first", "tensordict", "store", "[5]", "3", "207", "B", "-", "none"]
         row = next(line for line in lines if line.startswith("cli-second"))
-        assert row.split()[:5] == ["cli-second", "other", "[7]", "1", "21"]
+        assert row.split()[:6] == ["cli-second", "other", "store", "[7]", "1", "21"]
         assert row.split()[-1].endswith("s") and row.split()[-1] != "none"
         assert lines[-1].startswith("2 stores, 228 B (228 bytes) on ")
     finally:
@@ -167,11 +167,12 @@ def test_info_shows_entries_and_layout(real_server: ServerHandle, monkeypatch: p
 
         code, text = run_cli(["info", "cli-second", "--prefix", "other", *conn_args(real_server)])
         assert code == 0
-        fields = dict(line.split(None, 1) if "  " in line else (line, "") for line in text.splitlines()[:16])
-        assert "locked" in text.splitlines()[10]
-        assert text.splitlines()[11].split() == ["chunking", "-"]
-        assert fields["format"].strip() == "1"
-        table = text.split("\n\n", 1)[1].splitlines()
+        header, table_text = text.split("\n\n", 1)
+        fields = {line[:16].strip(): line[16:] for line in header.splitlines()}
+        assert (fields["lock"], fields["chunking"], fields["format"]) == ("locked", "-", "1")
+        assert (fields["kind"], fields["batch size"], fields["ttl"]) == ("TensorDictStore", "[7]", "none")
+        assert fields["layout version"].isdigit() and fields["size"] == "21 B (21 bytes) in 1 entry"
+        table = table_text.splitlines()
         assert table[0].split() == ["KEY", "KIND", "SHAPE", "DTYPE", "BYTES"]
         assert table[1].split() == ["x", "tensor", "[7,", "3]", "uint8", "21"]
     finally:
@@ -547,3 +548,37 @@ def test_cluster_option_lists_and_reaches_stores_on_every_master(cluster_server:
         for store in stores:
             store.clear_redis()
             store.close()
+
+
+def test_lazy_and_sharded_stores_are_shown_and_removed_whole(redis_server: ServerHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensordict import LazyStackedTensorDict, TensorDict
+
+    from tdstore import LazyStackedTensorDictStore, ShardedStore
+
+    password_env(redis_server, monkeypatch)
+    kwargs = redis_server.connection_kwargs()
+    lazy = LazyStackedTensorDictStore.from_lazy_stack(
+        LazyStackedTensorDict(TensorDict(a=torch.zeros(3)), TensorDict(a=torch.ones(5))), td_id="lz", **kwargs
+    )
+    sharded = ShardedStore.from_schema({"x": ([2], torch.float32)}, batch_size=[10], block_rows=4, td_id="sh", **kwargs)
+    try:
+        where = conn_args(redis_server)
+        code, text = run_cli(["ls", "--json", *where])
+        kinds = {s["td_id"]: s["kind"] for s in json.loads(text)["stores"]}
+        assert kinds == {"lz": "lazy", "sh": "sharded", "sh.b0": "store", "sh.b1": "store", "sh.b2": "store"}
+        code, text = run_cli(["info", "lz", "--json", *where])
+        info = json.loads(text)
+        assert (info["kind"], info["stack_dim"], info["batch_size"]) == ("lazy", 0, [2])
+        assert [(e["key"], e["shape"], e["bytes"]) for e in info["entries"]] == [(["a"], {"ragged": [[3], [5]]}, 32)]
+        code, text = run_cli(["info", "lz", *where])
+        assert "ragged [3] | [5]" in text and "LazyStackedTensorDictStore (stack_dim 0)" in text
+        code, text = run_cli(["info", "sh", "--json", *where])
+        assert (json.loads(text)["kind"], json.loads(text)["sharded_blocks"]) == ("sharded", 3)
+
+        code, text = run_cli(["rm", "lz", "sh", *where], stdin="yes\n")
+        assert code == 0
+        assert text.splitlines() == ["deleted lz (32 B, 1 entry)", "deleted sh (ShardedStore with 3 blocks, 1 entry)"]
+        assert keys_of(redis_server, "*") == set()  # the blocks went with the manifest
+    finally:
+        lazy.close()
+        sharded.close()
