@@ -8,7 +8,7 @@ in the same MULTI (``_backend.write_runs_watched``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +46,7 @@ def write_index(
     store: TensorDictStore,
     index: Any,
     targets: Mapping[tuple[str, ...], Any],
+    check_batch: Callable[[torch.Size], None] | None = None,
 ) -> None:
     conn = store._conn
     index = normalize_index(index)
@@ -57,6 +58,8 @@ def write_index(
         nb = len(batch_size)
         rows = select_rows(index, batch_size)
         new_bs = rows.shape
+        if check_batch is not None:
+            check_batch(new_bs)
         groups: list[tuple[tuple[str, ...], list[tuple[int, int]], Any]] = []
         keep: list[Any] = []
         create: list[_backend.Op] = []

@@ -739,7 +739,8 @@ class TensorDictStore(
             value = value._tensordict
         if isinstance(value, TensorDictStore):
             value = value.to_tensordict()
-        if isinstance(value, dict):
+        from_dict = isinstance(value, dict)
+        if from_dict:
             value = TensorDict.from_dict(value, batch_size=[])
         if not isinstance(value, TensorDictBase):
             raise TypeError(f"cannot write a {type(value).__name__} at an index of {self._where()}")
@@ -747,12 +748,31 @@ class TensorDictStore(
         for key, leaf in value.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor_cls):
             rel = _as_path(key)
             targets[self._path + rel] = leaf
-        self._write_index(index, targets)
+        self._write_index(index, targets, check_batch=None if from_dict else _batch_check(value, self._where()))
 
-    def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any]) -> None:
+    def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any], check_batch: Any = None) -> None:
         from tdstore._index_write import write_index
 
-        write_index(self, index, targets)
+        write_index(self, index, targets, check_batch)
+
+
+def _batch_check(value: TensorDictBase, where: str) -> Callable[[torch.Size], None]:
+    """TensorDict's rule for ``td[idx] = value``: the value's batch size is the indexed one, or
+    broadcasts to it from the left, or its leaves start with the indexed shape."""
+    vb = value.batch_size
+
+    def check(indexed: torch.Size) -> None:
+        if vb == indexed or (len(vb) and tuple(vb) == tuple(indexed)[-len(vb) :]):
+            return
+        leaves = value.values(include_nested=True, leaves_only=True)
+        if all(isinstance(x, torch.Tensor) and x.shape[: len(indexed)] == indexed for x in leaves):
+            return
+        raise RuntimeError(
+            f"indexed destination batch size of {where} is {indexed}, which differs from the source "
+            f"batch size {vb} (and does not broadcast to it)"
+        )
+
+    return check
 
 
 def _is_leaf_nontensor_cls(cls: type) -> bool:

@@ -394,6 +394,7 @@ def _closed_calls(server: Any, wire: Any, conn: dict[str, Any], failures: list[s
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("server", ["fakeredis", "redis", "valkey"], indirect=True)  # redis6: as redis here
 def test_bad_input_matrix(server, wire, request):
     conn = server.connection_kwargs()
     groups = {
