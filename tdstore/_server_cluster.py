@@ -241,6 +241,8 @@ def _start_node(kind: str, startup_timeout: float, node_timeout_ms: int) -> Serv
             "cluster-node-timeout": str(node_timeout_ms),
             # a store's keys may outlive one node: never refuse the whole keyspace for it
             "cluster-require-full-coverage": "no",
+            # a replica's first sync starts at once (the default waits 5 s for more replicas)
+            "repl-diskless-sync-delay": "0",
         }
         try:
             return start_server(kind, port=port, unix_socket=False, config=config, startup_timeout=startup_timeout)
