@@ -1,7 +1,9 @@
 """TorchRL replay buffers: extend and sample times of tdstore's storage next to TorchRL's own.
 
-    # TorchRL 0.14.1 pins tensordict<0.15: run it in the tensordict 0.14.3 environment
-    /work/venv014/bin/python benchmarks/bench_torchrl.py --server valkey
+    # TorchRL 0.14.1 pins tensordict<0.15: run it where tensordict 0.14.3 is imported, e.g.
+    # as .ci/run does (a --no-deps --target folder first on PYTHONPATH):
+    pip install --no-deps --target /tmp/td014 tensordict==0.14.3 torchrl==0.14.1 hoptorch==0.1.4
+    PYTHONPATH=/tmp/td014 python benchmarks/bench_torchrl.py --server valkey
 
 One ``ReplayBuffer`` per storage, all with ``--capacity`` rows (default 10,000) of
 obs (``--obs`` float32 values, default 64), action (4 float32) and reward (float32):
