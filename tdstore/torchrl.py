@@ -26,6 +26,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from tdstore.errors import SchemaError, StoreExistsError, StoreNotFoundError
 from tdstore.store import TensorDictStore
 
 try:
+    from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
     from torchrl.data.replay_buffers.storages import Storage, TensorStorage
     from torchrl.data.replay_buffers.writers import Writer
 except ImportError as exc:  # pragma: no cover - exercised by the main env, which has no torchrl
@@ -68,6 +70,19 @@ async def _set_ring_total(client: Any, keys: Any, total: int) -> None:
         pipe.set(keys.ring, str(int(total)))
         pipe.incr(keys.wv)
         await pipe.execute()
+
+
+class _StateDictCheckpointer(StorageCheckpointerBase):
+    """``rb.dumps(path)`` / ``rb.loads(path)``: the storage's state_dict in ``path/storage.pt``."""
+
+    def dumps(self, storage: Any, path: Any) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(storage.state_dict(), path / "storage.pt")
+
+    def loads(self, storage: Any, path: Any) -> None:
+        state = torch.load(Path(path) / "storage.pt", weights_only=True)
+        storage.load_state_dict(state)
 
 
 class TensorDictStoreStorage(TensorStorage):
@@ -103,7 +118,7 @@ class TensorDictStoreStorage(TensorStorage):
         SchemaError: when written data does not match the store's entries.
     """
 
-    _default_checkpointer = Storage._default_checkpointer  # memmap checkpoints would download; use state_dict
+    _default_checkpointer = _StateDictCheckpointer  # TensorStorage's memmaps the tensors in place
 
     def __init__(
         self,

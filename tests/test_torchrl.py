@@ -178,6 +178,19 @@ def test_state_dict_round_trip(server, rl):
 
 
 @pytest.mark.torchrl
+def test_dumps_and_loads(server, rl, tmp_path):
+    conn = server.connection_kwargs()
+    rb = rl["ReplayBuffer"](storage=rl["Storage"](6, **conn), writer=rl["Writer"](), batch_size=2)
+    rb.extend(_batch(0, 4))
+    rb.dumps(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "storage" / "storage.pt").is_file()
+    other = rl["ReplayBuffer"](storage=rl["Storage"](6, **conn), writer=rl["Writer"](), batch_size=2)
+    other.loads(tmp_path / "ckpt")
+    assert len(other) == 4 and (other[:] == rb[:]).all()
+    assert torch.equal(other.extend(_batch(9, 1)), torch.tensor([4]))
+
+
+@pytest.mark.torchrl
 def test_given_store_and_bad_arguments(server, rl, wire):
     conn = server.connection_kwargs()
     store = TensorDictStore.from_schema({"obs": ([3], torch.float32)}, batch_size=[5], **conn)
