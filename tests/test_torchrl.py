@@ -153,6 +153,19 @@ def test_buffers_sharing_a_td_id_see_each_other(server, rl):
 
 
 @pytest.mark.torchrl
+def test_two_lazy_storages_on_one_td_id_share_the_first_store(server, rl):
+    """Both built before any store exists: the second write finds the store the first created."""
+    conn = server.connection_kwargs()
+    first = rl["Storage"](8, td_id="lazy-race", **conn)
+    second = rl["Storage"](8, td_id="lazy-race", **conn)
+    assert torch.equal(first.extend(_batch(0, 3)), torch.arange(3))
+    assert torch.equal(second.extend(_batch(3, 2)), torch.arange(3, 5))
+    assert len(first) == len(second) == 5
+    with pytest.raises(SchemaError, match="missing"):
+        second.extend(TensorDict(other=torch.zeros(2), batch_size=[2]))
+
+
+@pytest.mark.torchrl
 def test_storage_pickles_by_td_id(real_server, rl):
     """What a spawned process receives: the same store, not a copy of its rows."""
     rb = rl["ReplayBuffer"](storage=rl["Storage"](12, **real_server.connection_kwargs()), writer=rl["Writer"]())
