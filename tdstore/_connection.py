@@ -313,12 +313,21 @@ class Connection:
         attempt = 0
         while True:
             attempt += 1
+            sent = [False]  # whether fn started: a failure before it (connecting, setup) sent nothing of it
             try:
-                return self._run_once(fn, timeout)
+                result = self._run_once(fn, timeout, sent)
+                self._reached = True
+                return result
             except Exception as err:  # noqa: BLE001 - classified, re-raised unless retried
                 kind = classify(err)
                 if kind is None:
                     raise
+                if kind == "unknown" and not sent[0]:
+                    if not getattr(self, "_reached", False):
+                        # a live socket that failed on first contact: a configuration problem
+                        # (e.g. plain text to a TLS port), not a restart; retrying cannot help
+                        raise
+                    kind = "unsent"
                 if kind == "unknown" and not idempotent:
                     raise OutcomeUnknownError(
                         f"the connection to {self.describe()} broke while a write to TensorDictStore("
@@ -337,7 +346,7 @@ class Connection:
                         + (" Nothing of this operation was applied." if kind == "unsent" else "")
                     ) from err
 
-    def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None) -> T:
+    def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
         if self.closed:
             raise self.closed_error()
         generation = _io.loop_generation()
@@ -352,12 +361,16 @@ class Connection:
             self._runner = None
         client = self._client
 
+        async def tracked(c: Any) -> T:
+            sent[0] = True
+            return await fn(c)
+
         async def call() -> T:
             if self.cluster_route is not None:
-                return await _cluster.call_routed(self, fn, limit)
+                return await _cluster.call_routed(self, tracked, limit)
             if self._runner is None:
                 await self._setup(client)
-            return await fn(client)
+            return await tracked(client)
 
         limit = self.timeout if timeout is None else timeout
         try:

@@ -155,9 +155,12 @@ def classify(err: BaseException) -> str | None:
         # redis-py's report of a connection lost during WATCH, before MULTI: nothing was written
         return "unsent"
     if isinstance(err, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
-        if isinstance(err, redis.exceptions.AuthenticationError):
-            return None
+        if isinstance(err, (redis.exceptions.AuthenticationError, TDStoreError)):
+            return None  # wrong credentials or certificates, already diagnosed: retrying cannot help
         text = str(err)
+        lowered = text.lower()
+        if "certificate" in lowered or "wrong version number" in lowered or "tlsv1 alert" in lowered:
+            return None  # a TLS configuration problem, not a lost server
         if "connecting to" in text or "Timeout connecting" in text:
             return "unsent"
         if isinstance(err, redis.exceptions.TimeoutError):
