@@ -136,12 +136,14 @@ class LazyWrites:
             if p[: len(path)] == path:
                 ops.append(_backend.Op("del", p, has_data=m["k"] != "td"))
         self._conn.run(_noop)
-        ops.extend(
-            plan.plan_members(
-                path, members, owner, where=self._where(), order_base=layout.lv + 1 + k,
-                max_bulk=self._conn.max_bulk, policy=self._conn.pickle_policy,
-            )
+        new_ops = plan.plan_members(
+            path, members, owner, where=self._where(), order_base=layout.lv + 1 + k,
+            max_bulk=self._conn.max_bulk, policy=self._conn.pickle_policy,
         )
+        existing = layout.entries.get(path)
+        if existing is not None and new_ops and new_ops[0].path == path and new_ops[0].meta is not None:
+            new_ops[0].meta = dict(new_ops[0].meta, o=existing.get("o"))  # a replaced key keeps its place
+        ops.extend(new_ops)
         return ops
 
     def del_(self, key: Any) -> LazyStackedTensorDictStore:
