@@ -62,7 +62,7 @@ def extender(conn: dict[str, Any], td_id: str, proc: int, steps: int, rows: int,
 def sampler(
     conn: dict[str, Any], td_id: str, until: int, duration: float, max_rounds: int, go: str
 ) -> tuple[int, int, int]:
-    """Creates ``go`` (the writers start), then samples until the buffer holds ``until`` rows.
+    """Creates ``go`` (the writers start), then samples until ``until`` rows were appended in all.
 
     Returns (samples, torn rows, rows read that no append had written yet).
     """
@@ -72,7 +72,7 @@ def sampler(
     with open(go, "w"):
         pass
     for _ in range(max_rounds):
-        if time.time() > deadline or len(rb) >= until:
+        if time.time() > deadline or rb.storage.store.ring_state().total >= until:
             break
         if len(rb) == 0:
             time.sleep(0.001)

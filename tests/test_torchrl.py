@@ -240,37 +240,47 @@ def pool():
 
 @pytest.mark.torchrl
 @pytest.mark.multiprocess
-def test_processes_share_one_buffer(redis_server, rl, pool, request, tmp_path):
-    """3 spawned writers append through their own ReplayBuffer while a 4th samples."""
+@pytest.mark.parametrize("layout", ["room", "wrap"])
+def test_processes_share_one_buffer(redis_server, rl, pool, request, tmp_path, layout):
+    """3 spawned writers append through their own ReplayBuffer while a 4th samples.
+
+    ``room``: the buffer holds every row, so none may be lost. ``wrap``: it holds a fifth of
+    them and wraps around 5 times; every row left must be intact and sit where the buffer
+    said it put it.
+    """
     conn = redis_server.connection_kwargs()
     steps, rows = 40, 4
-    capacity = NPROC * steps * rows  # room for every row: none is overwritten
+    total = NPROC * steps * rows
+    capacity = total if layout == "room" else total // 5
     store = TensorDictStore.from_schema(
         {"tag": ([3], torch.int64), "obs": ([6], torch.float32)}, batch_size=[capacity], **conn
     )
     store["obs"] = torch.full((capacity, 6), -1.0)
     go = str(tmp_path / "go")  # the sampler creates it once its buffer is open; then the writers start
-    reader = pool.submit(w.sampler, conn, store.td_id, capacity, 20.0, 20000, go)
+    reader = pool.submit(w.sampler, conn, store.td_id, total, 20.0, 20000, go)
     writers = [pool.submit(w.extender, conn, store.td_id, p, steps, rows, 20.0, go) for p in range(NPROC)]
-    indices = [i for f in writers for i in f.result(timeout=60)]
+    per_writer = [f.result(timeout=60) for f in writers]
     samples, torn_samples, unwritten_samples = reader.result(timeout=60)
+    indices = [i for got in per_writer for i in got]
+    placed = {(p, k // rows, k % rows): index for p, got in enumerate(per_writer) for k, index in enumerate(got)}
     final = _reread(redis_server, rl["Storage"](store=store))
     tags = [tuple(t) for t in final["tag"].tolist()]
-    expected = {(p, s, i) for p in range(NPROC) for s in range(steps) for i in range(rows)}
-    duplicates = len(indices) - len(set(indices)) + len(tags) - len(set(tags))
-    lost = len(expected - set(tags))
+    duplicates = len(tags) - len(set(tags))
+    misplaced = sum(placed.get(t) != r for r, t in enumerate(tags))  # also counts a tag never appended
+    lost = len(set(placed) - set(tags)) if layout == "room" else 0
     tag = final["tag"]
     expected_obs = (tag[:, 0] * 1000 + tag[:, 1] * 10 + tag[:, 2]).float()
     torn = int((final["obs"] != expected_obs[:, None]).any(dim=1).sum())
     ring = store.ring_state()
     _record(
-        request, rows_appended=len(indices), duplicate_rows=duplicates, lost_rows=lost, torn_rows=torn,
-        samples=samples, torn_samples=torn_samples, unwritten_samples=unwritten_samples,
+        request, rows_appended=len(indices), duplicate_rows=duplicates, lost_rows=lost, misplaced_rows=misplaced,
+        torn_rows=torn, samples=samples, torn_samples=torn_samples, unwritten_samples=unwritten_samples,
     )
-    assert len(indices) == capacity and sorted(indices) == list(range(capacity))
-    assert (duplicates, lost, torn, torn_samples, unwritten_samples) == (0, 0, 0, 0, 0)
+    assert len(indices) == total
+    assert sorted(indices) == sorted(list(range(capacity)) * (total // capacity))  # each row reserved equally
+    assert (duplicates, lost, misplaced, torn, torn_samples, unwritten_samples) == (0, 0, 0, 0, 0, 0)
     assert samples > 0
-    assert ring.valid == capacity and ring.total == capacity
+    assert ring.valid == capacity and ring.total == total
     store.clear_redis()
     store.close()
 
