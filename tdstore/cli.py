@@ -199,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warn_password(option: str) -> None:
+    print(
+        f"tdstore: warning: a password given with {option} is visible to other users of this machine; "
+        f"set {PASSWORD_ENV_VARS[0]} instead",
+        file=sys.stderr,
+    )
+
+
 def conn_options(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ConnOptions:
     """The connection of parsed ``args``: URL first, explicit options over it, env for the password."""
     from redis.asyncio.connection import SSLConnection, parse_url
@@ -222,6 +230,8 @@ def conn_options(args: argparse.Namespace, environ: dict[str, str] | None = None
         opts.db = int(parts.get("db") or 0)
         opts.username = parts.get("username")
         opts.password = parts.get("password")
+        if opts.password and args.url is not None:
+            _warn_password("--url")
         opts.ssl = parts.get("connection_class") is SSLConnection
     if args.host is not None:
         opts.host, opts.unix_socket_path = args.host, None
@@ -234,11 +244,7 @@ def conn_options(args: argparse.Namespace, environ: dict[str, str] | None = None
     if args.user is not None:
         opts.username = args.user
     if args.password is not None:
-        print(
-            "tdstore: warning: a password on the command line is visible to other users; "
-            f"set {PASSWORD_ENV_VARS[0]} instead",
-            file=sys.stderr,
-        )
+        _warn_password("--pass")
         opts.password = args.password
     elif opts.password is None:
         opts.password = next((env[name] for name in PASSWORD_ENV_VARS if env.get(name)), None)

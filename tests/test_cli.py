@@ -317,6 +317,11 @@ def test_password_from_env_flag_and_user(password_server: ServerHandle, monkeypa
         assert code == 0 and json.loads(text)["bytes"] == 16
         code, text = run_cli(["ls", "--json", "--url", f"redis://reader:reader-pw@127.0.0.1:{password_server.port}/0"])
         assert code == 0 and len(json.loads(text)["stores"]) == 1
+        assert "password given with --url is visible" in capsys.readouterr().err
+        monkeypatch.setenv("TDSTORE_URL", f"redis://reader:reader-pw@127.0.0.1:{password_server.port}/0")
+        code, text = run_cli(["ls", "--json"])  # from the environment: no warning
+        assert code == 0 and len(json.loads(text)["stores"]) == 1
+        assert "warning" not in capsys.readouterr().err
     finally:
         store.clear_redis()
         store.close()
