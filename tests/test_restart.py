@@ -288,3 +288,33 @@ def test_redis_py_does_not_resend_behind_the_policy(redis_server):
     pool_conn = store._conn._client.connection_pool.connection_kwargs
     assert pool_conn["retry"].get_retries() == 0
     store.close()
+
+
+def test_failures_are_classified_by_what_the_server_may_have_applied():
+    import redis.exceptions as rx
+
+    from tdstore._retry import classify, sleep_before_retry
+
+    assert classify(rx.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")) == "unsent"
+    assert classify(rx.TimeoutError("Timeout connecting to server")) == "unsent"
+    assert classify(rx.BusyLoadingError("Redis is loading the dataset in memory")) == "unsent"
+    assert classify(rx.WatchError("A ConnectionError occurred while watching one or more keys")) == "unsent"
+    assert classify(rx.ConnectionError("Connection closed by server.")) == "unknown"
+    assert classify(ConnectionResetError(104, "Connection reset by peer")) == "unknown"
+    for never in (
+        rx.TimeoutError("Timeout reading from socket"),  # slow, not lost
+        rx.AuthenticationError("invalid username-password pair"),
+        rx.ConnectionError("Error 1 connecting to h:1. [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"),
+        rx.WatchError("Watched variable changed."),
+        rx.ResponseError("ERR unknown command"),
+        tdstore.ServerOutOfMemoryError("full"),
+    ):
+        assert classify(never) is None, never
+    # the wait between tries never passes the deadline
+    policy = RetryPolicy(attempts=100, backoff_base=0.01, backoff_cap=0.05, deadline=0.2)
+    started = time.monotonic()
+    tries = 1
+    while sleep_before_retry(policy, tries, started):
+        tries += 1
+    assert time.monotonic() - started <= 0.2 + 0.01 and 3 <= tries < 100
+    assert not sleep_before_retry(RetryPolicy(attempts=3), 3, time.monotonic())
