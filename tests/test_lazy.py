@@ -408,7 +408,13 @@ def test_reads_match_lazy_stack(server, stack_dim: int) -> None:
         assert_same(store.get("x", as_list=True), ref.get("x", as_list=True))
         nested = store.get("x", as_nested_tensor=True)
         assert nested.is_nested and torch.equal(nested[1], ref.tensordicts[1]["x"])
-        assert_same(store.get("x", as_padded_tensor=True), ref.get("x", as_padded_tensor=True))
+        try:
+            padded = ref.get("x", as_padded_tensor=True)
+        except RuntimeError:  # tensordict 0.14.3 pads only the first dim of each element
+            with pytest.raises(RuntimeError):
+                store.get("x", as_padded_tensor=True)
+        else:
+            assert_same(store.get("x", as_padded_tensor=True), padded)
         elem = (slice(None),) * stack_dim + (1,)
         assert_same(store[elem], ref[elem])
         assert set(store.keys(True, True)) == set(ref.keys(True, True))
