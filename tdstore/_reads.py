@@ -262,7 +262,7 @@ class StoreReads:
                         )
                     tensor = _codec.tensor_from_reply(data, dtype, shape, owned=owned or len(chunks) > 1)
                     if self.device is not None and self.device.type != "cpu":
-                        tensor = tensor.to(self.device)
+                        tensor = _values.to_device(tensor, self.device, path, self._where())
                     values[path] = tensor
                 else:
                     full = _values.decode_value(

@@ -78,6 +78,17 @@ def check_meta(path: tuple[str, ...], meta: Any, where: str) -> dict[str, Any]:
     return meta
 
 
+def to_device(tensor: torch.Tensor, device: torch.device, path: tuple[str, ...], where: str) -> torch.Tensor:
+    """Moves a value read from the server to the store's device, or says why it cannot."""
+    try:
+        return tensor.to(device, non_blocking=False)
+    except (AssertionError, RuntimeError) as err:  # torch built without CUDA, or no such device here
+        raise RuntimeError(
+            f"entry {path!r} of {where} cannot be moved to the store's device {device} in this process "
+            f"({err}); reconnect with TensorDictStore.from_store(td_id=..., device='cpu') to read it here"
+        ) from err
+
+
 def decode_value(
     path: tuple[str, ...],
     meta: dict[str, Any],
@@ -103,7 +114,7 @@ def decode_value(
         except ValueError as err:
             raise CorruptMetadataError(f"entry {path!r} of {where}: {err}") from None
         if device is not None and device.type != "cpu":
-            tensor = tensor.to(device, non_blocking=False)
+            tensor = to_device(tensor, device, path, where)
         return tensor
     if meta["k"] == "nt":
         from tensordict import NonTensorData, NonTensorStack

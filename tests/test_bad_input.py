@@ -271,12 +271,25 @@ def _store_level_cases(conn: dict[str, Any]) -> list[Case]:
         Case("from_tensordict sparse", lambda s: TensorDictStore.from_tensordict(TensorDict(x=torch.zeros(2).to_sparse(), batch_size=[2]), **conn),
              raises=TypeError, match="to_dense"),
         Case("from_dict bad batch", lambda s: TensorDictStore.from_dict({"x": torch.zeros(3)}, batch_size=[2], **conn), raises=RuntimeError),
+        Case("device invalid", make(device="not-a-device"), raises=RuntimeError, match="not-a-device"),
+        Case("device unavailable read", lambda s: _unavailable_device_read(conn), raises=RuntimeError, match="from_store"),
         Case("decode_responses kwarg", make(decode_responses=True), raises=tdstore.ClientConfigError, match="decode_responses"),
         Case("decode_responses client", make(client=decode_async), raises=tdstore.ClientConfigError, match="decode_responses"),
         Case("sync client", make(client=redis.Redis()), raises=tdstore.ClientConfigError, match="redis.asyncio"),
         Case("retry wrong type", make(retry="often"), raises=TypeError, match="retry"),
         Case("timeout negative", make(timeout=-1), raises=ValueError, match="timeout"),
     ]  # fmt: skip
+
+
+def _unavailable_device_read(conn: dict[str, Any]) -> Any:
+    """A store whose device this process lacks (cuda without CUDA, or an absent GPU index) can be
+    created (for other processes) but not read here: a clear RuntimeError, nothing written."""
+    device = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: never available
+    other = TensorDictStore.from_store(td_id=_unavailable_device_read.td_id, device=device, **conn)
+    try:
+        return other["a"]
+    finally:
+        other.close()
 
 
 CLOSED_CALLS: dict[str, Callable[[Any], Any]] = {
@@ -405,6 +418,7 @@ def test_bad_input_matrix(server, wire, request):
     total = 0
     for cases in groups.values():
         store, mirror = _filled(conn)
+        _unavailable_device_read.td_id = store.td_id  # type: ignore[attr-defined]
         for case in cases:
             total += 1
             outcome, failure = _run_case(case, store, mirror, server, wire, store.td_id)
