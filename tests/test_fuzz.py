@@ -119,6 +119,8 @@ def _value(kind: str, sub: TensorDict, k: int) -> Any:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("server", ["fakeredis", "redis"], indirect=True)
 def test_fuzz_index_expressions_and_values(server, wire, request):
+    if server.kind not in str(request.config.getoption("--backends")).split(","):
+        pytest.skip(f"{server.kind} backend excluded by --backends")
     gen = torch.Generator().manual_seed(0)
     mirror = TensorDict(
         a=torch.randn(*BATCH, generator=gen),
