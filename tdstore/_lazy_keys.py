@@ -242,7 +242,7 @@ class LazyWrites:
         for attempt in range(_MAX_RETRIES):
             layout = self._layout()
             try:
-                groups, nontensor = plan_index_write(self, layout, index, value)
+                groups, nontensor = plan_index_write(self, layout, index, value)  # type: ignore[arg-type]
             except (SchemaError, KeyError, UnsupportedOperationError):
                 if self._fresh_layout().lv != layout.lv:
                     continue  # planned against a stale layout: plan again

@@ -342,6 +342,9 @@ def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[li
     if pos is None:
         return list(range(n)), tuple(expanded), (list(range(n)) if others_full else None)
     entry = expanded[pos]
+    members: list[int]
+    new_entry: Any
+    picked: Any
     if isinstance(entry, int):
         j = entry + n if entry < 0 else entry
         if not 0 <= j < n:

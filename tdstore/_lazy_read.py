@@ -189,7 +189,7 @@ class LazyReads:
                 _io.backoff(attempt)
                 self._layout(refresh=True)
                 continue
-            items = []
+            items: list[tuple[tuple[str, ...], Any, list[Any]]] = []
             for path, blob in zip(paths, blobs, strict=True):
                 if layout.entries[path]["k"] == "lnt":
                     items.append((path, None, [blob]))

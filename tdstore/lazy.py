@@ -531,7 +531,7 @@ for _name in ("fill_", "copy_", "update_", "update_at_", "_stack_onto_", "where"
     setattr(LazyStackedTensorDictStore, _name, _refuse)
 
 
-def _unpickle(cls: type, state: dict[str, Any]) -> Any:
+def _unpickle(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> Any:
     from tdstore._connection import Connection
 
     self = cls.__new__(cls)
