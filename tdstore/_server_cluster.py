@@ -272,6 +272,7 @@ def _start_nodes(
             for index in range(masters, total):
                 _replicate(clients[index], ids[(index - masters) % masters], startup_timeout)
             _wait_ok(clients, total, startup_timeout)
+            _wait_synced(clients[:masters], clients[masters:], replicas, startup_timeout)
         finally:
             for client in clients:
                 client.close()
@@ -294,6 +295,34 @@ def _replicate(client: redis.Redis, master_id: str, timeout: float) -> None:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
+
+
+def _wait_synced(masters: list[redis.Redis], replicas: list[redis.Redis], per_master: int, timeout: float) -> None:
+    """Waits until every replica has finished its first sync (a failover needs a synced replica)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        links = [client.info("replication").get("master_link_status") for client in replicas]
+        counts = [int(client.info("replication").get("connected_slaves", 0)) for client in masters]
+        # and every node knows every replica as one (the masters' votes in a failover need it)
+        views = [_replicas_seen(client) for client in [*masters, *replicas]]
+        if (
+            all(link == "up" for link in links)
+            and all(count == per_master for count in counts)
+            and all(seen == len(replicas) for seen in views)
+        ):
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the replicas did not sync within {timeout} s (links {links}, replicas per master {counts})")
+        time.sleep(0.05)
+
+
+def _replicas_seen(client: redis.Redis) -> int:
+    """How many nodes ``client``'s node knows as replicas (CLUSTER NODES)."""
+    text = client.execute_command("CLUSTER NODES")
+    if isinstance(text, dict):  # redis-py parses it into {address: {"flags": ...}}
+        return sum("slave" in str(info.get("flags", "")) for info in text.values())
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return sum("slave" in line.split()[2].split(",") for line in text.splitlines() if line.strip())
 
 
 def _wait_ok(clients: list[redis.Redis], known_nodes: int, timeout: float) -> None:
