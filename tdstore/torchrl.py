@@ -262,6 +262,11 @@ class TensorDictStoreStorage(TensorStorage):
             out = out.to(self.device)
         return out
 
+    def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
+        # RandomSampler reads len(storage) just before: a full ring needs no second read
+        valid = self.max_size if self._known_full else len(self)
+        return torch.randint(0, valid, (batch_size,), generator=self._rng)
+
     def contains(self, item: Any) -> Any:
         valid = len(self)
         if isinstance(item, int):
