@@ -260,9 +260,11 @@ class TensorDictStore(
         if layout.meta.get("kind"):
             from tdstore.errors import UnsupportedOperationError
 
+            kind = layout.meta["kind"]
+            hint = "connect with tdstore.LazyStackedTensorDictStore.from_store(td_id=...)" if kind == "lazy" else "use the class that wrote it"
             raise UnsupportedOperationError(
-                f"store {self._where()} is a LazyStackedTensorDictStore (kind {layout.meta['kind']!r}); "
-                "connect with tdstore.LazyStackedTensorDictStore.from_store(td_id=...)"
+                f"store {self._where()} is not a TensorDictStore (kind {kind!r}"
+                f"{', a LazyStackedTensorDictStore' if kind == 'lazy' else ''}); {hint}"
             )
         for path, meta in layout.entries.items():
             _values.check_meta(path, meta, self._where())
