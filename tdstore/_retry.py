@@ -12,7 +12,7 @@ store tries again, and :func:`classify` which failures may be retried:
   MULTI/EXEC or none of it, but the client cannot tell which. Idempotent operations (reads,
   whole-entry writes, indexed writes of given values, deletes of the whole store) are sent
   again; the others (``extend``, read-modify-writes such as ``apply_``, ``del_``/``rename``,
-  creating a store) raise :class:`OutcomeUnknownError` instead of risking a double apply.
+  batch size and names changes, creating a store) raise :class:`OutcomeUnknownError` instead of risking a double apply.
 
 See docs/guarantees.md, "Server restarts".
 """
