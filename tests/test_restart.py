@@ -318,3 +318,16 @@ def test_failures_are_classified_by_what_the_server_may_have_applied():
         tries += 1
     assert time.monotonic() - started <= 0.2 + 0.01 and 3 <= tries < 100
     assert not sleep_before_retry(RetryPolicy(attempts=3), 3, time.monotonic())
+
+
+def test_without_persistence_a_restart_reports_the_store_gone(request):
+    with start_server("redis") as srv:  # save "" and appendonly no
+        store = TensorDictStore(batch_size=[2], **srv.connection_kwargs())
+        store["a"] = torch.ones(2)
+        crash(srv)
+        srv.restart()
+        for op in (lambda: store["a"], lambda: store[0], store.to_tensordict):
+            with pytest.raises(tdstore.StoreNotFoundError, match=store.td_id):
+                op()
+        record(request, reported_gone=3)
+        store.close()
