@@ -25,6 +25,19 @@ class _Stop(Exception):
     pass
 
 
+def _save(srv: Any) -> None:
+    """A last RDB snapshot into ``--dir`` (``stop()`` shuts the server down without one)."""
+    try:
+        client = srv.sync_client(socket_timeout=600)
+        try:
+            client.save()
+        finally:
+            client.close()
+    except Exception as err:  # noqa: BLE001 - the server stops anyway; say what was not saved
+        print(f"tdstore serve: the final snapshot failed ({err}); writes since the last one are only in the "
+              "append-only file, if --appendonly was on", file=sys.stderr)
+
+
 def serve(args: Any, out: TextIO) -> int:
     """Runs ``tdstore serve``; returns when interrupted (0) or when the server dies (1)."""
     from tdstore.server import ServerNotFoundError, start_server
@@ -88,5 +101,7 @@ def serve(args: Any, out: TextIO) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if args.dir and srv.running:
+            _save(srv)
         srv.stop()
         print("tdstore serve: server stopped", file=sys.stderr if args.json else out, flush=True)

@@ -587,3 +587,38 @@ def test_lazy_and_sharded_stores_are_shown_and_removed_whole(redis_server: Serve
     finally:
         lazy.close()
         sharded.close()
+
+
+def test_serve_dir_keeps_the_data_across_restarts(tmp_path: Any) -> None:
+    """--dir: a snapshot is saved when the server stops, and the next `serve --dir` loads it."""
+    data_dir = tmp_path / "data"
+
+    def start() -> tuple[subprocess.Popen[str], dict[str, Any]]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tdstore", "serve", "--port", "0", "--json", "--kind", "redis", "--dir", str(data_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(tmp_path),
+        )
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line, proc.stderr.read() if proc.stderr else ""
+        return proc, json.loads(line)
+
+    proc, doc = start()
+    try:
+        assert doc["data_dir"] == str(data_dir)
+        store = TensorDictStore.from_dict({"a": torch.arange(5)}, batch_size=[5], td_id="kept",
+                                          unix_socket_path=doc["unix_socket"])
+        store.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert (data_dir / "dump.rdb").is_file()
+        proc, doc = start()
+        again = TensorDictStore.from_store(td_id="kept", unix_socket_path=doc["unix_socket"])
+        assert torch.equal(again["a"], torch.arange(5))
+        again.clear_redis()
+        again.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
