@@ -100,12 +100,6 @@ class ConnOptions:
             return redis.asyncio.cluster.RedisCluster(**kwargs)
         return redis.asyncio.Redis(**kwargs)
 
-    def sync_client(self) -> Any:
-        """A plain synchronous client (bytes replies); close it when done."""
-        import redis
-
-        return redis.Redis(**self.redis_kwargs())
-
 
 class CliError(Exception):
     """A failure to report in one line on stderr (exit status ``code``)."""
