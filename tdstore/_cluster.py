@@ -73,7 +73,7 @@ def cluster_settings(client: Any) -> tuple[list[tuple[str, int]], dict[str, Any]
     return nodes, kwargs, connection_class
 
 
-def check_nodes(nodes: Any) -> list[tuple[str, int]]:
+def check_nodes(nodes: Any, where: str = "TensorDictStore") -> list[tuple[str, int]]:
     """Validates ``cluster_nodes=[(host, port), ...]`` (also accepts ``"host:port"`` strings)."""
     if isinstance(nodes, (str, bytes)) or not hasattr(nodes, "__iter__"):
         nodes = [nodes]
@@ -87,16 +87,16 @@ def check_nodes(nodes: Any) -> list[tuple[str, int]]:
             out.append((str(host), int(port)))
         except (TypeError, ValueError):
             raise ClientConfigError(
-                f"cluster_nodes must be a list of (host, port) pairs or 'host:port' strings, got {node!r} "
-                f"in {nodes!r}"
+                f"cluster_nodes of {where} must be a list of (host, port) pairs or 'host:port' strings, "
+                f"got {node!r} in {nodes!r}"
             ) from None
     if not out:
-        raise ClientConfigError("cluster_nodes is empty: give at least one (host, port) of the cluster")
+        raise ClientConfigError(f"cluster_nodes of {where} is empty: give at least one (host, port) of the cluster")
     return out
 
 
 def connection_settings(
-    client: Any, nodes: Any, redis_kwargs: dict[str, Any], *, db: int, timeout: float
+    client: Any, nodes: Any, redis_kwargs: dict[str, Any], *, db: int, timeout: float, where: str = "TensorDictStore"
 ) -> tuple[ClusterRoute, dict[str, Any], type]:
     """The route, per-node connection kwargs and connection class of a store on a cluster.
 
@@ -106,14 +106,14 @@ def connection_settings(
     if client is not None:
         nodes, kwargs, connection_class = cluster_settings(client)
     else:
-        nodes = check_nodes(nodes)
+        nodes = check_nodes(nodes, where)
         kwargs = dict(redis_kwargs)
         ssl = kwargs.pop("ssl", False)
         connection_class = redis.asyncio.SSLConnection if ssl else redis.asyncio.Connection
         kwargs.setdefault("socket_timeout", timeout)
         kwargs.setdefault("socket_connect_timeout", min(timeout, 10.0))
     if db:
-        raise ClientConfigError(f"a Redis Cluster has only database 0, got db={db}")
+        raise ClientConfigError(f"{where} is on a Redis Cluster, which has only database 0; got db={db}")
     return ClusterRoute(nodes), kwargs, connection_class
 
 
@@ -140,8 +140,9 @@ class ClusterRoute:
                 continue
             except redis.exceptions.ResponseError as err:
                 raise ClientConfigError(
-                    f"{host}:{port} is not a Redis Cluster node ({err}); pass cluster_nodes only for a "
-                    "server started with cluster-enabled yes, and host=/port= for a single server"
+                    f"{host}:{port}, given in cluster_nodes for the store at {key!r}, is not a Redis Cluster "
+                    f"node ({err}); pass cluster_nodes only for servers started with cluster-enabled yes, and "
+                    "host=/port= for a single server"
                 ) from err
             finally:
                 await client.aclose()

@@ -101,7 +101,7 @@ class Connection:
         if cluster_nodes is not None or _cluster.is_cluster_client(client):
             _check_decode(redis_kwargs, "redis_kwargs")
             route, kwargs, node_class = _cluster.connection_settings(
-                client, cluster_nodes, redis_kwargs, db=db, timeout=timeout
+                client, cluster_nodes, redis_kwargs, db=db, timeout=timeout, where=f"TensorDictStore(td_id={td_id!r})"
             )
             _check_decode(kwargs, "the cluster client passed to TensorDictStore")
             self.cluster_route = route

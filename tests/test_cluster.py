@@ -186,11 +186,11 @@ def test_bad_cluster_settings_are_refused(cluster_server, redis_server, wire):
     decoding = cluster_server.async_client(decode_responses=True)
     with pytest.raises(ClientConfigError, match="decode_responses=True"):
         TensorDictStore(client=decoding, batch_size=[2])
-    with pytest.raises(ClientConfigError, match="only database 0"):
-        TensorDictStore(db=1, batch_size=[2], **cluster_server.connection_kwargs())
-    with pytest.raises(ClientConfigError, match=r"cluster_nodes must be a list of \(host, port\)"):
-        TensorDictStore(cluster_nodes=[("127.0.0.1",)], batch_size=[2])
-    with pytest.raises(ClientConfigError, match="cluster_nodes is empty"):
+    with pytest.raises(ClientConfigError, match=r"TensorDictStore\(td_id='t1'\) is on a Redis Cluster, .* db=1"):
+        TensorDictStore(db=1, td_id="t1", batch_size=[2], **cluster_server.connection_kwargs())
+    with pytest.raises(ClientConfigError, match=r"cluster_nodes of TensorDictStore\(td_id='t2'\) must be a list of"):
+        TensorDictStore(cluster_nodes=[("127.0.0.1",)], td_id="t2", batch_size=[2])
+    with pytest.raises(ClientConfigError, match="cluster_nodes of .* is empty"):
         TensorDictStore(cluster_nodes=[], batch_size=[2])
     single = [(redis_server.host, redis_server.port)]
     with pytest.raises(ClientConfigError, match="is not a Redis Cluster node"):
