@@ -31,6 +31,10 @@ ARGV[9]   optional: the lifetime of a new store in ms (a positive decimal of at 
           digits), or "" for none; only read when ARGV[1] is "new". Every key of the store
           then expires at that time (see expire.lua; meta fields "exp" and "ttl").
 
+The meta field "ne" counts the registry's fields, so that a reader can tell a registry
+that was evicted (or deleted by hand) from a store with no entries. A store created before
+the field existed has none and keeps none.
+
 A store with an expiry (meta field "exp") gives every key this script creates or renames
 into place that same expiry, so that the whole store expires at once.
 
@@ -99,7 +103,7 @@ local function op_error(op)
   return nil
 end
 -- the counters and the expiry are owned by the scripts: a meta update must not overwrite them
-for _, reserved in ipairs({'lv', 'fmt', 'exp', 'ttl'}) do
+for _, reserved in ipairs({'lv', 'fmt', 'exp', 'ttl', 'ne'}) do
   if meta_updates[reserved] ~= nil then
     drop_tmps()
     return fail('TDS_BADARG', 'meta field ' .. reserved .. ' cannot be set')
@@ -161,7 +165,7 @@ end
 -- exp: the absolute expiry (ms, server clock) every key of the store shares, or false
 local exp = false
 if expected == 'new' then
-  rcall('HSET', meta_key, 'lv', ARGV[8] or '0', 'fmt', ARGV[6], 'lock', '0')
+  rcall('HSET', meta_key, 'lv', ARGV[8] or '0', 'fmt', ARGV[6], 'lock', '0', 'ne', '0')
   if (ARGV[9] or '') ~= '' then
     local now = rcall('TIME')
     exp = int_str(tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[9]))
@@ -175,6 +179,14 @@ end
 for field, value in pairs(meta_updates) do
   rcall('HSET', meta_key, field, value)
 end
+-- ne: the change in the number of registry fields
+local ne = 0
+local function reg_set(field, value)
+  ne = ne + rcall('HSET', reg_key, field, value)
+end
+local function reg_del(field)
+  ne = ne - rcall('HDEL', reg_key, field)
+end
 for _, op in ipairs(ops) do
   local kind = op.op
   if kind == 'put' then
@@ -183,7 +195,7 @@ for _, op in ipairs(ops) do
     -- tmp keys carry a TTL so that an abandoned one expires; the entry must not, or
     -- must expire with its store
     if exp then rcall('PEXPIREAT', dst, exp) else rcall('PERSIST', dst) end
-    rcall('HSET', reg_key, op.f, op.m)
+    reg_set(op.f, op.m)
   elseif kind == 'zero' then
     local dst = key_at(op, 'dst')
     local n = tonumber(op.n)
@@ -194,22 +206,25 @@ for _, op in ipairs(ops) do
       rcall('SET', dst, '')
     end
     if exp then rcall('PEXPIREAT', dst, exp) end
-    rcall('HSET', reg_key, op.f, op.m)
+    reg_set(op.f, op.m)
   elseif kind == 'del' then
-    rcall('HDEL', reg_key, op.f)
+    reg_del(op.f)
     local dst = key_at(op, 'dst')
     if dst then rcall('DEL', dst) end
   elseif kind == 'node' then
-    rcall('HSET', reg_key, op.f, op.m)
+    reg_set(op.f, op.m)
   elseif kind == 'move' then
     local src, dst = key_at(op, 'src'), key_at(op, 'dst')
     if rcall('EXISTS', src) == 1 then
       rcall('RENAME', src, dst)
       if exp then rcall('PEXPIREAT', dst, exp) end
     end
-    rcall('HDEL', reg_key, op.f)
-    rcall('HSET', reg_key, op.t, op.m)
+    reg_del(op.f)
+    reg_set(op.t, op.m)
   end
+end
+if ne ~= 0 and (expected == 'new' or rcall('HGET', meta_key, 'ne')) then
+  rcall('HINCRBY', meta_key, 'ne', ne)
 end
 if #ops > 0 then
   rcall('INCR', wv_key)

@@ -57,6 +57,22 @@ class Layout:
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
+#: Meta hash fields that only the scripts write (commit.lua refuses them as metadata updates).
+SCRIPT_META_FIELDS = frozenset({"lv", "fmt", "lock", "ne", "exp", "ttl"})
+
+
+def registry_lost(layout: Layout) -> bool:
+    """True when the meta hash counts more registry fields than the registry holds.
+
+    A hash is evicted (or deleted by hand) as a whole, so an entry count kept in the meta
+    hash (``ne``, maintained by every step that adds or removes a registry field) tells a
+    store with no entries from one whose registry is gone. Stores written before the count
+    existed have no ``ne`` and are never reported.
+    """
+    count = layout.meta.get("ne")
+    return count is not None and count.isdigit() and int(count) != len(layout.entries)
+
+
 def _s(value: bytes | str | None) -> str | None:
     if value is None:
         return None
@@ -488,7 +504,7 @@ async def write_runs_watched(
     nt_keys = [keys.data(path) for path, _ in nontensor]
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(keys.meta, *nt_keys)
-        lv, lock, exp = await pipe.hmget(keys.meta, ["lv", "lock", "exp"])
+        lv, lock, exp, count = await pipe.hmget(keys.meta, ["lv", "lock", "exp", "ne"])
         if lv is None:
             raise StoreNotFoundError(f"no store at {keys.meta}")
         if _s(lv) != expected:
@@ -551,6 +567,8 @@ async def write_runs_watched(
             if creates or nt_writes:
                 pipe.pexpireat(keys.reg, int(_s(exp)))
             pipe.pexpireat(keys.wv, int(_s(exp)))
+        if creates and count is not None:
+            pipe.hincrby(keys.meta, "ne", len(creates))  # the registry's field count (commit.lua)
         if layout_changed:
             pipe.hincrby(keys.meta, "lv", 1)
         try:

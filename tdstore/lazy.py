@@ -37,6 +37,7 @@ from tdstore._values import is_no_default, order_key
 from tdstore._views import StoreKeysView
 from tdstore.errors import (
     CorruptMetadataError,
+    DataLostError,
     EntryNotFoundError,
     FormatVersionError,
     SchemaError,
@@ -245,6 +246,12 @@ class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, StoreC
             raise CorruptMetadataError(f"lazy store {where} has a malformed batch size or stack dim") from None
         if not isinstance(bs, list) or not all(isinstance(d, int) and d >= 0 for d in bs) or not 0 <= s < len(bs):
             raise CorruptMetadataError(f"lazy store {where} has batch size {bs!r} and stack dim {s!r}")
+        if _backend.registry_lost(layout):
+            raise DataLostError(
+                f"the entry registry of lazy store {where} is gone from the server (evicted under a "
+                f"maxmemory policy, or deleted by hand): it held {layout.meta['ne']} entries, "
+                f"{len(layout.entries)} remain"
+            )
         n = bs[s]
         for path, meta in layout.entries.items():
             plan.check_lazy_meta(path, meta, n, where)
@@ -462,7 +469,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, StoreC
                 continue
             except StoreNotFoundError:
                 return
-            self._cleared_meta = {k: v for k, v in layout.meta.items() if k not in ("lv", "fmt", "lock")}
+            self._cleared_meta = {k: v for k, v in layout.meta.items() if k not in _backend.SCRIPT_META_FIELDS}
             conn.layout = None
             return
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")

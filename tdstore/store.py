@@ -37,6 +37,7 @@ from tdstore._unsupported import StoreUnsupported
 from tdstore._values import NO_DEFAULT, is_no_default
 from tdstore._views import StoreKeysView
 from tdstore.errors import (
+    DataLostError,
     EntryNotFoundError,
     FormatVersionError,
     SchemaError,
@@ -265,6 +266,12 @@ class TensorDictStore(
             raise UnsupportedOperationError(
                 f"store {self._where()} is not a TensorDictStore (kind {kind!r}"
                 f"{', a LazyStackedTensorDictStore' if kind == 'lazy' else ''}); {hint}"
+            )
+        if _backend.registry_lost(layout):
+            raise DataLostError(
+                f"the entry registry of {self._where()} is gone from the server (evicted under a "
+                f"maxmemory policy, or deleted by hand): it held {layout.meta['ne']} entries, "
+                f"{len(layout.entries)} remain"
             )
         for path, meta in layout.entries.items():
             _values.check_meta(path, meta, self._where())

@@ -72,3 +72,31 @@ def test_evicted_data_is_never_returned_as_garbage(kind, request):
             store.close()
         record(request, stores=len(stores), intact_reads=intact, lost_reported=lost, garbage_reads=garbage)
         assert garbage == 0 and lost > 0  # eviction happened, and was reported every time
+
+
+def test_a_lost_registry_is_reported_not_taken_for_an_empty_store(server):
+    """The meta hash counts the registry's entries, so a registry evicted as a whole (or
+    deleted by hand) raises DataLostError instead of looking like a store with no keys."""
+    kw = server.connection_kwargs()
+    store = TensorDictStore(batch_size=[4], **kw)
+    store["a"] = torch.ones(4)
+    store.set(("n", "b"), torch.zeros(4, 2))
+    store[1:3] = TensorDict(c=torch.full((2,), 7.0), batch_size=[2])  # created through an index
+    assert set(store.keys(include_nested=True, leaves_only=True)) == {"a", ("n", "b"), "c"}
+    store.del_("a")
+    client = server.sync_client()
+    assert client.hget(store._conn.keys.meta, "ne") == str(client.hlen(store._conn.keys.reg)).encode() == b"3"
+
+    emptied = TensorDictStore(batch_size=[2], **kw)
+    emptied["x"] = torch.ones(2)
+    emptied.del_("x")  # every entry deleted: an empty store, not a lost one
+    assert list(TensorDictStore.from_store(td_id=emptied.td_id, **kw).keys()) == []
+
+    client.delete(store._conn.keys.reg)
+    with pytest.raises(tdstore.DataLostError, match=rf"registry of .*{store.td_id}.* held 3 entries, 0 remain"):
+        TensorDictStore.from_store(td_id=store.td_id, **kw)
+    with pytest.raises(tdstore.DataLostError):
+        store._conn.layout = None  # the next read refreshes the layout, as after another writer's change
+        store["c"]
+    for handle in (store, emptied):
+        handle.close()

@@ -183,7 +183,7 @@ class TestCommitLifetime:
         argv = commit_argv("new", meta={"bs": "[4]"}, ops=ops, first="0") + ["60000"]
         assert r.run("commit", keys, argv, lua_version) == 1
         exp = str(NOW + 60000).encode()
-        meta = {b"lv": b"1", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]", b"exp": exp, b"ttl": b"60000"}
+        meta = {b"lv": b"1", b"fmt": b"1", b"lock": b"0", b"bs": b"[4]", b"exp": exp, b"ttl": b"60000", b"ne": b"3"}
         assert state(r)[META] == meta
         assert set(state(r)) == {META, REG, WV, D("a"), D("z")}
         assert ttls(r) == {key: 60000 for key in (META, REG, WV, D("a"), D("z"))}

@@ -231,7 +231,7 @@ class TestCommitCreate:
         result = r.run("commit", keys, commit_argv("new", meta={"bs": "[4]", "dev": "cpu"}, ops=ops, fmt="7"), lua_version)
         assert result == 1 and type(result) is int
         assert state(r) == {
-            META: {b"lv": b"1", b"fmt": b"7", b"lock": b"0", b"bs": b"[4]", b"dev": b"cpu"},
+            META: {b"lv": b"1", b"fmt": b"7", b"lock": b"0", b"bs": b"[4]", b"dev": b"cpu", b"ne": b"3"},
             REG: {b"a": M("a").encode(), b"z": M("z").encode(), b"n": b'{"k":"td"}'},
             WV: b"1",
             D("a"): b"\x00\x01payload\xff",
@@ -241,7 +241,7 @@ class TestCommitCreate:
 
     def test_new_store_without_bump_is_version_0(self, r: LuaRedis, lua_version: str) -> None:
         assert r.run("commit", CK, commit_argv("new", bump="0"), lua_version) == 0
-        assert state(r) == {META: {b"lv": b"0", b"fmt": b"1", b"lock": b"0"}}
+        assert state(r) == {META: {b"lv": b"0", b"fmt": b"1", b"lock": b"0", b"ne": b"0"}}
 
     def test_new_on_existing_store(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"old"}, wv="4")
@@ -273,14 +273,14 @@ class TestCommitFirstVersion:
     def test_set(self, r: LuaRedis, lua_version: str, first: str, bump: str) -> None:
         result = r.run("commit", CK, commit_argv("new", bump=bump, first=first), lua_version)
         assert result == int(first) + int(bump) and type(result) is int
-        assert state(r) == {META: {b"lv": str(result).encode(), b"fmt": b"1", b"lock": b"0"}}
+        assert state(r) == {META: {b"lv": str(result).encode(), b"fmt": b"1", b"lock": b"0", b"ne": b"0"}}
 
     def test_set_with_ops(self, r: LuaRedis, lua_version: str) -> None:
         tmp = set_tmp(r, "1", b"abc")
         argv = commit_argv("new", ops=[put("a", 4, 5)], meta={"bs": "[3]"}, first="123456")
         assert r.run("commit", [*CK, tmp, D("a")], argv, lua_version) == 123457
         assert state(r) == {
-            META: {b"lv": b"123457", b"fmt": b"1", b"lock": b"0", b"bs": b"[3]"},
+            META: {b"lv": b"123457", b"fmt": b"1", b"lock": b"0", b"bs": b"[3]", b"ne": b"1"},
             REG: {b"a": M("a").encode()},
             WV: b"1",
             D("a"): b"abc",
@@ -409,6 +409,44 @@ class TestCommitZero:
         r.run("commit", [*CK, D("big")], commit_argv(ops=[zero("big", 4, n)]), lua_version)
         assert r.commands("SETRANGE") == [(D("big"), b"3000000000", b"\0")]
         assert r.data[D("big")] == VirtualString(n, [(3_000_000_000, b"\0")])
+
+
+class TestCommitEntryCount:
+    """Meta field "ne": the number of registry fields, kept by every op that adds or removes one."""
+
+    def _with_count(self, r: LuaRedis, **kw: Any) -> None:
+        make_store(r, **kw)
+        r.data[META][b"ne"] = str(len(r.data.get(REG, {}))).encode()
+
+    def test_ops_keep_the_count(self, r: LuaRedis, lua_version: str) -> None:
+        self._with_count(r, entries={"a": b"aaa", "b": b"bbb"}, nodes=("n",))
+        assert r.data[META][b"ne"] == b"3"
+        tmp = set_tmp(r, "1", b"new")
+        ops = [
+            {"op": "del", "f": "a", "dst": "4"},  # -1
+            put("b", 6, 5),  # replaces an existing field: 0
+            zero("z", 7, "2"),  # +1
+            {"op": "move", "f": "z", "t": "y", "m": M("y"), "src": "7", "dst": "8"},  # 0
+            {"op": "del", "f": "nope"},  # not registered: 0
+        ]
+        r.run("commit", [*CK, D("a"), D("b"), tmp, D("z"), D("y")], commit_argv(ops=ops), lua_version)
+        assert set(r.data[REG]) == {b"b", b"y", b"n"}
+        assert r.data[META][b"ne"] == str(len(r.data[REG])).encode() == b"3"
+
+    def test_deleting_every_entry_counts_zero(self, r: LuaRedis, lua_version: str) -> None:
+        self._with_count(r, entries={"a": b"aaa"})
+        r.run("commit", [*CK, D("a")], commit_argv(ops=[{"op": "del", "f": "a", "dst": "4"}]), lua_version)
+        assert REG not in r.data and r.data[META][b"ne"] == b"0"
+
+    def test_a_store_without_the_count_gets_none(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"aaa"})
+        r.run("commit", [*CK, D("z")], commit_argv(ops=[zero("z", 4, "2")]), lua_version)
+        assert b"ne" not in r.data[META]
+
+    def test_the_count_cannot_be_set_as_metadata(self, r: LuaRedis, lua_version: str) -> None:
+        self._with_count(r, entries={"a": b"aaa"})
+        expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(meta={"ne": "0"}), lua_version)
+        assert r.data[META][b"ne"] == b"1"
 
 
 class TestCommitDelNodeMove:
