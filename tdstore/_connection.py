@@ -451,8 +451,9 @@ class Connection:
             f"{what} {path!r} of {where} needs {nbytes} bytes, more than the server's "
             f"proto-max-bulk-len of {limit} bytes for one string. Nothing was written ({_mib(nbytes)} > "
             f"{_mib(limit)} on {self.describe()}). Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
-            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split the entry "
-            "into row blocks with chunk_bytes= (chunked entries)."
+            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split the buffer "
+            "into row blocks that each fit in one string with tdstore.ShardedStore(block_rows=...) "
+            "(see docs/deployment.md)."
         )
 
     @property

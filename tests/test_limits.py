@@ -70,7 +70,7 @@ def _check_message(err: BaseException, key: str, nbytes: int) -> None:
     assert f"{nbytes} bytes" in text, text
     assert f"proto-max-bulk-len of {LIMIT} bytes" in text, text
     assert "CONFIG SET proto-max-bulk-len" in text, text  # fix 1: raise the limit on the server
-    assert "chunk_bytes= (chunked entries)" in text, text  # fix 2: the chunked layout
+    assert "tdstore.ShardedStore(block_rows=...)" in text, text  # fix 2: row blocks, one string each
     assert "Nothing was written" in text, text
 
 
@@ -172,7 +172,7 @@ def test_non_tensor_entry(make, limited, wire):
     before = wire(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
         store["text"] = NonTensorData("x" * (2 * LIMIT))
-    assert "'text'" in str(info.value) and "chunk_bytes=" in str(info.value)
+    assert "'text'" in str(info.value) and "ShardedStore" in str(info.value)
     assert wire(limited) == before
     _assert_still_usable(store)
 
