@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import redis.exceptions
 
+from tdstore import _large
 from tdstore._keys import StoreKeys, decode_path, encode_path
 from tdstore._scripts import ScriptRunner, get_script
 from tdstore.errors import PartialWriteError, translate_response_error
@@ -30,6 +32,7 @@ __all__ = [
     "read_layout_version",
     "read_entries",
     "read_runs",
+    "read_runs_direct",
     "commit",
     "write_runs",
     "clear",
@@ -145,14 +148,50 @@ async def read_layout_version(client: Any, keys: StoreKeys) -> int | None:
 
 
 async def read_entries(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False
+    client: Any,
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool = False,
+    *,
+    large: Mapping[tuple[str, ...], int] | None = None,
+    device: Any = None,
 ) -> tuple[int | None, list[Any], list[Any], Layout | None]:
     """Reads entries whole, with their metadata, in one snapshot.
+
+    ``large``: the byte size the caller expects of some tensor entries (from its cached
+    layout). Those of at least :data:`tdstore._large.READ_MIN` bytes are read in pieces
+    into preallocated tensors (pinned when ``device`` is CUDA), still as one snapshot
+    (see :func:`tdstore._large.read_pieces`); their "bytes" are then flat uint8 tensors.
 
     Returns:
         (layout version, raw registry metadata per path (None when absent), bytes per
         path (None when absent), the full layout when ``with_layout``).
     """
+    big = {p: n for p, n in (large or {}).items() if n >= _large.READ_MIN and p in paths}
+    if big and _large.streams(client):
+        for _ in range(_LARGE_TRIES):
+            got = await _read_entries_once(client, keys, paths, with_layout, big, device)
+            if got is not None:
+                return got
+    got = await _read_entries_once(client, keys, paths, with_layout, {}, device)
+    assert got is not None
+    return got
+
+
+#: Reads in pieces tried before falling back to one MULTI (writes kept coming in between).
+_LARGE_TRIES = 3
+
+
+async def _read_entries_once(
+    client: Any,
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool,
+    big: Mapping[tuple[str, ...], int],
+    device: Any,
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
+    """One try of :func:`read_entries`; None when a large entry changed meanwhile."""
+
     def build(pipe: Any) -> None:
         if with_layout:
             pipe.hgetall(keys.meta)
@@ -163,7 +202,12 @@ async def read_entries(
             if paths:
                 pipe.hmget(keys.reg, [encode_path(p) for p in paths])
         for path in paths:
-            pipe.get(keys.data(path))
+            if path in big:
+                pipe.strlen(keys.data(path))  # read below, in pieces
+            else:
+                pipe.get(keys.data(path))
+        if big and not with_layout:
+            pipe.get(keys.wv)
 
     replies = await read_snapshot(client, keys, build)
     _raise_first_error(replies)
@@ -173,10 +217,31 @@ async def read_entries(
             layout.wv = _s(replies[2]) or "0"
         lv = None if layout is None else layout.lv
         metas = [None if layout is None else layout.entries.get(p) for p in paths]
-        return lv, metas, replies[3:], layout
-    lv = None if replies[0] is None else int(replies[0])
-    metas = [json.loads(m) if m is not None else None for m in replies[1]] if paths else []
-    return lv, metas, replies[2:], None
+        blobs, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
+    else:
+        lv = None if replies[0] is None else int(replies[0])
+        metas = [json.loads(m) if m is not None else None for m in replies[1]] if paths else []
+        layout = None
+        blobs = replies[2:] if not big else replies[2:-1]
+        wv, lv_raw = (replies[-1] if big else None), replies[0]
+    if big and lv is not None:
+        from tdstore import _codec
+
+        pieces: list[tuple[tuple[str, ...], Any]] = []
+        for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
+            if path not in big:
+                continue
+            size = big[path]
+            if (
+                not isinstance(meta, dict) or meta.get("k") != "t" or blobs[i] != size
+                or _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])) != size
+            ):
+                return None  # not the entry the caller expected (or it is gone): read it whole
+            blobs[i] = _large.empty_buffer(size, device)
+            pieces.append((path, blobs[i]))
+        if not await _large.read_pieces(client, keys, pieces, wv, lv_raw):
+            return None
+    return lv, metas, list(blobs), layout
 
 
 async def read_runs(
@@ -197,34 +262,25 @@ async def read_runs(
         (layout version, list of run bytes per entry).
     """
     gathers = list(gathers) if gathers is not None else [None] * len(plans)
-    nruns = sum(len(runs) for _, runs in plans)
-    if nruns == 1 and not any(gathers):
-        # One run: one script call returns the version with the bytes (cheaper for the
-        # client than a MULTI of two commands).
-        which = next(i for i, (_, runs) in enumerate(plans) if runs)
-        path, ((offset, length),) = plans[which][0], plans[which][1]
-        last = -1 if length is None else offset + length - 1
-        if length is not None and length <= READ_ONE_MAX:
-            lv, data = await runner.call(client, "read_one", [keys.meta, keys.data(path)], [str(offset), str(last)])
+    one = _single_run(keys, plans, gathers)
+    if one is not None:
+        which, data_key, offset, last, small = one
+        if small:
+            # One run: one script call returns the version with the bytes (cheaper for the
+            # client than a MULTI of two commands).
+            lv, data = await runner.call(client, "read_one", [keys.meta, data_key], [str(offset), str(last)])
         else:
             # large: Lua would copy the bytes; the version is read after them instead, and
             # it only grows, so if it is the planned one no layout change came before
             async with client.pipeline(transaction=False) as pipe:
-                pipe.getrange(keys.data(path), offset, last)
+                pipe.getrange(data_key, offset, last)
                 pipe.hget(keys.meta, "lv")
                 data, lv = await _exec(pipe)
             _raise_first_error([data, lv])
         return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+
     def build(pipe: Any) -> None:
-        pipe.hget(keys.meta, "lv")
-        for (path, runs), gather in zip(plans, gathers):
-            data_key = keys.data(path)
-            if gather is not None:
-                runner.queue(pipe, "gather", [data_key], [str(gather[0]), gather[1]])
-                continue
-            for offset, length in runs:
-                # length None reads the whole string (non-tensor entries)
-                pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
+        _queue_runs(pipe, keys, runner, plans, gathers)
 
     for attempt in range(2):
         replies = await read_snapshot(client, keys, build)
@@ -233,10 +289,85 @@ async def read_runs(
             continue
         break
     _raise_first_error(replies)
+    return _split_runs(replies, plans, gathers)
+
+
+def read_runs_direct(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None],
+) -> tuple[int | None, list[list[bytes]]]:
+    """:func:`read_runs` on a blocking ``redis.Redis`` (see ``Connection.read``): the same commands.
+
+    Anything unusual (a script the server forgot, a MULTI refused over maxmemory) raises,
+    and the caller reads again through :func:`read_runs`, which deals with it.
+    """
+    one = _single_run(keys, plans, gathers)
+    if one is not None:
+        which, data_key, offset, last, small = one
+        if small:
+            lv, data = client.evalsha(runner.sha("read_one"), 2, keys.meta, data_key, str(offset), str(last))
+        else:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.getrange(data_key, offset, last)
+                pipe.hget(keys.meta, "lv")
+                data, lv = pipe.execute(raise_on_error=False)
+            _raise_first_error([data, lv])
+        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+    with client.pipeline(transaction=True) as pipe:
+        _queue_runs(pipe, keys, runner, plans, gathers)
+        replies = pipe.execute(raise_on_error=False)
+    _raise_first_error(replies)
+    return _split_runs(replies, plans, gathers)
+
+
+def _single_run(
+    keys: StoreKeys,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]], gathers: Sequence[Any]
+) -> tuple[int, str, int, int, bool] | None:
+    """``(plan index, data key, first byte, last byte, small)`` when the plans read one run, else None."""
+    which = -1
+    for i, (_, runs) in enumerate(plans):
+        if gathers[i] is not None or len(runs) > 1 or (runs and which >= 0):
+            return None
+        if runs:
+            which = i
+    if which < 0:
+        return None
+    path, ((offset, length),) = plans[which]
+    last = -1 if length is None else offset + length - 1
+    return which, keys.data(path), offset, last, length is not None and length <= READ_ONE_MAX
+
+
+def _queue_runs(
+    pipe: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None],
+) -> None:
+    pipe.hget(keys.meta, "lv")
+    for (path, runs), gather in zip(plans, gathers, strict=True):
+        data_key = keys.data(path)
+        if gather is not None:
+            runner.queue(pipe, "gather", [data_key], [str(gather[0]), gather[1]])
+            continue
+        for offset, length in runs:
+            # length None reads the whole string (non-tensor entries)
+            pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
+
+
+def _split_runs(
+    replies: list[Any],
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None],
+) -> tuple[int | None, list[list[bytes]]]:
     lv = None if replies[0] is None else int(replies[0])
     out: list[list[bytes]] = []
     pos = 1
-    for (_, runs), gather in zip(plans, gathers):
+    for (_, runs), gather in zip(plans, gathers, strict=True):
         if gather is not None:
             out.append([replies[pos]])
             pos += 1
@@ -286,6 +417,10 @@ def _raise_first_error(replies: list[Any]) -> None:
             raise exc from (reply if exc is not reply else None)
         if isinstance(reply, Exception):
             raise reply
+
+
+def _nbytes(payload: Any) -> int:
+    return payload.nbytes if isinstance(payload, memoryview) else len(payload) if isinstance(payload, bytes) else 0
 
 
 @dataclass
@@ -391,7 +526,8 @@ async def commit(
             for tmp, payload in tmp_payloads:
                 pipe.set(tmp, payload, px=TMP_TTL_MS)
             runner.queue(pipe, "commit", key_list, args)
-            replies = await _exec(pipe)
+            async with _large.streamed(pipe, sum(_nbytes(p) for _, p in tmp_payloads)):
+                replies = await _exec(pipe)
         result = replies[-1]
         if isinstance(result, redis.exceptions.NoScriptError) and attempt == 0:
             # the SETs ran: remove the tmp keys now rather than wait for their TTL
@@ -572,7 +708,8 @@ async def write_runs_watched(
         if layout_changed:
             pipe.hincrby(keys.meta, "lv", 1)
         try:
-            replies = await pipe.execute(raise_on_error=False)
+            async with _large.streamed(pipe, sum(_nbytes(p) for _, _, p in groups)):
+                replies = await pipe.execute(raise_on_error=False)
         except redis.exceptions.WatchError:
             raise StaleLayoutError("the layout changed during an indexed write") from None
     _raise_first_error(replies)

@@ -109,7 +109,7 @@ def tensor_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 
 
 def tensor_from_reply(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | torch.Tensor,
     dtype: torch.dtype,
     shape: tuple[int, ...] | torch.Size,
     *,
@@ -125,6 +125,11 @@ def tensor_from_reply(
             server, such as fakeredis, may hand out its own stored object) it is copied.
     """
     expected = tensor_nbytes(shape, dtype)
+    if isinstance(data, torch.Tensor):  # read in pieces into a fresh flat uint8 buffer (tdstore._large)
+        if data.numel() != expected:
+            raise ValueError(f"expected {expected} bytes for {dtype} {list(shape)}, got {data.numel()}")
+        flat = data if dtype == torch.uint8 else data.view(dtype)
+        return flat.reshape(tuple(shape))
     if len(data) != expected:
         raise ValueError(f"expected {expected} bytes for {dtype} {list(shape)}, got {len(data)}")
     if expected == 0:

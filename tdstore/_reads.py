@@ -15,7 +15,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tdstore import _backend, _codec, _io, _transfer, _values
-from tdstore._indexing import RowSpans, consumed_dims, normalize_index, select_rows
+from tdstore._indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
 from tdstore._keys import as_path as _as_path
 from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
 
@@ -25,13 +25,31 @@ _MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
 
 
+def _large_sizes(layout: _backend.Layout, paths: list[tuple[str, ...]]) -> dict[tuple[str, ...], int]:
+    """The byte size of each tensor entry among ``paths`` as the cached layout tells it."""
+    out = {}
+    for path in paths:
+        meta = layout.entries.get(path)
+        if meta is not None and meta.get("k") == "t":
+            try:
+                out[path] = _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
+            except (KeyError, TypeError, ValueError):
+                continue  # malformed: the read reports it
+    return out
+
+
 class StoreReads:
     """Read methods of :class:`~tdstore.TensorDictStore`."""
 
     def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
-            lv, metas, blobs, _ = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths))
+            # hints only, without I/O: a stale or missing cached layout just reads whole
+            large = _large_sizes(conn.layout, paths) if conn.layout is not None else {}
+            device = self._cached_device()
+            lv, metas, blobs, _ = conn.run(
+                lambda c, large=large: _backend.read_entries(c, conn.keys, paths, large=large, device=device)
+            )
             if lv is None:
                 raise self._not_found()
             layout = self._layout()
@@ -59,6 +77,17 @@ class StoreReads:
                 )
             return out
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+    def _cached_device(self) -> torch.device | None:
+        """The store's device as known without I/O (for pinned read buffers); None when unknown."""
+        if self._device_override is not None:
+            return self._device_override
+        layout = self._conn.layout
+        dev = layout.meta.get("device") if layout is not None else None
+        try:
+            return torch.device(dev) if dev else None
+        except (RuntimeError, TypeError):
+            return None
 
     def to_tensordict(self, *, retain_none: bool | None = None, progress: bool | None = None) -> TensorDict:
         """Reads the whole store (or nested sub-store) into memory, in one consistent snapshot.
@@ -96,8 +125,12 @@ class StoreReads:
                         continue
                     snap, blobs = got
                 else:
+                    large = _large_sizes(layout, paths)
+                    device = self._cached_device()
                     _, _, blobs, snap = conn.run(
-                        lambda c, paths=paths: _backend.read_entries(c, conn.keys, paths, with_layout=True)
+                        lambda c, paths=paths, large=large, device=device: _backend.read_entries(
+                            c, conn.keys, paths, with_layout=True, large=large, device=device
+                        )
                     )
                 if snap is None:
                     raise self._not_found()
@@ -207,52 +240,79 @@ class StoreReads:
             f"other writers; gave up after {_MAX_CAS_RETRIES} tries"
         )
 
+    def _read_plan(self, layout: _backend.Layout, only: tuple[str, ...] | None, nb: int) -> list[tuple[Any, ...]]:
+        """Per entry read by an index: ``(path, meta, dtype, feature shape, row bytes)``; memoized per layout.
+
+        Tensor entries only carry dtype, feature shape and row bytes (None for non-tensor ones).
+        """
+        key = ("read_plan", self._path, only, nb)
+        plan = layout.memo.get(key)
+        if plan is not None:
+            return plan
+        items = [(only, layout.entries[only])] if only is not None else self._descendants(layout, self._path)
+        plan = []
+        for path, meta in items:
+            if meta["k"] == "t":
+                dtype = _codec.dtype_from_name(meta["dtype"])
+                feat = tuple(meta["shape"][nb:])
+                plan.append((path, meta, dtype, feat, _codec.tensor_nbytes(feat, dtype)))
+            elif meta["k"] == "nt":
+                plan.append((path, meta, None, None, None))
+        layout.memo[key] = plan
+        return plan
+
     def _read_index(self, index: Any, only: tuple[str, ...] | None = None) -> Any:
         conn = self._conn
         index = normalize_index(index)
-        for attempt in range(_MAX_RETRIES):
+        device = self.device
+        for _attempt in range(_MAX_RETRIES):
             layout = self._layout()
-            batch_size = torch.Size(self._node(layout)["batch_size"])
+            batch_size = self._node(layout)["batch_size"]
             if only is not None and layout.entries[only]["k"] == "t":
                 # get_at may index past the batch dims, into the entry's own dims
                 shape = layout.entries[only]["shape"]
-                batch_size = torch.Size(shape[: max(len(batch_size), consumed_dims(index, len(shape)))])
+                batch_size = shape[: max(len(batch_size), consumed_dims(index, len(shape)))]
             nb = len(batch_size)
-            rows = select_rows(index, batch_size)
-            new_bs = rows.shape
-            items = [(only, layout.entries[only])] if only is not None else self._descendants(layout, self._path)
+            block = contiguous_rows(index, batch_size)
+            if block is not None:
+                # an int or a slice over dim 0: one run of rows, no tensor index math
+                rows = None
+                spans = RowSpans.block(block[0], block[1])
+                nrows, new_bs = block[1], torch.Size(block[2])
+            else:
+                rows = select_rows(index, torch.Size(batch_size))
+                spans = RowSpans(rows)
+                nrows, new_bs = rows.numel(), rows.shape
+            plan = self._read_plan(layout, only, nb)
             plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
             gathers: list[tuple[int, str] | None] = []
             rows_arg: str | None = None
-            spans = RowSpans(rows)
-            nrows = rows.numel()
-            for path, meta in items:
-                if meta["k"] == "t":
-                    dtype = _codec.dtype_from_name(meta["dtype"])
-                    row_bytes = _codec.tensor_nbytes(tuple(meta["shape"][nb:]), dtype)
-                    if row_bytes and _backend.choose_read_rows(len(spans), nrows * row_bytes) == "gather":
-                        if rows_arg is None:
-                            rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
-                        plans.append((path, []))  # read by the gather script
-                        gathers.append((row_bytes, rows_arg))
-                    else:
-                        plans.append((path, spans.runs(row_bytes)))
-                        gathers.append(None)
-                elif meta["k"] == "nt":
+            for path, _meta, dtype, _feat, row_bytes in plan:
+                if dtype is None:
                     plans.append((path, [(0, None)]))
                     gathers.append(None)
-            lv, parts = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers))
+                elif row_bytes and rows is not None and _backend.choose_read_rows(len(spans), nrows * row_bytes) == "gather":
+                    if rows_arg is None:
+                        rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
+                    plans.append((path, []))  # read by the gather script
+                    gathers.append((row_bytes, rows_arg))
+                else:
+                    plans.append((path, spans.runs(row_bytes)))
+                    gathers.append(None)
+            lv, parts = conn.read(
+                lambda c, r: _backend.read_runs_direct(c, conn.keys, r, plans, gathers),
+                lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers),
+            )
             if lv is None:
                 raise self._not_found()
             if lv != layout.lv:
                 self._layout(refresh=True)
                 continue
             values: dict[tuple[str, ...], Any] = {}
-            for (path, _runs), chunks in zip(plans, parts):
-                meta = layout.entries[path]
-                if meta["k"] == "t":
-                    dtype = _codec.dtype_from_name(meta["dtype"])
-                    shape = tuple(new_bs) + tuple(meta["shape"][nb:])
+            lead = tuple(new_bs)
+            for (path, meta, dtype, feat, _row_bytes), chunks in zip(plan, parts, strict=True):
+                if dtype is not None:
+                    shape = lead + feat
                     owned = conn.owned_replies and len(chunks) == 1
                     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                     if len(data) != _codec.tensor_nbytes(shape, dtype):
@@ -261,32 +321,38 @@ class StoreReads:
                             "from the server (evicted under a maxmemory policy, or deleted by hand)"
                         )
                     tensor = _codec.tensor_from_reply(data, dtype, shape, owned=owned or len(chunks) > 1)
-                    if self.device is not None and self.device.type != "cpu":
-                        tensor = _values.to_device(tensor, self.device, path, self._where())
+                    if device is not None and device.type != "cpu":
+                        tensor = _values.to_device(tensor, device, path, self._where())
                     values[path] = tensor
                 else:
                     full = _values.decode_value(
                         path, meta, chunks[0], owner_batch_size=self._owner_batch_size(layout, path),
-                        device=self.device, owned=False, where=self._where(),
+                        device=device, owned=False, where=self._where(),
                         policy=self._conn.pickle_policy,
                     )
                     if isinstance(full, NonTensorStack):
                         values[path] = full[index]
                     else:
-                        values[path] = NonTensorData(data=full.data, batch_size=new_bs, device=self.device)
+                        values[path] = NonTensorData(data=full.data, batch_size=new_bs, device=device)
             if only is not None:
                 return values[only]
             return self._assemble(layout, new_bs, nb, values)
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during an indexed read")
 
     def _assemble(self, layout: _backend.Layout, new_bs: torch.Size, nb: int, values: dict[tuple[str, ...], Any]) -> TensorDict:
+        """The TensorDict of an indexed read, built without per-key validation (shapes are known)."""
         n = len(self._path)
-        out = TensorDict(batch_size=new_bs, device=self.device)
+        device = self.device
+        out = TensorDict._new_unsafe(batch_size=new_bs, device=device)
+        nodes: dict[tuple[str, ...], TensorDict] = {(): out}
+        # descendants come parents first (sorted by depth)
         for path, meta in self._descendants(layout, self._path):
             rel = path[n:]
+            parent = nodes[rel[:-1]]
             if meta["k"] == "td":
-                sub_bs = tuple(new_bs) + tuple(meta["batch_size"][nb:])
-                out._set_tuple(rel, TensorDict(batch_size=sub_bs, device=self.device), inplace=False, validated=True, non_blocking=False)
+                sub_bs = torch.Size(tuple(new_bs) + tuple(meta["batch_size"][nb:]))
+                sub = nodes[rel] = TensorDict._new_unsafe(batch_size=sub_bs, device=device)
+                parent._tensordict[rel[-1]] = sub
             else:
-                out._set_tuple(rel, values[path], inplace=False, validated=True, non_blocking=False)
+                parent._tensordict[rel[-1]] = values[path]
         return out

@@ -1,0 +1,204 @@
+"""Large entries: writes streamed from the tensor's memory, reads in pieces into a preallocated tensor.
+
+Both work on one redis-py connection of the client's pool, below the pipeline API, and only
+for connections that talk to a socket (redis-py's own classes; an in-process server such
+as fakeredis takes the ordinary path).
+
+* **Writes** (:func:`streamed`): redis-py 8.1 on Python 3.11 sends a command with
+  ``StreamWriter.writelines``, which joins every argument into one ``bytes`` (a copy of the
+  whole payload), and asyncio copies what the socket does not take at once twice more
+  (``data[n:]`` of that ``bytes``, then into the transport's buffer): three copies of a
+  1 GiB tensor in the client. While :func:`streamed` is active, the pipeline's connection
+  instead writes every large ``memoryview`` argument in :data:`WRITE_PIECE` slices,
+  waiting for the socket to drain after each one, so the client holds at most one slice
+  besides the tensor. The commands, their order and the MULTI/EXEC around them are the
+  pipeline's, unchanged: atomicity is the server's, as before.
+* **Reads** (:func:`read_pieces`): a GET reply is parsed whole by hiredis into its own
+  buffer and then copied into a ``bytes`` object (2x the entry at the peak). Large
+  entries are read instead as GETRANGE pieces of :data:`READ_PIECE` bytes, pipelined on
+  one connection, each piece copied into a preallocated tensor (pinned when the store's
+  device is CUDA) as it arrives and dropped. The pieces are followed, on the same
+  connection, by the store's write and layout versions: every write bumps one of them,
+  so if both are still those of the snapshot the entry sizes were read in, no write came
+  in between, and the pieces belong to that snapshot. Otherwise the caller reads again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import types
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import redis.exceptions
+import torch
+
+from tdstore._keys import StoreKeys
+
+__all__ = ["READ_MIN", "READ_PIECE", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "read_pieces", "empty_buffer"]
+
+#: Entries at least this large (bytes) are read in pieces (:func:`read_pieces`).
+READ_MIN = 32 * 1024 * 1024
+#: Bytes per GETRANGE piece: the client's peak is the entry plus about two pieces.
+READ_PIECE = 4 * 1024 * 1024
+#: ``memoryview`` arguments at least this large are written piece by piece (:func:`streamed`).
+WRITE_MIN = 1024 * 1024
+#: Bytes handed to the socket's transport at a time.
+WRITE_PIECE = 4 * 1024 * 1024
+
+
+def streams(client: Any) -> bool:
+    """Whether the client talks to a socket through redis-py's own connection classes."""
+    pool = getattr(client, "connection_pool", None)
+    cls = getattr(pool, "connection_class", None)
+    return cls is not None and cls.__module__.startswith("redis.")
+
+
+def empty_buffer(nbytes: int, device: torch.device | None) -> torch.Tensor:
+    """A flat uint8 tensor to read ``nbytes`` into; pinned when ``device`` is CUDA (and CUDA works here)."""
+    pin = device is not None and device.type == "cuda" and torch.cuda.is_available()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+# --------------------------------------------------------------------------- #
+# writes
+# --------------------------------------------------------------------------- #
+
+
+async def _send_streamed(self: Any, command: Any, check_health: bool = True) -> None:
+    """``send_packed_command`` of a redis-py connection, writing large memoryviews in slices."""
+    if not self.is_connected:
+        await self.connect_check_health(check_health=False)
+    if check_health:
+        await self.check_health()
+    if isinstance(command, str):
+        command = command.encode()
+    if isinstance(command, bytes):
+        command = [command]
+    writer = self._writer
+    timeout = self.socket_timeout
+    pending: list[Any] = []
+
+    async def drain() -> None:
+        if timeout:
+            await asyncio.wait_for(writer.drain(), timeout)
+        else:
+            await writer.drain()
+
+    try:
+        for item in command:
+            if isinstance(item, memoryview) and item.nbytes >= WRITE_MIN:
+                if pending:
+                    writer.write(b"".join(pending))
+                    pending = []
+                view = item.cast("B") if item.format != "B" or item.ndim != 1 else item
+                for offset in range(0, view.nbytes, WRITE_PIECE):
+                    writer.write(view[offset : offset + WRITE_PIECE])
+                    await drain()  # the transport holds at most one slice
+            else:
+                pending.append(item)
+        if pending:
+            writer.write(b"".join(pending))
+        await drain()
+    except asyncio.TimeoutError:
+        await self.disconnect(nowait=True)
+        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
+    except OSError as err:
+        await self.disconnect(nowait=True)
+        raise redis.exceptions.ConnectionError(f"Error while writing to socket: {err}") from err
+    except BaseException:
+        # a command cut short: the connection cannot be reused
+        await self.disconnect(nowait=True)
+        raise
+
+
+@contextlib.asynccontextmanager
+async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
+    """While active, ``pipe`` sends its large memoryview arguments in slices (see module doc).
+
+    ``nbytes``: the payload the pipeline carries; below :data:`WRITE_MIN` nothing changes.
+    The pipeline keeps its connection (``pipe.connection``), and releases it as usual.
+    """
+    if nbytes < WRITE_MIN or not streams(pipe):
+        yield
+        return
+    conn = pipe.connection
+    if conn is None:
+        conn = await pipe.connection_pool.get_connection()
+        pipe.connection = conn  # the pipeline's reset() gives it back to the pool
+    if not hasattr(conn, "_writer") or "send_packed_command" in vars(conn):
+        yield
+        return
+    conn.send_packed_command = types.MethodType(_send_streamed, conn)
+    try:
+        yield
+    finally:
+        vars(conn).pop("send_packed_command", None)
+
+
+# --------------------------------------------------------------------------- #
+# reads
+# --------------------------------------------------------------------------- #
+
+
+async def read_pieces(
+    client: Any,
+    keys: StoreKeys,
+    entries: Sequence[tuple[tuple[str, ...], torch.Tensor]],
+    wv: Any,
+    lv: Any,
+) -> bool:
+    """Reads each entry ``(path, flat uint8 buffer)`` into its buffer, in GETRANGE pieces.
+
+    ``wv``, ``lv``: the write and layout versions (raw replies) of the snapshot the entry
+    sizes come from. Returns True when both are unchanged after the last piece (the
+    buffers then hold that snapshot's bytes), False when a write came in between or a
+    piece came back short (the entry changed or is gone): the caller reads again.
+    """
+    commands: list[tuple[Any, ...]] = []
+    targets: list[tuple[torch.Tensor, int, int]] = []
+    for path, buf in entries:
+        key = keys.data(path)
+        size = buf.numel()
+        for offset in range(0, size, READ_PIECE):
+            end = min(offset + READ_PIECE, size)
+            commands.append(("GETRANGE", key, offset, end - 1))
+            targets.append((buf, offset, end))
+    commands.append(("GET", keys.wv))
+    commands.append(("HGET", keys.meta, "lv"))
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    clean = False
+    try:
+        await conn.send_packed_command(conn.pack_commands(commands))
+        complete = True
+        error: BaseException | None = None
+        for buf, offset, end in targets:
+            try:
+                piece = await conn.read_response()
+            except redis.exceptions.ResponseError as err:
+                error = error or err  # read every reply before raising: the connection stays usable
+                continue
+            if not complete or len(piece) != end - offset:
+                complete = False
+                continue
+            buf[offset:end] = torch.frombuffer(piece, dtype=torch.uint8)
+            del piece
+        wv_now = await conn.read_response()
+        lv_now = await conn.read_response()
+        clean = True
+    finally:
+        if not clean:
+            await conn.disconnect()  # replies may be left unread on it
+        await pool.release(conn)
+    if error is not None:
+        raise error
+    return complete and wv_now == wv and lv_now is not None and _same(lv_now, lv)
+
+
+def _same(a: Any, b: Any) -> bool:
+    def norm(x: Any) -> bytes:
+        return x if isinstance(x, bytes) else str(x).encode()
+
+    return norm(a) == norm(b)

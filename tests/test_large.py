@@ -1,0 +1,294 @@
+"""Large entries (issue 6, item 3): streamed writes, reads in pieces into a preallocated tensor.
+
+The piece sizes of :mod:`tdstore._large` are lowered in most tests (``small_pieces``) so that
+small entries take the large-entry paths; two tests use the real sizes and check the
+client's peak memory in a fresh process. Reads in pieces must keep the snapshot guarantee:
+a write between the snapshot and the last piece makes the read start again, and a
+concurrent writer never produces a torn read (violation count 0).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _counts import record
+
+from tdstore import TensorDictStore, _backend, _large
+from tdstore._codec import DTYPE_BY_NAME
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Entries of 100 bytes and more take the large-entry paths, in pieces of 48 / 40 bytes."""
+    monkeypatch.setattr(_large, "READ_MIN", 100)
+    monkeypatch.setattr(_large, "READ_PIECE", 48)
+    monkeypatch.setattr(_large, "WRITE_MIN", 100)
+    monkeypatch.setattr(_large, "WRITE_PIECE", 40)
+
+
+@pytest.fixture
+def stores():
+    """``stores(handle, **kwargs)`` creates a store on that server; all are removed at the end."""
+    created = []
+
+    def factory(handle, **kwargs):
+        store = TensorDictStore(**handle.connection_kwargs(), **kwargs)
+        created.append(store)
+        return store
+
+    yield factory
+    for store in created:
+        store.clear_redis()
+        store.close()
+
+
+def _count_calls(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    async def wrapper(*args, **kwargs):
+        calls.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8", "int64", "bool", "bfloat16", "complex64"])
+def test_round_trip_in_pieces(server, stores, small_pieces, monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(1)
+    torch_dtype = DTYPE_BY_NAME[dtype]
+    value = (torch.randn(8, 33, generator=gen) * 50).to(torch_dtype)
+    if torch_dtype == torch.bool:
+        value = torch.randint(0, 2, (8, 33), generator=gen).bool()
+    reads = _count_calls(monkeypatch, _large, "read_pieces")
+    store = stores(server, batch_size=[8])
+    store["x"] = value  # new entry: commit (SET of a tmp key) streamed
+    store["small"] = torch.arange(3 * 8).reshape(8, 3)  # under READ_MIN: read whole
+    store["nested", "y"] = value[:, :5].clone()
+    assert torch.equal(store["x"], value)
+    store["x"] = value.flip(0)  # same shape: SETRANGE in place, streamed
+    got = store["x"]
+    assert got.dtype == torch_dtype and torch.equal(got, value.flip(0))
+    local = store.to_tensordict()
+    assert torch.equal(local["x"], value.flip(0)) and torch.equal(local["small"], store["small"])
+    assert torch.equal(local["nested", "y"], value[:, :5])
+    # the connection used for a streamed write goes back to the pool as an ordinary one
+    store["z"] = torch.zeros(8, 100)
+    assert torch.equal(store["z"], torch.zeros(8, 100))
+    if server.kind == "fakeredis":
+        assert reads == []  # an in-process server: the ordinary read
+    else:
+        assert len(reads) >= 3
+    raw = server.sync_client()
+    assert raw.get(f"{store._conn.keys.data(('x',))}") == value.flip(0).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_write_between_snapshot_and_pieces_reads_again(real_server, stores, small_pieces, monkeypatch):
+    """A write that lands after the snapshot but before the pieces: the read starts again."""
+    store = stores(real_server, batch_size=[4])
+    first = torch.full((4, 64), 1.0)
+    second = torch.full((4, 64), 2.0)
+    store["x"] = first
+    keys = store._conn.keys
+    raw = real_server.sync_client()
+    real = _large.read_pieces
+    tries = []
+
+    async def racing(client, keys_, entries, wv, lv):
+        tries.append(1)
+        if len(tries) == 1:
+            # the effect of a concurrent writer: new bytes and a new write version
+            raw.set(keys.data(("x",)), second.numpy().tobytes())
+            raw.incr(keys.wv)
+        return await real(client, keys_, entries, wv, lv)
+
+    monkeypatch.setattr(_large, "read_pieces", racing)
+    got = store["x"]
+    assert len(tries) == 2
+    assert torch.equal(got, second)
+
+
+def test_pieces_never_torn_under_writer(real_server, request, small_pieces):
+    """Readers in pieces while another process rewrites the entry: every read is one write's value."""
+    kwargs = real_server.connection_kwargs()
+    store = TensorDictStore(batch_size=[16], **kwargs)
+    try:
+        store["x"] = torch.zeros(16, 64)
+        ctx = mp.get_context("spawn")
+        stop, ready = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_writer, args=(kwargs, store.td_id, stop, ready), daemon=True)
+        proc.start()
+        reads = torn = 0
+        try:
+            assert ready.wait(60), "the writer process did not start"
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and reads < 3000:
+                value = store["x"] if reads % 2 else store.to_tensordict()["x"]
+                reads += 1
+                if not bool((value == value.reshape(-1)[0]).all()):
+                    torn += 1
+        finally:
+            stop.set()
+            proc.join(20)
+        writes = int(float(store["x"].reshape(-1)[0]))
+        record(request, reads=reads, writes=writes, torn=torn)
+        assert proc.exitcode == 0
+        assert reads > 20 and writes > 20
+        assert torn == 0
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def _writer(kwargs, td_id, stop, ready):
+    from tdstore import _large as large
+
+    large.READ_MIN, large.READ_PIECE, large.WRITE_MIN, large.WRITE_PIECE = 100, 48, 100, 40
+    store = TensorDictStore.from_store(td_id=td_id, **kwargs)
+    deadline = time.monotonic() + 30
+    i = 0
+    while not stop.is_set() and time.monotonic() < deadline and i < 100_000:
+        i += 1
+        store["x"] = torch.full((16, 64), float(i))
+        ready.set()
+    store.close()
+
+
+def test_shape_change_after_layout_cached_reads_whole(real_server, stores, small_pieces):
+    """The cached layout says one size, the server another: the read falls back, and is right."""
+    store = stores(real_server, batch_size=[4])
+    store["x"] = torch.ones(4, 64)
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        other["x"] = torch.full((4, 80), 3.0)  # new shape: the first handle's cache is stale
+    finally:
+        other.close()
+    assert torch.equal(store["x"], torch.full((4, 80), 3.0))
+    assert torch.equal(store.to_tensordict()["x"], torch.full((4, 80), 3.0))
+
+
+def test_missing_bytes_still_data_lost(real_server, stores, small_pieces):
+    """Bytes deleted by hand (as if evicted): DataLostError naming the entry, not a short tensor."""
+    from tdstore.errors import DataLostError
+
+    store = stores(real_server, batch_size=[4])
+    store["x"] = torch.ones(4, 64)
+    real_server.sync_client().delete(store._conn.keys.data(("x",)))
+    with pytest.raises(DataLostError, match="'x'"):
+        store["x"]
+
+
+def test_bad_write_leaves_entry_and_connection_usable(real_server, stores, small_pieces):
+    """A value refused before sending leaves the stored entry unchanged; streaming left nothing behind."""
+    store = stores(real_server, batch_size=[4])
+    store["x"] = torch.ones(4, 64)
+    with pytest.raises(RuntimeError, match="batch dimension mismatch"):
+        store["y"] = torch.ones(5, 64)
+    with pytest.raises(TypeError, match="'x'"):
+        store["x"] = torch.ones(4, 64).to_sparse()
+    assert torch.equal(store["x"], torch.ones(4, 64))
+    assert "y" not in store.keys()
+    conns = list(store._conn._client.connection_pool._available_connections)
+    assert conns and all("send_packed_command" not in vars(c) for c in conns)
+
+
+def test_streamed_send_with_and_without_timeout(real_server, small_pieces):
+    """The streamed send works with socket_timeout set (tdstore's default) and unset."""
+    import asyncio
+
+    import redis.asyncio
+
+    path = real_server.unix_socket_path
+    payload = torch.arange(1000, dtype=torch.int32)
+    view = memoryview(payload.numpy()).cast("B")
+
+    async def go(timeout):
+        client = redis.asyncio.Redis(unix_socket_path=path, socket_timeout=timeout)
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.set("tdstore-test:large:raw", view)
+                pipe.strlen("tdstore-test:large:raw")
+                async with _large.streamed(pipe, view.nbytes):
+                    assert "send_packed_command" in vars(pipe.connection)
+                    replies = await pipe.execute()
+            back = await client.get("tdstore-test:large:raw")
+            await client.delete("tdstore-test:large:raw")
+            conns = list(client.connection_pool._available_connections)
+            return replies, back, conns
+        finally:
+            await client.aclose()
+
+    for timeout in (5.0, None):
+        replies, back, conns = asyncio.run(go(timeout))
+        assert replies == [True, 4000]
+        assert back == view.tobytes()
+        assert all("send_packed_command" not in vars(c) for c in conns)
+
+
+def test_pinned_buffer_only_with_cuda():
+    buf = _large.empty_buffer(64, torch.device("cpu"))
+    assert buf.dtype == torch.uint8 and buf.numel() == 64 and not buf.is_pinned()
+    cuda = _large.empty_buffer(64, torch.device("cuda"))
+    assert cuda.is_pinned() == torch.cuda.is_available()
+
+
+_CHILD = r"""
+import json, sys, torch
+from tdstore import TensorDictStore
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+spec = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+store = TensorDictStore.from_store(td_id=spec["td_id"], **spec["kwargs"])
+store.keys()
+if spec["op"] == "write":
+    value = torch.full(spec["shape"], 7.0)
+    base = hwm()
+    store["x"] = value
+else:
+    base = hwm()
+    value = store["x"] if spec["op"] == "read" else store.to_tensordict()["x"]
+peak = hwm()  # before the check below, which allocates a bool tensor
+assert value.shape == tuple(spec["shape"]) and bool((value == 7.0).all())
+print(json.dumps({"extra": peak - base}))
+"""
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_peak_memory_of_a_64mib_entry(real_server, stores, transport):
+    """With the real piece sizes: a 64 MiB entry is written with < 0.5x and read with < 1.5x extra memory."""
+    shape = [16, 1024 * 1024]  # 64 MiB of float32
+    nbytes = 16 * 1024 * 1024 * 4
+    store = stores(real_server, batch_size=[16])
+    store["x"] = torch.full(shape, 7.0)
+    kwargs = real_server.connection_kwargs(unix=transport == "unix")
+    results = {}
+    for op in ("write", "read", "to_tensordict"):
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps({"td_id": store.td_id, "kwargs": kwargs, "shape": shape, "op": op})],
+            capture_output=True, text=True, timeout=100, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[op] = json.loads(out.stdout.strip().splitlines()[-1])["extra"] / nbytes
+    print(results)
+    assert results["write"] < 0.5, results
+    assert results["read"] < 1.5 and results["to_tensordict"] < 1.5, results
+    assert torch.equal(store["x"], torch.full(shape, 7.0))
+
+
+def test_thresholds_are_sane():
+    assert _large.READ_PIECE < _large.READ_MIN
+    assert _large.WRITE_PIECE >= _large.WRITE_MIN
+    assert _backend._LARGE_TRIES >= 1
