@@ -12,12 +12,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import redis
 import redis.asyncio
 import redis.asyncio.retry
 import redis.exceptions
+import redis.retry
 from redis.backoff import NoBackoff
 
 from tdstore import _backend, _cluster, _credentials, _io
+from tdstore._armed_write import ArmedSlot
 from tdstore._keys import StoreKeys
 from tdstore._retry import (
     OutcomeUnknownError,
@@ -46,6 +49,16 @@ T = TypeVar("T")
 DEFAULT_MAX_BULK = 512 * 1024 * 1024
 
 _INHERITED_CLIENTS: list[Any] = []
+
+#: Connection settings a direct (synchronous) client takes over from the store's own.
+_DIRECT_KWARGS = (
+    "host", "port", "path", "db", "username", "password", "socket_timeout", "socket_connect_timeout",
+    "socket_keepalive", "socket_read_size", "client_name", "protocol",
+)
+_DIRECT_CLASSES = {
+    redis.asyncio.Connection: redis.Connection,
+    redis.asyncio.UnixDomainSocketConnection: redis.UnixDomainSocketConnection,
+}
 
 
 def _check_decode(kwargs: dict[str, Any], where: str) -> None:
@@ -87,6 +100,9 @@ class Connection:
         self._client: Any = None
         self._generation = -1
         self._runner: ScriptRunner | None = None
+        self._direct: Any = None  # see direct_client()
+        self._direct_generation = -1
+        self.armed_slot = ArmedSlot()  # see tdstore/_armed_write.py
         self.max_bulk = DEFAULT_MAX_BULK
         redis_kwargs = dict(redis_kwargs)
         # opt-in: pickles of this store carry its password (in clear); see _credentials
@@ -238,6 +254,9 @@ class Connection:
         self._client = None
         self._generation = -1
         self._runner = None
+        self._direct = None
+        self._direct_generation = -1
+        self.armed_slot = ArmedSlot()
         self.max_bulk = DEFAULT_MAX_BULK
         self._client_class = state["client_class"]
         self._pool_class = state["pool_class"]
@@ -345,6 +364,67 @@ class Connection:
                         "pass retry= to the store or set TDSTORE_RETRY to wait longer)."
                         + (" Nothing of this operation was applied." if kind == "unsent" else "")
                     ) from err
+
+    # -- direct reads -----------------------------------------------------------------
+    def direct_client(self) -> Any:
+        """A synchronous client for reads sent from the calling thread, or None.
+
+        A one-command read costs more in the hop to the IO loop and back (two thread
+        switches, a task) than on the wire; a blocking ``redis.Redis`` on the same server
+        avoids both. Only for plain TCP and unix-socket connections (not cluster, TLS,
+        fakeredis or custom connection classes), and only once the IO-loop client of this
+        process has set the connection up (scripts loaded, first contact made). After a
+        fork the parent's direct client is left untouched, like the asyncio one.
+        """
+        generation = _io.loop_generation()
+        direct = self._direct
+        if direct is not None and self._direct_generation == generation:
+            return None if self.closed else direct
+        if direct is not None:
+            _INHERITED_CLIENTS.append(direct)  # inherited through fork(): never close the parent's sockets
+            self._direct = None
+        if self.closed or self._runner is None or self._generation != generation or self.cluster_route is not None:
+            return None
+        sync_class = _DIRECT_CLASSES.get(self._connection_class)
+        kw = self._conn_kwargs
+        if sync_class is None or kw.get("redis_connect_func") is not None or kw.get("credential_provider") is not None:
+            return None
+        kwargs = {name: kw[name] for name in _DIRECT_KWARGS if name in kw}
+        if kwargs.get("socket_timeout") is None:
+            kwargs["socket_timeout"] = self.timeout
+        try:
+            pool = redis.ConnectionPool(
+                connection_class=sync_class, retry=redis.retry.Retry(NoBackoff(), 0), retry_on_error=[], **kwargs
+            )
+            direct = redis.Redis(connection_pool=pool)
+        except (TypeError, ValueError):  # settings the blocking client does not take: stay on the IO loop
+            return None
+        self._direct, self._direct_generation = direct, generation
+        return direct
+
+    def read(self, direct: Callable[[Any, ScriptRunner], T], fn: Callable[[Any], Awaitable[T]]) -> T:
+        """Runs a read-only operation: ``direct(client, runner)`` on :meth:`direct_client`, else ``run(fn)``.
+
+        Both must send the same read. When the direct call fails for a reason other than
+        a read timeout (a lost connection, a script the server forgot, a server refusing
+        a MULTI over its maxmemory...), the read runs again through :meth:`run`, which
+        applies the retry policy and names the problem: a read changes nothing on the
+        server, so running it twice is safe.
+        """
+        client = self.direct_client()
+        if client is not None:
+            try:
+                result = direct(client, self._runner)  # type: ignore[arg-type]
+                self._reached = True
+                return result
+            except redis.exceptions.TimeoutError as err:
+                if classify(err) is None:  # the server did not answer in time (not: could not connect)
+                    raise TimeoutError(
+                        f"the server did not answer within {self.timeout} s (set timeout= on the store to wait longer)"
+                    ) from err
+            except (redis.exceptions.RedisError, OSError):
+                pass
+        return self.run(fn)
 
     def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
         if self.closed:
@@ -486,7 +566,19 @@ class Connection:
             return
         self.closed = True
         client, self._client = self._client, None
+        direct, self._direct = self._direct, None
+        if direct is not None and self._direct_generation == _io.loop_generation():
+            try:
+                direct.connection_pool.disconnect()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
         if client is not None and self._generation == _io.loop_generation():
+            armed = self.armed_slot.take(client)
+            if armed is not None:
+                try:
+                    _io.sync(self.armed_slot.drop(armed), 5.0)
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort
+                    pass
             mine = [old for generation, old in self._retired if generation == self._generation]
             for old in [client, *mine]:
                 try:

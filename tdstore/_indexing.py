@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["normalize_index", "select_rows", "row_runs", "RowSpans", "is_full_index", "consumed_dims"]
+__all__ = [
+    "normalize_index", "select_rows", "contiguous_rows", "row_runs", "RowSpans", "is_full_index", "consumed_dims",
+]
 
 
 def normalize_index(index: Any) -> Any:
@@ -92,6 +94,33 @@ def select_rows(index: Any, batch_shape: torch.Size | tuple[int, ...]) -> torch.
     return rows[index]
 
 
+def contiguous_rows(index: Any, batch_shape: Any) -> tuple[int, int, tuple[int, ...]] | None:
+    """``(first row, row count, result shape)`` when ``index`` selects one block of consecutive rows.
+
+    The fast path of :func:`select_rows` for an int or a slice with step 1 over the first
+    dim (the rows of the inner dims follow each other in the flat batch); None for any
+    other index, or an int out of range (then :func:`select_rows` raises torch's error).
+    """
+    if not batch_shape:
+        return None
+    n0 = batch_shape[0]
+    kind = type(index)
+    if kind is int:
+        if not -n0 <= index < n0:
+            return None
+        inner = math.prod(batch_shape[1:])
+        return (index % n0) * inner, inner, tuple(batch_shape[1:])
+    if kind is slice and (index.step is None or (type(index.step) is int and index.step == 1)):
+        start, stop = index.start, index.stop
+        if not (start is None or type(start) is int) or not (stop is None or type(stop) is int):
+            return None
+        start, stop, _ = index.indices(n0)
+        count = max(0, stop - start)
+        inner = math.prod(batch_shape[1:])
+        return start * inner, count * inner, (count, *batch_shape[1:])
+    return None
+
+
 def _first_dim_rows(index: Any, batch_shape: tuple[int, ...]) -> torch.Tensor | None:
     """The selected rows of dim 0 for the common indices, or None (then torch decides)."""
     if not batch_shape:
@@ -141,6 +170,14 @@ class RowSpans:
             self.count = (ends - starts).tolist()
         self._cache: dict[int, list[tuple[int, int]]] = {}
 
+    @classmethod
+    def block(cls, first: int, count: int) -> RowSpans:
+        """The spans of ``count`` consecutive rows from row ``first`` (see :func:`contiguous_rows`)."""
+        self = cls.__new__(cls)
+        self.first, self.count = ([first], [count]) if count else ([], [])
+        self._cache = {}
+        return self
+
     def __len__(self) -> int:
         return len(self.first)
 
@@ -150,7 +187,7 @@ class RowSpans:
             return []
         out = self._cache.get(row_bytes)
         if out is None:
-            out = self._cache[row_bytes] = [(f * row_bytes, c * row_bytes) for f, c in zip(self.first, self.count)]
+            out = self._cache[row_bytes] = [(f * row_bytes, c * row_bytes) for f, c in zip(self.first, self.count, strict=True)]
         return out
 
 

@@ -1,0 +1,292 @@
+"""The indexed hot paths keep every guarantee: direct reads (a blocking client, no IO-loop hop)
+and armed row writes (a connection left WATCHing the store between writes, one round trip).
+
+See tdstore/_connection.py (``Connection.read``) and tdstore/_armed_write.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+from _counts import record
+from tensordict import TensorDict
+
+import tdstore
+from tdstore import TensorDictStore
+from tdstore._indexing import RowSpans, contiguous_rows, select_rows
+from tdstore.server import start_server
+
+ROW = (32, 32)  # 4096 bytes of float32 per row: runs large enough for the armed (SETRANGE) path
+
+
+def _big(server, n: int = 64, **kw):
+    store = TensorDictStore(batch_size=[n], **server.connection_kwargs(), **kw)
+    store["x"] = torch.arange(n * 32 * 32, dtype=torch.float32).reshape(n, *ROW)
+    return store
+
+
+# --------------------------------------------------------------------------- pure index math
+@pytest.mark.parametrize("shape", [(10,), (10, 3), (4, 2, 5), (1,), (0,), (3, 0)])
+def test_contiguous_rows_matches_select_rows(shape):
+    """The int / step-1 slice fast path gives the same rows and shape as torch's indexing."""
+    indices = [0, 1, -1, 3, -4, 9, -10, slice(None), slice(2, 5), slice(-3, None), slice(5, 2), slice(None, None, 1),
+               slice(1, 100), slice(-100, 2), slice(2, 4, 2), True, torch.tensor(1), (1, 0), Ellipsis]
+    checked = 0
+    for index in indices:
+        got = contiguous_rows(index, shape)
+        try:
+            rows = select_rows(index, torch.Size(shape))
+        except (IndexError, TypeError, ValueError):
+            assert got is None, f"{index!r} on {shape}: fast path accepted an index torch refuses"
+            continue
+        if got is None:
+            continue
+        first, count, out_shape = got
+        assert tuple(rows.shape) == out_shape, (index, shape)
+        assert rows.reshape(-1).tolist() == list(range(first, first + count)), (index, shape)
+        spans = RowSpans.block(first, count)
+        assert spans.runs(8) == RowSpans(rows).runs(8)
+        checked += 1
+    assert checked >= 5 or 0 in shape
+
+
+# --------------------------------------------------------------------------- direct reads
+def test_direct_reads_match_the_io_loop_path(real_server):
+    store = _big(real_server)
+    store["y"] = torch.arange(64)
+    store["n", "z"] = torch.ones(64, 3)
+    local = store.to_tensordict()
+    for index in (0, 5, -1, slice(3, 9), slice(60, 100), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])):
+        got = store[index]
+        want = local[index]
+        assert got.batch_size == want.batch_size
+        assert (got == want).all(), index
+        assert store.get_at("x", index).shape == want["x"].shape
+    assert store._conn.direct_client() is not None  # the fast path was in use
+    store.clear_redis()
+    store.close()
+
+
+def test_direct_read_sees_other_clients_layout_changes(real_server):
+    """A one-row read never decodes bytes with stale metadata: the version comes back with them."""
+    store = _big(real_server)
+    assert store[1]["x"].shape == ROW
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    other["x"] = torch.full((64, 2), 7, dtype=torch.int16)  # new shape and dtype
+    got = store[1]["x"]
+    assert got.dtype == torch.int16 and torch.equal(got, torch.full((2,), 7, dtype=torch.int16))
+    other.close()
+    store.clear_redis()
+    store.close()
+
+
+def test_direct_read_after_script_flush_and_closed_store(real_server):
+    store = _big(real_server)
+    want = store[3]["x"].clone()
+    real_server.sync_client().script_flush()
+    assert torch.equal(store[3]["x"], want)  # NOSCRIPT: read again through the IO loop, which reloads
+    assert torch.equal(store[3]["x"], want)
+    store.close()
+    with pytest.raises(tdstore.StoreClosedError):
+        store[3]
+    again = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    again.clear_redis()
+    again.close()
+
+
+def test_direct_read_of_a_deleted_store_and_lost_bytes(real_server, wire):
+    store = _big(real_server)
+    store[0]
+    real_server.sync_client().delete(f"tensordict:{{{store.td_id}}}:d:x")
+    before = wire(real_server)
+    for read in (lambda: store[2], lambda: store[2:4]):
+        with pytest.raises(tdstore.DataLostError, match="gone from the server"):
+            read()
+    assert wire(real_server) == before
+    store.clear_redis()
+    with pytest.raises(tdstore.StoreNotFoundError):
+        store[2]
+    store.close()
+
+
+def test_direct_reads_survive_a_crash_restart(request):
+    with start_server("redis", config={"appendonly": "yes", "appendfsync": "always"}) as srv:
+        store = _big(srv, n=8)
+        want = store[2]["x"].clone()
+        store[4:6] = TensorDict(x=torch.full((2, *ROW), 5.0), batch_size=[2])  # arms a connection too
+        srv.restart()  # (stop + start: every socket is dead)
+        assert torch.equal(store[2]["x"], want)
+        store[4:6] = TensorDict(x=torch.full((2, *ROW), 6.0), batch_size=[2])
+        assert torch.equal(store[4:6]["x"], torch.full((2, *ROW), 6.0))
+        record(request, restarts=1)
+        store.close()
+
+
+def test_inherited_store_reads_and_writes_after_fork(real_server, request):
+    """A store used (direct client and armed connection alive) before fork works in the child and the parent."""
+    if real_server.kind == "fakeredis":
+        pytest.skip("fork needs a real server")  # real_server is never fakeredis; kept for clarity
+    store = _big(real_server, n=16)
+    store[5]
+    store[0:2] = TensorDict(x=torch.zeros(2, *ROW), batch_size=[2])
+    assert store._conn.armed_slot.armed is not None
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            v = float(store[5]["x"][0, 0])
+            store[2:4] = TensorDict(x=torch.full((2, *ROW), 3.0), batch_size=[2])
+            q.put(("ok", v))
+        except Exception as err:  # noqa: BLE001
+            q.put(("err", repr(err)))
+
+    procs = [ctx.Process(target=child) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(kind == "ok" for kind, _ in results), results
+    # the parent's sockets and WATCH were not disturbed
+    store[6:8] = TensorDict(x=torch.full((2, *ROW), 4.0), batch_size=[2])
+    assert torch.equal(store[2:4]["x"], torch.full((2, *ROW), 3.0))
+    assert torch.equal(store[6:8]["x"], torch.full((2, *ROW), 4.0))
+    assert float(store[5]["x"][0, 0]) == results[0][1]
+    record(request, children=len(procs))
+    store.clear_redis()
+    store.close()
+
+
+# --------------------------------------------------------------------------- armed writes
+def test_armed_writes_land_and_bump_the_write_version(real_server):
+    store = _big(real_server)
+    wv_key = f"tensordict:{{{store.td_id}}}:wv"
+    client = real_server.sync_client()
+    local = store.to_tensordict()
+    for i in range(6):
+        value = torch.full((8, *ROW), float(i))
+        before = int(client.get(wv_key) or 0)
+        store[8 * i : 8 * i + 8] = TensorDict(x=value, batch_size=[8])
+        local["x"][8 * i : 8 * i + 8] = value
+        assert int(client.get(wv_key)) == before + 1
+    assert store._conn.armed_slot.armed is not None
+    assert torch.equal(store["x"], local["x"])
+    store.clear_redis()
+    store.close()
+
+
+def test_armed_write_refuses_a_deleted_data_key(real_server, wire):
+    """The data key is WATCHed: deleted after the connection armed, the write is refused, never recreated."""
+    store = _big(real_server)
+    store[0:4] = TensorDict(x=torch.zeros(4, *ROW), batch_size=[4])
+    assert store._conn.armed_slot.armed is not None
+    real_server.sync_client().delete(f"tensordict:{{{store.td_id}}}:d:x")
+    before = wire(real_server)
+    for _ in range(2):  # armed, then the plain two-round-trip path
+        with pytest.raises(tdstore.DataLostError):
+            store[4:8] = TensorDict(x=torch.ones(4, *ROW), batch_size=[4])
+    assert wire(real_server) == before
+    store.clear_redis()
+    store.close()
+
+
+def test_armed_write_after_another_client_changes_the_layout(real_server):
+    """A layout change between two writes aborts the armed EXEC; the write is re-planned on the new layout."""
+    store = _big(real_server)
+    store[0:4] = TensorDict(x=torch.zeros(4, *ROW), batch_size=[4])
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    other["x"] = torch.zeros(64, 2048, dtype=torch.float64)  # same row bytes (16 KiB), other dtype and shape
+    store[4:8] = 1.0  # planned against the cached (stale) layout: float32 rows of 4 KiB
+
+    got = other["x"]
+    assert got.dtype == torch.float64 and got.shape == (64, 2048)
+    assert bool((got[4:8] == 1).all()) and bool((got[:4] == 0).all()) and bool((got[8:] == 0).all())
+    other["y"] = torch.zeros(64)  # a new key: the layout version moves again
+    store[8:12] = 2.0
+    assert bool((other["x"][8:12] == 2).all())
+    other.close()
+    store.clear_redis()
+    store.close()
+
+
+def test_armed_writers_of_one_entry_do_not_lose_writes(real_server, request):
+    """Writers on separate connections abort each other's armed EXECs; every write still lands once."""
+    stores = [_big(real_server, n=32)]
+    stores += [TensorDictStore.from_store(td_id=stores[0].td_id, **real_server.connection_kwargs()) for _ in range(2)]
+    rounds = 40
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            deadline = time.monotonic() + 60
+            for i in range(rounds):
+                assert time.monotonic() < deadline
+                row = (k * rounds + i) % 32
+                stores[k][row : row + 1] = TensorDict(x=torch.full((1, *ROW), float(k * 1000 + i)), batch_size=[1])
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    final = stores[0]["x"]
+    torn = sum(int(len(torch.unique(final[r])) != 1) for r in range(32))
+    cooled = sum(int(s._conn.armed_slot.cool > 0) for s in stores)
+    record(request, writes=3 * rounds, torn_rows=torn, writers_cooled=cooled)
+    assert torn == 0
+    for s in stores[1:]:
+        s.close()
+    stores[0].clear_redis()
+    stores[0].close()
+
+
+def test_armed_write_keeps_the_store_expiry(real_server):
+    store = _big(real_server, expire=60)
+    client = real_server.sync_client()
+    wv_key = f"tensordict:{{{store.td_id}}}:wv"
+    client.delete(wv_key)  # the counter is created again by the next write: it must get the TTL
+    store[0:2] = TensorDict(x=torch.zeros(2, *ROW), batch_size=[2])
+    store[2:4] = TensorDict(x=torch.zeros(2, *ROW), batch_size=[2])
+    assert 0 < client.pttl(wv_key) <= 60_000
+    store.clear_redis()
+    store.close()
+
+
+def test_close_releases_the_armed_connection(real_server):
+    store = _big(real_server)
+    store[0:2] = TensorDict(x=torch.zeros(2, *ROW), batch_size=[2])
+    armed = store._conn.armed_slot.armed
+    assert armed is not None and armed.connection.is_connected
+    store.clear_redis()
+    store.close()
+    assert store._conn.armed_slot.armed is None
+    assert not armed.connection.is_connected  # disconnected: its WATCH is gone with it
+
+
+def test_blocking_pool_is_never_parked(real_server):
+    """A client with a blocking pool: no connection is kept out of it (others would wait for it)."""
+    import redis.asyncio
+
+    kw = real_server.connection_kwargs()
+    if "unix_socket_path" in kw:
+        pool = redis.asyncio.BlockingConnectionPool(
+            connection_class=redis.asyncio.UnixDomainSocketConnection, path=kw["unix_socket_path"], max_connections=2
+        )
+    else:
+        pool = redis.asyncio.BlockingConnectionPool(host=kw.get("host", "127.0.0.1"), port=kw["port"], max_connections=2)
+    store = TensorDictStore(client=redis.asyncio.Redis(connection_pool=pool), batch_size=[8])
+    store["x"] = torch.zeros(8, *ROW)
+    for i in range(4):
+        store[0:2] = TensorDict(x=torch.full((2, *ROW), float(i)), batch_size=[2])
+        assert store._conn.armed_slot.armed is None
+        assert float(store[1]["x"][0, 0]) == float(i)
+    store.clear_redis()
+    store.close()
