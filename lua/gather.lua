@@ -25,8 +25,17 @@ if string.find(rows, '[^0-9 ]') then
   return fail('TDS_BADARG', 'row numbers must be decimal, separated by spaces')
 end
 local parts = {}
+local n = 0
+local last = row_bytes - 1
 for row in string.gmatch(rows, '%d+') do
   local off = tonumber(row) * row_bytes
-  parts[#parts + 1] = rcall('GETRANGE', KEYS[1], int_str(off), int_str(off + row_bytes - 1))
+  n = n + 1
+  if off < 1e15 then
+    -- an integer below 2^53 goes as a number: the server prints it exactly ("%.17g" or
+    -- shortest round-trip) without making a Lua string per bound (half the script's time)
+    parts[n] = rcall('GETRANGE', KEYS[1], off, off + last)
+  else
+    parts[n] = rcall('GETRANGE', KEYS[1], int_str(off), int_str(off + last))
+  end
 end
 return table.concat(parts)

@@ -16,7 +16,7 @@ from tensordict import NonTensorData, NonTensorStack
 
 from tdstore import _backend, _codec, _io, _values
 from tdstore._armed_write import write_runs_armed
-from tdstore._indexing import normalize_index, row_runs, select_rows
+from tdstore._indexing import RowSpans, contiguous_rows, normalize_index, select_rows
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -57,8 +57,16 @@ def write_index(
         node = store._node(layout)
         batch_size = torch.Size(node["batch_size"])
         nb = len(batch_size)
-        rows = select_rows(index, batch_size)
-        new_bs = rows.shape
+        block = contiguous_rows(index, batch_size)
+        if block is not None:
+            # an int or a slice over dim 0: one run of rows, no tensor index math
+            rows = None
+            spans = RowSpans.block(block[0], block[1])
+            new_bs = torch.Size(block[2])
+        else:
+            rows = select_rows(index, batch_size)
+            spans = RowSpans(rows)
+            new_bs = rows.shape
         if check_batch is not None:
             check_batch(new_bs)
         groups: list[tuple[tuple[str, ...], list[tuple[int, int]], Any]] = []
@@ -80,6 +88,8 @@ def write_index(
                         "dims; write it through that nested store"
                     )
                 seq += 1
+                if rows is None:
+                    rows = select_rows(index, batch_size)
                 nontensor.append((path, _nontensor_update(path, value, rows, batch_size, [layout.lv + 1, seq], where, conn.pickle_policy)))
                 continue
             if meta is None:
@@ -107,7 +117,7 @@ def write_index(
             row_bytes = _codec.tensor_nbytes(feat_shape, dtype)
             flat, view = _codec.tensor_view(payload)
             keep.append(flat)
-            groups.append((path, row_runs(rows, row_bytes), view))
+            groups.append((path, spans.runs(row_bytes), view))
         if not groups and not nontensor:
             return
         expected = str(layout.lv)

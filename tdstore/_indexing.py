@@ -143,43 +143,78 @@ def _first_dim_rows(index: Any, batch_shape: tuple[int, ...]) -> torch.Tensor | 
     if isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         if index.dtype == torch.uint8:
             return None  # a uint8 index is a deprecated mask in torch
-        if index.numel() == 0 or bool(((index < -n0) | (index >= n0)).any()):
+        if index.numel() == 0:
             return None
+        lo, hi = (int(v) for v in torch.aminmax(index))
+        if lo < -n0 or hi >= n0:
+            return None
+        if lo >= 0:
+            return index.clone() if index.dtype == torch.int64 else index.long()
         return index.long() % n0
     return None
 
 
 class RowSpans:
-    """Runs of consecutive rows (in result order), computed once and scaled per entry."""
+    """Runs of consecutive rows (in result order), computed once and scaled per entry.
 
-    __slots__ = ("first", "count", "_cache")
+    Counting the runs (``len``) is cheaper than listing them, and a read by the gather
+    script needs only the count: the list is made on the first :meth:`runs`.
+    """
+
+    __slots__ = ("_flat", "_first", "_count", "_len", "_cache")
 
     def __init__(self, rows: torch.Tensor) -> None:
-        flat = rows.reshape(-1)
-        n = flat.numel()
-        if n == 0:
-            self.first: list[int] = []
-            self.count: list[int] = []
-        elif n == 1:
-            self.first, self.count = [int(flat[0])], [1]
-        else:
-            breaks = torch.nonzero(flat[1:] - flat[:-1] != 1).reshape(-1) + 1
-            starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
-            ends = torch.cat([breaks, torch.tensor([n])])
-            self.first = flat[starts].tolist()
-            self.count = (ends - starts).tolist()
+        self._flat = rows.reshape(-1)
+        self._first: list[int] | None = None
+        self._count: list[int] | None = None
+        self._len: int | None = None
         self._cache: dict[int, list[tuple[int, int]]] = {}
 
     @classmethod
     def block(cls, first: int, count: int) -> RowSpans:
         """The spans of ``count`` consecutive rows from row ``first`` (see :func:`contiguous_rows`)."""
         self = cls.__new__(cls)
-        self.first, self.count = ([first], [count]) if count else ([], [])
+        self._flat = None
+        self._first, self._count = ([first], [count]) if count else ([], [])
+        self._len = len(self._first)
         self._cache = {}
         return self
 
     def __len__(self) -> int:
-        return len(self.first)
+        if self._len is None:
+            flat = self._flat
+            n = flat.numel()
+            self._len = int((flat[1:] - flat[:-1] != 1).sum()) + 1 if n > 1 else n
+        return self._len
+
+    @property
+    def first(self) -> list[int]:
+        """The first row of each run."""
+        if self._first is None:
+            self._split()
+        return self._first  # type: ignore[return-value]
+
+    @property
+    def count(self) -> list[int]:
+        """The number of rows of each run."""
+        if self._count is None:
+            self._split()
+        return self._count  # type: ignore[return-value]
+
+    def _split(self) -> None:
+        flat = self._flat
+        n = flat.numel()
+        if n == 0:
+            self._first, self._count = [], []
+        elif n == 1:
+            self._first, self._count = [int(flat[0])], [1]
+        else:
+            breaks = torch.nonzero(flat[1:] - flat[:-1] != 1).reshape(-1) + 1
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+            ends = torch.cat([breaks, torch.tensor([n])])
+            self._first = flat[starts].tolist()
+            self._count = (ends - starts).tolist()
+        self._len = len(self._first)
 
     def runs(self, row_bytes: int) -> list[tuple[int, int]]:
         """``(byte offset, byte length)`` of each run, for rows of ``row_bytes`` bytes."""
@@ -187,7 +222,9 @@ class RowSpans:
             return []
         out = self._cache.get(row_bytes)
         if out is None:
-            out = self._cache[row_bytes] = [(f * row_bytes, c * row_bytes) for f, c in zip(self.first, self.count, strict=True)]
+            out = self._cache[row_bytes] = [
+                (f * row_bytes, c * row_bytes) for f, c in zip(self.first, self.count, strict=True)
+            ]
         return out
 
 

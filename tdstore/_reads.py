@@ -293,7 +293,8 @@ class StoreReads:
                     gathers.append(None)
                 elif row_bytes and rows is not None and _backend.choose_read_rows(len(spans), nrows * row_bytes) == "gather":
                     if rows_arg is None:
-                        rows_arg = " ".join(map(str, rows.reshape(-1).tolist()))
+                        flat = rows.reshape(-1).tolist()
+                        rows_arg = " ".join(["%d"] * len(flat)) % tuple(flat)
                     plans.append((path, []))  # read by the gather script
                     gathers.append((row_bytes, rows_arg))
                 else:

@@ -290,3 +290,24 @@ def test_blocking_pool_is_never_parked(real_server):
         assert float(store[1]["x"][0, 0]) == float(i)
     store.clear_redis()
     store.close()
+
+
+def test_gather_script_row_bounds_small_and_huge(server):
+    """gather passes bounds below 1e15 as numbers, larger ones as "%d" strings: both read exactly."""
+    from tdstore._scripts import ScriptRunner, get_script
+
+    client = server.sync_client()
+    text = get_script("gather").text(False)
+    key = "tdstest:{g}:d:rows"
+    client.set(key, bytes(range(256)) * 4)  # 1 KiB: rows of 16 bytes
+    try:
+        rows = [0, 63, 5, 5, 17]
+        got = client.eval(text, 1, key, "16", " ".join(map(str, rows)))
+        data = bytes(range(256)) * 4
+        assert got == b"".join(data[r * 16 : r * 16 + 16] for r in rows)
+        # a row far past the end: off >= 1e15 takes the string path; GETRANGE past the end is empty
+        assert client.eval(text, 1, key, "16", "62500000000000 3") == data[48:64]
+        assert client.eval(text, 1, key, "16", "62499999999999") == b""
+    finally:
+        client.delete(key)
+    assert ScriptRunner(False).sha("gather") == get_script("gather").sha(False)
