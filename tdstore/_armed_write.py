@@ -154,14 +154,18 @@ async def write_runs_armed(
         return
     data_keys = sorted({keys.data(path) for path, runs, _ in groups if runs})
     armed = slot.take(client)
-    if armed is not None and (armed.lv != expected or not armed.data_keys.issuperset(data_keys)):
+    if armed is not None and (
+        # disconnected meanwhile (e.g. the pool was reset): redis-py would reconnect on send,
+        # without the WATCH, so the write must not go out on it
+        not armed.connection.is_connected or armed.lv != expected or not armed.data_keys.issuperset(data_keys)
+    ):
         await slot.drop(armed)
         armed = None
     connection = armed.connection if armed is not None else None
     try:
         if armed is None:
             connection = await client.connection_pool.get_connection()
-            await connection.send_packed_command(connection.pack_commands(_arm_commands(keys, data_keys)))
+            await connection.send_packed_command(connection.pack_commands(_arm_commands(keys, data_keys)), check_health=False)
             replies = await _read_replies(connection, 3)
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -193,7 +197,7 @@ async def write_runs_armed(
             commands.append(("PEXPIREAT", keys.wv, int(exp)))
         commands.append(("EXEC",))
         arm = _arm_commands(keys, data_keys) if _can_park(client) else []
-        await connection.send_packed_command(connection.pack_commands(commands + arm))
+        await connection.send_packed_command(connection.pack_commands(commands + arm), check_health=False)
         replies = await _read_replies(connection, len(commands) + len(arm))
     except BaseException:
         # a refusal before MULTI leaves the WATCH set; a failure or cancellation mid-way

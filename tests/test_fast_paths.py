@@ -311,3 +311,25 @@ def test_gather_script_row_bounds_small_and_huge(server):
     finally:
         client.delete(key)
     assert ScriptRunner(False).sha("gather") == get_script("gather").sha(False)
+
+
+def test_armed_connection_dropped_by_a_pool_reset_is_not_reused(real_server, wire):
+    """A pool reset (as after a refused write) disconnects the armed connection: the next write must
+    not go out on a silently reconnected socket without its WATCH."""
+    store = _big(real_server)
+    store[0:4] = TensorDict(x=torch.zeros(4, *ROW), batch_size=[4])
+    armed = store._conn.armed_slot.armed
+    assert armed is not None
+
+    async def reset(client):
+        await client.connection_pool.disconnect()
+
+    store._conn.run(reset)
+    assert not armed.connection.is_connected
+    real_server.sync_client().delete(f"tensordict:{{{store.td_id}}}:d:x")
+    before = wire(real_server)
+    with pytest.raises(tdstore.DataLostError):
+        store[4:8] = TensorDict(x=torch.ones(4, *ROW), batch_size=[4])
+    assert wire(real_server) == before
+    store.clear_redis()
+    store.close()
