@@ -8,6 +8,7 @@ first use, so a store inherited by a forked DataLoader worker keeps working.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -412,7 +413,9 @@ class Connection:
         server, so running it twice is safe.
         """
         client = self.direct_client()
-        if client is not None:
+        if client is not None and threading.current_thread() is not _io._thread:
+            # (on the IO loop's own thread, run() raises EventLoopError: a blocking call there
+            # would stall every store of the process)
             try:
                 result = direct(client, self._runner)  # type: ignore[arg-type]
                 self._reached = True

@@ -333,3 +333,25 @@ def test_armed_connection_dropped_by_a_pool_reset_is_not_reused(real_server, wir
     assert wire(real_server) == before
     store.clear_redis()
     store.close()
+
+
+def test_indexed_read_from_inside_the_io_loop_is_a_clear_error(real_server):
+    """The direct path does not turn a call from the IO loop's thread into a blocking socket read."""
+    import asyncio
+
+    from tdstore import _io
+
+    store = _big(real_server, n=4)
+    store[1]  # the direct client exists
+    errors = []
+
+    async def inside():
+        try:
+            store[2]
+        except tdstore.EventLoopError as err:
+            errors.append(err)
+
+    asyncio.run_coroutine_threadsafe(inside(), _io.get_loop()).result(10)
+    assert errors and "IO loop" in str(errors[0])
+    store.clear_redis()
+    store.close()
