@@ -419,7 +419,7 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
     ]
 
     def line(row: Sequence[str]) -> str:
-        parts = [c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        parts = [c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         return "| " + " | ".join(parts) + " |"
 
     print()

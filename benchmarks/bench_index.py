@@ -26,11 +26,11 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
 from _common import (
     RawRedis,
     Timing,
     base_parser,
-    parse,
     bench_server,
     byte_view,
     compare,
@@ -38,6 +38,7 @@ from _common import (
     fmt_ms,
     fmt_ratio,
     load_average,
+    parse,
     print_table,
     server_banner,
     sync_hop_cost,
@@ -45,8 +46,6 @@ from _common import (
     timed,
     transports,
 )
-
-import torch
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
@@ -255,7 +254,7 @@ def sampling_benchmarks(
                     replies = await pipe.execute()
                 return {
                     k: tensor_from_bytes(b, SAMPLING_SPEC[k][1], (len(rows), *SAMPLING_SPEC[k][0]))
-                    for k, b in zip(data, replies)
+                    for k, b in zip(data, replies, strict=True)
                 }
 
             async def raw_getranges(c: Any) -> dict[str, torch.Tensor]:

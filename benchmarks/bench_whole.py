@@ -19,27 +19,26 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from _common import (
     RawRedis,
     Timing,
     base_parser,
-    parse,
     bench_server,
     byte_view,
+    compare,
     fmt_goal,
     fmt_ms,
     fmt_ratio,
-    compare,
     load_average,
+    parse,
     print_table,
-    timed,
     server_banner,
     sync_hop_cost,
     tensor_from_bytes,
+    timed,
     transports,
 )
-
-import torch
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore

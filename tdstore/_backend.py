@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import redis.exceptions
 
@@ -652,7 +652,7 @@ async def write_runs_watched(
         if nontensor:
             fields = [encode_path(path) for path, _ in nontensor]
             metas = await pipe.hmget(keys.reg, fields)
-            for (path, update), key, field, meta_raw in zip(nontensor, nt_keys, fields, metas):
+            for (_path, update), key, field, meta_raw in zip(nontensor, nt_keys, fields, metas, strict=True):
                 old_meta = json.loads(meta_raw) if meta_raw is not None else None
                 old = await pipe.get(key) if old_meta is not None else None
                 new_meta, payload = update(old_meta, old)
@@ -695,14 +695,15 @@ async def write_runs_watched(
         for key, field, new_meta, payload in nt_writes:
             pipe.set(key, payload)
             pipe.hset(keys.reg, field, json.dumps(new_meta, separators=(",", ":")))
-        if _s(exp):
+        exp_ms = _s(exp)
+        if exp_ms:
             # a store with an expiry: the keys this step creates (or SET, which drops a
             # TTL) expire with it; the meta hash is WATCHed, so "exp" cannot change meanwhile
             for key in [keys.data(op.path) for op in creates] + [key for key, _, _, _ in nt_writes]:
-                pipe.pexpireat(key, int(_s(exp)))
+                pipe.pexpireat(key, int(exp_ms))
             if creates or nt_writes:
-                pipe.pexpireat(keys.reg, int(_s(exp)))
-            pipe.pexpireat(keys.wv, int(_s(exp)))
+                pipe.pexpireat(keys.reg, int(exp_ms))
+            pipe.pexpireat(keys.wv, int(exp_ms))
         if creates and count is not None:
             pipe.hincrby(keys.meta, "ne", len(creates))  # the registry's field count (commit.lua)
         if layout_changed:

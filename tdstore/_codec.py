@@ -105,7 +105,7 @@ def tensor_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     if flat.numel() == 0:
         return flat, memoryview(b"")
     raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-    return flat, memoryview(raw.numpy())
+    return flat, raw.numpy().data  # a memoryview of the tensor's bytes, no copy
 
 
 def tensor_from_reply(

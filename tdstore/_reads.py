@@ -43,7 +43,7 @@ class StoreReads:
 
     def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
+        for _attempt in range(_MAX_RETRIES):
             # hints only, without I/O: a stale or missing cached layout just reads whole
             large = _large_sizes(conn.layout, paths) if conn.layout is not None else {}
             device = self._cached_device()
@@ -56,7 +56,7 @@ class StoreReads:
             if lv != layout.lv:
                 layout = self._layout(refresh=True)
             out = []
-            for path, meta, blob in zip(paths, metas, blobs):
+            for path, meta, blob in zip(paths, metas, blobs, strict=True):
                 if meta is None:
                     raise self._key_error(path)
                 meta = _values.check_meta(path, meta, self._where())

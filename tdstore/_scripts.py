@@ -18,7 +18,7 @@ import hashlib
 import importlib.resources
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import redis.exceptions
@@ -53,7 +53,8 @@ def parse_header(source: str) -> ScriptHeader:
     if match is None:
         raise ValueError("a script must open with a --[[ name ... ]] contract block")
     name, text = match.group(1), match.group(2)
-    keys, argv = [], []
+    keys: list[tuple[int, bool]] = []
+    argv: list[tuple[int, bool]] = []
     for kind, idx, variadic in _DECL_RE.findall(text):
         (keys if kind == "KEYS" else argv).append((int(idx), bool(variadic)))
     errors_part = text.split("Errors:", 1)[1] if "Errors:" in text else ""
@@ -96,7 +97,7 @@ class Script:
         return self.shas[shebang]
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_script(name: str) -> Script:
     """The script ``lua/<name>.lua``, with its includes inlined."""
     root = _lua_dir()

@@ -204,7 +204,7 @@ def nontensor_after_index_write(
             )
     else:
         new = [value.data] * n
-    for row, item in zip(rows.reshape(-1).tolist(), new):
+    for row, item in zip(rows.reshape(-1).tolist(), new, strict=True):
         flat[row] = item
     if old_meta is not None and int(old_meta.get("stack", 0)) == 0 and numel and _all_equal(flat):
         enc, payload = _codec.encode_non_tensor(flat[0], policy)

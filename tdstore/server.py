@@ -424,7 +424,7 @@ class ServerHandle:
         server. ``INFO server`` reports ``process_id``, which must be ours.
         """
         assert self._proc is not None
-        kwargs = (
+        kwargs: dict[str, Any] = (
             {"host": self.host, "port": self.port}
             if self.port is not None and self._tls is None  # a TLS server is checked on its socket
             else {"unix_socket_path": self.unix_socket_path}

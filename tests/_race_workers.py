@@ -109,7 +109,7 @@ def row_reader(conn: dict[str, Any], td_id: str, duration: float, seed: int) -> 
         obs, act = rows["obs"], rows["act"]
         bad = (obs != obs[:, :1]).any(dim=1) | (act != act[:, :1]).any(dim=1) | (act[:, 0].to(torch.float64) != obs[:, 0])
         tags = rows["tag"]
-        bad |= torch.tensor([tag != f"w{int(a)}" for tag, a in zip(tags, act[:, 0].tolist())])
+        bad |= torch.tensor([tag != f"w{int(a)}" for tag, a in zip(tags, act[:, 0].tolist(), strict=True)])
         torn += int(bad.sum())
         checked += 32
     store.close()

@@ -15,12 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from _counts import add_cases
+from _gen import rand_tensor as _rand_tensor
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
-
-from _counts import add_cases
-from _gen import rand_tensor as _rand_tensor
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int16, torch.int64, torch.float16, torch.bfloat16,

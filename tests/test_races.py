@@ -14,9 +14,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import _race_workers as w
-from _counts import record as _record
 import pytest
 import torch
+from _counts import record as _record
 from tensordict import NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore

@@ -10,11 +10,10 @@ import random
 
 import pytest
 import torch
+from _gen import rand_tensor
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
-
-from _gen import rand_tensor
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

@@ -37,8 +37,9 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import lupa.lua51
 import lupa.lua54
@@ -181,7 +182,7 @@ def _lua54_float_str(value: float) -> bytes:
         return b"nan" if math.copysign(1.0, value) > 0 else b"-nan"
     if math.isinf(value):
         return b"inf" if value > 0 else b"-inf"
-    text = "%.14g" % value
+    text = f"{value:.14g}"
     if re.fullmatch(r"-?[0-9]+", text):
         text += ".0"
     return text.encode()
@@ -190,7 +191,7 @@ def _lua54_float_str(value: float) -> bytes:
 def lua_number_arg(value: int | float, lua_version: str) -> bytes:
     """The bytes a server passes to a command for a Lua number argument."""
     if lua_version == "5.1":  # every Lua 5.1 number is a double; Redis formats with %.17g
-        return ("%.17g" % float(value)).encode()
+        return f"{float(value):.17g}".encode()
     if isinstance(value, int):  # Lua 5.4 integer subtype
         return str(value).encode()
     return _lua54_float_str(value)
@@ -721,7 +722,7 @@ def _json_string(raw: bytes) -> bytes:
 def _json_number(value: int | float) -> bytes:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         raise _CjsonError("Cannot serialise number: must not be NaN or Inf")
-    return ("%.14g" % value).encode()
+    return f"{value:.14g}".encode()
 
 
 def _json_encode(value: Any, is_null: Callable[[Any], bool], lua_version: str, depth: int = 0) -> bytes:

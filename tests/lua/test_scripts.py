@@ -22,7 +22,6 @@ from tdstore.errors import LUA_ERRORS, translate_response_error
 from .shim import (
     LUA_VERSIONS,
     LuaRedis,
-    LuaRuntimeError,
     LuaScriptError,
     VirtualString,
     compile_source,
@@ -1121,7 +1120,7 @@ class TestWriteRunsLargeOffsets:
         argv = runs_argv("2", ([(o, 2) for o in offsets], b"aabbccdd"))
         assert big.run("write_runs", [META, WV, D("big")], argv, lua_version) == 4
         assert big.commands("SETRANGE") == [
-            (D("big"), str(o).encode(), chunk) for o, chunk in zip(offsets, [b"aa", b"bb", b"cc", b"dd"])
+            (D("big"), str(o).encode(), chunk) for o, chunk in zip(offsets, [b"aa", b"bb", b"cc", b"dd"], strict=True)
         ]
         assert big.data[D("big")].length == 5_000_000_000
 
