@@ -559,7 +559,7 @@ class StoreAPI:
         return self.to_tensordict() != other
 
 
-def _unpickle(cls: type, state: dict[str, Any]) -> Any:
+def _unpickle(cls: Any, state: dict[str, Any]) -> Any:
     self = cls.__new__(cls)
     self.__setstate__(state)
     return self
