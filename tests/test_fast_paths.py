@@ -355,3 +355,70 @@ def test_indexed_read_from_inside_the_io_loop_is_a_clear_error(real_server):
     assert errors and "IO loop" in str(errors[0])
     store.clear_redis()
     store.close()
+
+
+def _race_writer(kwargs, td_id, proc, rounds, q):
+    try:
+        store = TensorDictStore.from_store(td_id=td_id, **kwargs)
+        deadline = time.monotonic() + 30
+        done = 0
+        for k in range(1, rounds + 1):
+            if time.monotonic() > deadline:
+                break
+            lo = (proc * 7 + k) % 24  # overlapping windows of 8 rows; both entries in one step
+            value = float(proc * 10_000 + k)
+            store[lo : lo + 8] = TensorDict(
+                x=torch.full((8, *ROW), value), y=torch.full((8, 2048), value, dtype=torch.float64), batch_size=[8]
+            )
+            store[proc + 32] = TensorDict(x=torch.full(ROW, float(k)), y=torch.full((2048,), float(k), dtype=torch.float64))
+            done += 1
+        store.close()
+        q.put(("ok", done))
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        q.put(("err", repr(err)))
+
+
+def _race_reader(kwargs, td_id, seconds, q):
+    try:
+        store = TensorDictStore.from_store(td_id=td_id, **kwargs)
+        deadline = time.monotonic() + seconds
+        checked = torn = 0
+        while time.monotonic() < deadline and checked < 20_000:
+            r = checked % 32
+            row = store[r : r + 1] if checked % 2 else store[r]
+            x, y = row["x"].reshape(-1), row["y"].reshape(-1)
+            torn += int(not (bool((x == x[0]).all()) and bool((y == float(x[0])).all())))
+            checked += 1
+        store.close()
+        q.put(("ok", (checked, torn)))
+    except Exception as err:  # noqa: BLE001
+        q.put(("err", repr(err)))
+
+
+def test_armed_writes_across_processes_never_torn_nor_lost(real_server, request):
+    """Forked writers of overlapping row windows (two large entries per write) and a reader:
+    every row read is one write's (both entries alike), and each writer's own row ends at its last write."""
+    n = 40
+    store = TensorDictStore.from_schema(
+        {"x": (list(ROW), torch.float32), "y": ([2048], torch.float64)}, batch_size=[n], **real_server.connection_kwargs()
+    )
+    kwargs = real_server.connection_kwargs()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    rounds = 60
+    procs = [ctx.Process(target=_race_writer, args=(kwargs, store.td_id, p, rounds, q)) for p in range(3)]
+    procs.append(ctx.Process(target=_race_reader, args=(kwargs, store.td_id, 4.0, q)))
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(kind == "ok" for kind, _ in results), results
+    writes = sum(v for _, v in results if isinstance(v, int))
+    checked, torn = next(v for _, v in results if isinstance(v, tuple))
+    own = store[32:35]
+    lost = sum(int(not bool((own["x"][p] == float(rounds)).all())) for p in range(3))
+    record(request, writes=writes, reads=checked, torn_reads=f"{torn}/{checked}", lost_last_writes=f"{lost}/3")
+    assert torn == 0 and checked > 0 and writes == 3 * rounds and lost == 0
+    store.clear_redis()
+    store.close()
