@@ -27,7 +27,7 @@ from tdstore.errors import UnsupportedOperationError
 
 __all__ = ["NEEDS_COMPAT", "StoreCompat014", "TENSORDICT_VERSION"]
 
-TENSORDICT_VERSION: str = tensordict.__version__
+TENSORDICT_VERSION: str = str(tensordict.__version__)
 #: True where TensorDictBase lacks the 0.15 copy hooks (tensordict 0.14.x)
 NEEDS_COMPAT: bool = not hasattr(TensorDictBase, "_inplace_on_copies")
 

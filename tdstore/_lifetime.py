@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from tdstore import _backend, _io
@@ -98,7 +99,7 @@ class LifetimeAPI:
         for attempt in range(_io.MAX_RETRIES):
             layout = self._layout(refresh=attempt > 0)
             try:
-                conn.run(lambda c, layout=layout: _backend.expire(c, conn.keys, conn.runner, layout, ms))
+                conn.run(partial(_backend.expire, keys=conn.keys, runner=conn.runner, layout=layout, ttl_ms=ms))
             except StaleLayoutError:
                 # a key was added or removed meanwhile: list the keys again
                 _io.backoff(attempt)

@@ -75,6 +75,7 @@ class WritePlanner:
         if len(path) == 1:
             return torch.Size(json.loads(self.layout.meta.get("batch_size", "[]")))
         node = self.entries.get(path[:-1])
+        assert node is not None, f"the parent of {path!r} is registered before its entries"
         return torch.Size(node["batch_size"])
 
     def ensure_parents(self, path: tuple[str, ...]) -> None:

@@ -141,8 +141,8 @@ class ClusterHandle(ServerHandle):
 
     def node_client(self, index: int) -> redis.Redis:
         """A plain client to master ``index`` (close it when done)."""
-        node = self.nodes[index]
-        return redis.Redis(host=node.host, port=node.port, socket_connect_timeout=10)
+        host, port = _address(self.nodes[index])
+        return redis.Redis(host=host, port=port, socket_connect_timeout=10)
 
     def node_of_key(self, key: str | bytes) -> int:
         """The index (in :attr:`nodes`) of the master that serves ``key``'s slot now (CLUSTER SLOTS)."""
@@ -228,6 +228,12 @@ class ClusterHandle(ServerHandle):
 
 
 
+def _address(node: ServerHandle) -> tuple[str, int]:
+    """The TCP address of a cluster node (nodes always listen on a loopback port)."""
+    assert node.host is not None and node.port is not None, f"cluster node {node!r} has no TCP address"
+    return node.host, node.port
+
+
 def _start_node(kind: str, startup_timeout: float, node_timeout_ms: int) -> ServerHandle:
     from tdstore.server import start_server
 
@@ -260,11 +266,11 @@ def _start_nodes(
     try:
         for _ in range(total):
             nodes.append(_start_node(kind, startup_timeout, node_timeout_ms))
-        clients = [redis.Redis(host=n.host, port=n.port, socket_timeout=10) for n in nodes]
+        clients = [redis.Redis(*_address(n), socket_timeout=10) for n in nodes]
         try:
             for client, (low, high) in zip(clients[:masters], slot_ranges(masters), strict=True):
                 client.execute_command("CLUSTER ADDSLOTSRANGE", low, high)
-            bus_ports = [int(client.config_get("cluster-port")["cluster-port"]) for client in clients]
+            bus_ports = [int(str(client.config_get("cluster-port")["cluster-port"])) for client in clients]
             for node, bus in zip(nodes[1:], bus_ports[1:], strict=True):
                 clients[0].execute_command("CLUSTER MEET", node.host, node.port, bus)
             _wait_ok(clients, total, startup_timeout)

@@ -44,6 +44,9 @@ from tdstore._keys import as_path as _as_path  # noqa: E402
 class StoreAPI:
     """Whole-store methods of :class:`~tdstore.TensorDictStore`."""
 
+    #: the meta hash of a store this handle cleared, to recreate it on the next write
+    _cleared_meta: dict[str, str] | None
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_dict(
@@ -523,7 +526,7 @@ class StoreAPI:
                 continue
             except StoreNotFoundError:
                 return
-            self._cleared_meta = dict(layout.meta)
+            self._cleared_meta = {str(k): str(v) for k, v in layout.meta.items()}
             conn.layout = None
             return
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")

@@ -84,7 +84,6 @@ class TensorDictStore(
     _update_stores_copy_of_self = True
     _pin_memory_unsupported = True
     _setitem_key_inplace = False
-    _td_dim_names = None
 
     def __init__(
         self,

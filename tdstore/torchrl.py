@@ -189,6 +189,7 @@ class TensorDictStoreStorage(TensorStorage):
             store = TensorDictStore.from_schema(schema, batch_size=[self.max_size, *inner], **kwargs)
         except StoreExistsError:
             # another process created it first under the same td_id
+            assert self._td_id is not None, "from_schema raised StoreExistsError for a td_id of ours"
             store = TensorDictStore.from_store(td_id=self._td_id, **self._store_kwargs)
         self._storage = store
         self.initialized = True
@@ -258,7 +259,7 @@ class TensorDictStoreStorage(TensorStorage):
         elif isinstance(index, Sequence) and not isinstance(index, (str, bytes)):
             index = torch.as_tensor(index, dtype=torch.long)
         out = self._storage[index]
-        if self.device != "auto" and self.device.type != "cpu":
+        if self.device != "auto" and torch.device(self.device).type != "cpu":
             out = out.to(self.device)
         return out
 
