@@ -39,16 +39,16 @@ from tdstore.errors import (
     UnsafePayloadError,
     UnsupportedOperationError,
 )
-from tdstore.sharded import ShardedStore
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.sharded import ShardedStore
 from tdstore.store import TensorDictStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TensorDictStore",
-    "LazyStackedTensorDictStore",
     "ShardedStore",
+    "LazyStackedTensorDictStore",
     "TDStoreError",
     "StoreNotFoundError",
     "StoreExistsError",

@@ -161,7 +161,7 @@ async def write_runs_armed(
     ):
         await slot.drop(armed)
         armed = None
-    connection = armed.connection if armed is not None else None
+    connection: Any = armed.connection if armed is not None else None
     try:
         if armed is None:
             connection = await client.connection_pool.get_connection()

@@ -74,6 +74,11 @@ def _check_decode(kwargs: dict[str, Any], where: str) -> None:
 class Connection:
     """Settings and live client of one store (shared by its nested sub-stores)."""
 
+    #: where the credentials of an unpickled connection came from (None: nowhere)
+    _credentials_from: str | None
+    #: progress= of the store: None (automatic), True or False; shared by sub-handles
+    progress: bool | None = None
+
     def __init__(
         self,
         *,
@@ -266,7 +271,7 @@ class Connection:
         self.owned_replies = self._connection_class.__module__.startswith("redis.")
         self.pickle_secrets = bool(state.get("pickle_secrets", False))
         self._secrets_dropped = list(state.get("secrets_dropped", ()))
-        self._credentials_from: str | None = state.get("credentials_from")
+        self._credentials_from = state.get("credentials_from")
         if self._secrets_dropped:
             self._conn_kwargs = dict(self._conn_kwargs)
             self._credentials_from = _credentials.fill_from_env(self._conn_kwargs)

@@ -164,7 +164,7 @@ class RowSpans:
     __slots__ = ("_flat", "_first", "_count", "_len", "_cache")
 
     def __init__(self, rows: torch.Tensor) -> None:
-        self._flat = rows.reshape(-1)
+        self._flat: torch.Tensor | None = rows.reshape(-1)
         self._first: list[int] | None = None
         self._count: list[int] | None = None
         self._len: int | None = None
@@ -183,6 +183,7 @@ class RowSpans:
     def __len__(self) -> int:
         if self._len is None:
             flat = self._flat
+            assert flat is not None  # only block() leaves it unset, and it sets _len
             n = flat.numel()
             self._len = int((flat[1:] - flat[:-1] != 1).sum()) + 1 if n > 1 else n
         return self._len
@@ -203,6 +204,7 @@ class RowSpans:
 
     def _split(self) -> None:
         flat = self._flat
+        assert flat is not None  # only block() leaves it unset, and it sets the runs
         n = flat.numel()
         if n == 0:
             self._first, self._count = [], []

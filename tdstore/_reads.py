@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -284,7 +284,7 @@ class StoreReads:
                 spans = RowSpans(rows)
                 nrows, new_bs = rows.numel(), rows.shape
             plan = self._read_plan(layout, only, nb)
-            plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
+            plans: list[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]] = []
             gathers: list[tuple[int, str] | None] = []
             rows_arg: str | None = None
             for path, _meta, dtype, _feat, row_bytes in plan:
