@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -479,6 +480,11 @@ def commit_args(
             wire["src"] = index_of(keys.data(op.path))
             wire["dst"] = index_of(keys.data(op.new_path))
         wire_ops.append(wire)
+    if expected == "new":
+        # when the store was made (ms since the epoch, the creating client's clock): shown
+        # as its age by `tdstore ls` / `tdstore info`; a store re-created after
+        # clear_redis() is a new one
+        meta_updates = {**(meta_updates or {}), "created": str(int(time.time() * 1000))}
     args = [
         expected,
         "1" if bump else "0",

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tdstore import TensorDictStore
+from tdstore._cli_inspect import human_seconds
 from tdstore.cli import CliError, ConnOptions, build_parser, conn_options, main
 from tdstore.server import ServerHandle, start_server
 
@@ -104,7 +105,7 @@ def test_ls_lists_every_store_with_sizes_and_ttl(real_server: ServerHandle, monk
         assert (a["prefix"], a["kind"], a["batch_size"], a["entries"]) == ("tensordict", "store", [5], 3)
         # bytes are the servers' string lengths: 30 float32 + 10 int64 + the JSON of "hello"
         assert a["bytes"] == 30 * 4 + 10 * 8 + len(json.dumps("hello"))
-        assert a["ttl_s"] is None and a["age_s"] is None
+        assert a["ttl_s"] is None and 0 <= a["age_s"] < 120  # "created" is written by the creating commit
         assert (b["prefix"], b["batch_size"], b["entries"], b["bytes"]) == ("other", [7], 1, 21)
         assert 0 < b["ttl_s"] <= 60
 
@@ -117,7 +118,9 @@ def test_ls_lists_every_store_with_sizes_and_ttl(real_server: ServerHandle, monk
         lines = text.splitlines()
         assert lines[0].split() == ["TD_ID", "PREFIX", "KIND", "BATCH", "ENTRIES", "BYTES", "AGE", "TTL"]
         row = next(line for line in lines if line.startswith("cli-first"))
-        assert row.split() == ["cli-first", "tensordict", "store", "[5]", "3", "207", "B", "-", "none"]
+        cells = row.split()
+        assert cells[:7] + cells[8:] == ["cli-first", "tensordict", "store", "[5]", "3", "207", "B", "none"]
+        assert cells[7] == human_seconds(float(cells[7].rstrip("s"))) and cells[7].endswith("s")  # the age
         row = next(line for line in lines if line.startswith("cli-second"))
         assert row.split()[:6] == ["cli-second", "other", "store", "[7]", "1", "21"]
         assert row.split()[-1].endswith("s") and row.split()[-1] != "none"
