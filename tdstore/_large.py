@@ -16,7 +16,7 @@ as fakeredis takes the ordinary path).
 * **Reads** (:func:`read_pieces`): a GET reply is parsed whole by hiredis into its own
   buffer and then copied into a ``bytes`` object (2x the entry at the peak). Large
   entries are read instead as GETRANGE pieces of :data:`READ_PIECE` bytes, pipelined on
-  one connection, each piece copied into a preallocated tensor (pinned when the store's
+  one connection (at most two windows of :data:`READ_WINDOW` pieces in flight), each piece copied into a preallocated tensor (pinned when the store's
   device is CUDA) as it arrives and dropped. The pieces are followed, on the same
   connection, by the store's write and layout versions: every write bumps one of them,
   so if both are still those of the snapshot the entry sizes were read in, no write came
@@ -36,12 +36,14 @@ import torch
 
 from tdstore._keys import StoreKeys
 
-__all__ = ["READ_MIN", "READ_PIECE", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "read_pieces", "empty_buffer"]
+__all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "read_pieces", "empty_buffer"]
 
 #: Entries at least this large (bytes) are read in pieces (:func:`read_pieces`).
 READ_MIN = 32 * 1024 * 1024
 #: Bytes per GETRANGE piece: the client's peak is the entry plus about two pieces.
 READ_PIECE = 4 * 1024 * 1024
+#: GETRANGE commands sent at a time; two windows are in flight at most.
+READ_WINDOW = 8
 #: ``memoryview`` arguments at least this large are written piece by piece (:func:`streamed`).
 WRITE_MIN = 1024 * 1024
 #: Bytes handed to the socket's transport at a time.
@@ -171,22 +173,34 @@ async def read_pieces(
     conn = await pool.get_connection()
     clean = False
     try:
-        await conn.send_packed_command(conn.pack_commands(commands))
+        # a window of pieces in flight: the server never waits for the client, and never
+        # buffers more than two windows of replies the client has not taken yet
+        windows = [commands[i : i + READ_WINDOW] for i in range(0, len(commands), READ_WINDOW)]
+        await conn.send_packed_command(conn.pack_commands(windows[0]))
         complete = True
         error: BaseException | None = None
-        for buf, offset, end in targets:
-            try:
-                piece = await conn.read_response()
-            except redis.exceptions.ResponseError as err:
-                error = error or err  # read every reply before raising: the connection stays usable
-                continue
-            if not complete or len(piece) != end - offset:
-                complete = False
-                continue
-            buf[offset:end] = torch.frombuffer(piece, dtype=torch.uint8)
-            del piece
-        wv_now = await conn.read_response()
-        lv_now = await conn.read_response()
+        replies: list[Any] = []
+        n = 0
+        for w in range(len(windows)):
+            if w + 1 < len(windows):
+                await conn.send_packed_command(conn.pack_commands(windows[w + 1]))
+            for _ in windows[w]:
+                try:
+                    reply = await conn.read_response()
+                except redis.exceptions.ResponseError as err:
+                    error = error or err  # read every reply before raising: the connection stays usable
+                    reply = None
+                if n >= len(targets):
+                    replies.append(reply)  # the versions, after the last piece
+                elif reply is not None and complete:
+                    buf, offset, end = targets[n]
+                    if len(reply) == end - offset:
+                        buf[offset:end] = torch.frombuffer(reply, dtype=torch.uint8)
+                    else:
+                        complete = False  # short: the entry changed or is gone
+                del reply
+                n += 1
+        wv_now, lv_now = replies
         clean = True
     finally:
         if not clean:

@@ -26,9 +26,10 @@ from tdstore._codec import DTYPE_BY_NAME
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    """Entries of 100 bytes and more take the large-entry paths, in pieces of 48 / 40 bytes."""
+    """Entries of 100 bytes and more take the large-entry paths, in pieces of 48 / 40 bytes, 3 in a window."""
     monkeypatch.setattr(_large, "READ_MIN", 100)
     monkeypatch.setattr(_large, "READ_PIECE", 48)
+    monkeypatch.setattr(_large, "READ_WINDOW", 3)
     monkeypatch.setattr(_large, "WRITE_MIN", 100)
     monkeypatch.setattr(_large, "WRITE_PIECE", 40)
 
@@ -151,7 +152,7 @@ def test_pieces_never_torn_under_writer(real_server, request, small_pieces):
 def _writer(kwargs, td_id, stop, ready):
     from tdstore import _large as large
 
-    large.READ_MIN, large.READ_PIECE, large.WRITE_MIN, large.WRITE_PIECE = 100, 48, 100, 40
+    large.READ_MIN, large.READ_PIECE, large.READ_WINDOW, large.WRITE_MIN, large.WRITE_PIECE = 100, 48, 3, 100, 40
     store = TensorDictStore.from_store(td_id=td_id, **kwargs)
     deadline = time.monotonic() + 30
     i = 0
