@@ -293,3 +293,18 @@ def test_thresholds_are_sane():
     assert _large.READ_PIECE < _large.READ_MIN
     assert _large.WRITE_PIECE >= _large.WRITE_MIN
     assert _backend._LARGE_TRIES >= 1
+
+
+def test_tls_large_round_trip(tls_server, small_pieces):
+    """Over TLS (an SSL transport under the streamed writes and the pieces), a large entry round-trips."""
+    store = TensorDictStore(batch_size=[4], **tls_server.connection_kwargs())
+    try:
+        assert store._conn._connection_class.__name__ == "SSLConnection"
+        value = torch.randn(4, 3000)  # 48 KB: 1200 write slices, 1000 read pieces
+        store["x"] = value
+        store["x"] = value * 2  # in place
+        assert torch.equal(store["x"], value * 2)
+        assert torch.equal(store.to_tensordict()["x"], value * 2)
+    finally:
+        store.clear_redis()
+        store.close()
