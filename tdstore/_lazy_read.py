@@ -70,7 +70,10 @@ class LazyReads:
             plans.append((path, runs))
             gathers.append(None)
             spans.append(runs)
-        lv, replies = conn.run(lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers))
+        lv, replies = conn.read(  # on the calling thread when the transport allows (see Connection.read)
+            lambda c, r: _backend.read_runs_direct(c, conn.keys, r, plans, gathers),
+            lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers),
+        )
         if lv is None:
             raise self._not_found()
         if lv != layout.lv:
