@@ -185,7 +185,7 @@ class TestTransfers:
             def of(prefix, store):
                 base = f"{prefix}:{{{store.td_id}}}:"
                 out = {k.decode()[len(base):]: v for k, v in state.items() if k.decode().startswith(base)}
-                out["meta"] = (out["meta"][0], {f: v for f, v in out["meta"][1].items() if f != b"lv"})
+                out["meta"] = (out["meta"][0], {f: v for f, v in out["meta"][1].items() if f not in (b"lv", b"created")})
                 return out
 
             assert of("a", a) == of("b", b)
