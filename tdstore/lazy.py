@@ -30,6 +30,7 @@ from tdstore import _lazy_plan as plan
 from tdstore._compat import StoreCompat014
 from tdstore._keys import as_path as _as_path
 from tdstore._keys import new_td_id
+from tdstore._layout_cache import LayoutCache
 from tdstore._lazy_keys import LazyWrites
 from tdstore._lazy_read import LazyReads
 from tdstore._unsupported import StoreUnsupported
@@ -37,9 +38,7 @@ from tdstore._values import is_no_default, order_key
 from tdstore._views import StoreKeysView
 from tdstore.errors import (
     CorruptMetadataError,
-    DataLostError,
     EntryNotFoundError,
-    FormatVersionError,
     SchemaError,
     StaleLayoutError,
     StoreExistsError,
@@ -52,7 +51,7 @@ __all__ = ["LazyStackedTensorDictStore"]
 _MAX_RETRIES = _io.MAX_RETRIES
 
 
-class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, StoreCompat014, TensorDictBase):
+class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupported, StoreCompat014, TensorDictBase):
     """A lazy stack of tensordicts kept on a Redis-wire server; elements may differ in shape.
 
     Create one with :meth:`from_lazy_stack` (or ``TensorDictStore.from_tensordict`` of a
@@ -207,33 +206,9 @@ class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, StoreC
         )
 
     # ------------------------------------------------------------------ layout
-    def _layout(self, refresh: bool = False) -> _backend.Layout:
-        conn = self._conn
-        if refresh or conn.layout is None or not self._cache_metadata:
-            layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
-            if layout is None:
-                conn.layout = None
-                raise self._not_found()
-            self._check_layout(layout)
-            conn.layout = layout
-        return conn.layout
-
-    def _fresh_layout(self) -> _backend.Layout:
-        conn = self._conn
-        if self._cache_metadata and conn.layout is not None:
-            lv = conn.run(lambda c: _backend.read_layout_version(c, conn.keys))
-            if lv is None:
-                conn.layout = None
-                raise self._not_found()
-            if lv == conn.layout.lv:
-                return conn.layout
-        return self._layout(refresh=True)
-
     def _check_layout(self, layout: _backend.Layout) -> None:
         where = self._where()
-        fmt = layout.meta.get("fmt")
-        if fmt != _backend.FORMAT_VERSION:
-            raise FormatVersionError(f"store {where} was written in format {fmt!r}; this tdstore reads {_backend.FORMAT_VERSION!r}")
+        self._check_store_meta(layout, f"lazy store {where}")
         if layout.meta.get("kind") != plan.KIND:
             raise UnsupportedOperationError(
                 f"store {where} is a TensorDictStore, not a lazy stack; connect with "
@@ -246,12 +221,6 @@ class LazyStackedTensorDictStore(LazyReads, LazyWrites, StoreUnsupported, StoreC
             raise CorruptMetadataError(f"lazy store {where} has a malformed batch size or stack dim") from None
         if not isinstance(bs, list) or not all(isinstance(d, int) and d >= 0 for d in bs) or not 0 <= s < len(bs):
             raise CorruptMetadataError(f"lazy store {where} has batch size {bs!r} and stack dim {s!r}")
-        if _backend.registry_lost(layout):
-            raise DataLostError(
-                f"the entry registry of lazy store {where} is gone from the server (evicted under a "
-                f"maxmemory policy, or deleted by hand): it held {layout.meta['ne']} entries, "
-                f"{len(layout.entries)} remain"
-            )
         n = bs[s]
         for path, meta in layout.entries.items():
             plan.check_lazy_meta(path, meta, n, where)

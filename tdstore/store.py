@@ -27,6 +27,7 @@ from tdstore._connection import Connection, connection_defaults
 from tdstore._io import DEFAULT_TIMEOUT
 from tdstore._keys import as_path as _as_path
 from tdstore._keys import new_td_id
+from tdstore._layout_cache import LayoutCache
 from tdstore._lifetime import LifetimeAPI, ttl_ms
 from tdstore._planner import WritePlanner, check_tensor, flatten_values, tensor_like
 from tdstore._reads import StoreReads
@@ -37,9 +38,7 @@ from tdstore._unsupported import StoreUnsupported
 from tdstore._values import NO_DEFAULT, is_no_default
 from tdstore._views import StoreKeysView
 from tdstore.errors import (
-    DataLostError,
     EntryNotFoundError,
-    FormatVersionError,
     SchemaError,
     StaleLayoutError,
     StoreExistsError,
@@ -54,7 +53,7 @@ _MAX_CAS_RETRIES = 1000
 
 
 class TensorDictStore(
-    StoreAPI, StoreReads, RingBufferAPI, LifetimeAPI, StoreUnsupported, StoreCompat014, TensorDictBase
+    LayoutCache, StoreAPI, StoreReads, RingBufferAPI, LifetimeAPI, StoreUnsupported, StoreCompat014, TensorDictBase
 ):
     """A TensorDict whose entries live on a Redis-compatible server.
 
@@ -227,36 +226,8 @@ class TensorDictStore(
         )
 
     # ------------------------------------------------------------------ layout
-    def _layout(self, refresh: bool = False) -> _backend.Layout:
-        conn = self._conn
-        if refresh or conn.layout is None or not self._cache_metadata:
-            layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
-            if layout is None:
-                conn.layout = None
-                raise self._not_found()
-            self._check_layout(layout)
-            conn.layout = layout
-        return conn.layout
-
-    def _fresh_layout(self) -> _backend.Layout:
-        """The layout, checked against the server's version (one small round trip)."""
-        conn = self._conn
-        if self._cache_metadata and conn.layout is not None:
-            lv = conn.run(lambda c: _backend.read_layout_version(c, conn.keys))
-            if lv is None:
-                conn.layout = None
-                raise self._not_found()
-            if lv == conn.layout.lv:
-                return conn.layout
-        return self._layout(refresh=True)
-
     def _check_layout(self, layout: _backend.Layout) -> None:
-        fmt = layout.meta.get("fmt")
-        if fmt != _backend.FORMAT_VERSION:
-            raise FormatVersionError(
-                f"store {self._where()} was written in format {fmt!r}; this tdstore reads "
-                f"format {_backend.FORMAT_VERSION!r}"
-            )
+        self._check_store_meta(layout, self._where())
         if layout.meta.get("kind"):
             from tdstore.errors import UnsupportedOperationError
 
@@ -265,12 +236,6 @@ class TensorDictStore(
             raise UnsupportedOperationError(
                 f"store {self._where()} is not a TensorDictStore (kind {kind!r}"
                 f"{', a LazyStackedTensorDictStore' if kind == 'lazy' else ''}); {hint}"
-            )
-        if _backend.registry_lost(layout):
-            raise DataLostError(
-                f"the entry registry of {self._where()} is gone from the server (evicted under a "
-                f"maxmemory policy, or deleted by hand): it held {layout.meta['ne']} entries, "
-                f"{len(layout.entries)} remain"
             )
         for path, meta in layout.entries.items():
             _values.check_meta(path, meta, self._where())

@@ -1,0 +1,57 @@
+"""The cached layout of a store handle, shared by TensorDictStore and LazyStackedTensorDictStore.
+
+A handle keeps the last layout it read on its :class:`~tdstore._connection.Connection`
+(shared with its nested sub-handles). :meth:`LayoutCache._layout` returns it, or reads it
+again when asked to (or when metadata caching is off); :meth:`LayoutCache._fresh_layout`
+first checks it against the server's layout version (one small round trip). Every layout
+read from the server goes through the host class's ``_check_layout`` before it is used.
+"""
+
+from __future__ import annotations
+
+from tdstore import _backend
+from tdstore.errors import DataLostError, FormatVersionError
+
+__all__ = ["LayoutCache"]
+
+
+class LayoutCache:
+    """Mixin: the layout cache (needs ``_conn``, ``_cache_metadata``, ``_not_found()``,
+    ``_where()`` and ``_check_layout()`` on the host class)."""
+
+    def _layout(self, refresh: bool = False) -> _backend.Layout:
+        conn = self._conn
+        if refresh or conn.layout is None or not self._cache_metadata:
+            layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
+            if layout is None:
+                conn.layout = None
+                raise self._not_found()
+            self._check_layout(layout)
+            conn.layout = layout
+        return conn.layout
+
+    def _fresh_layout(self) -> _backend.Layout:
+        """The layout, checked against the server's version (one small round trip)."""
+        conn = self._conn
+        if self._cache_metadata and conn.layout is not None:
+            lv = conn.run(lambda c: _backend.read_layout_version(c, conn.keys))
+            if lv is None:
+                conn.layout = None
+                raise self._not_found()
+            if lv == conn.layout.lv:
+                return conn.layout
+        return self._layout(refresh=True)
+
+    def _check_store_meta(self, layout: _backend.Layout, what: str) -> None:
+        """The checks every kind of store makes: the format version, and a registry that is
+        still all there (see :func:`tdstore._backend.registry_lost`). ``what`` names the store."""
+        fmt = layout.meta.get("fmt")
+        if fmt != _backend.FORMAT_VERSION:
+            raise FormatVersionError(
+                f"store {what} was written in format {fmt!r}; this tdstore reads format {_backend.FORMAT_VERSION!r}"
+            )
+        if _backend.registry_lost(layout):
+            raise DataLostError(
+                f"the entry registry of {what} is gone from the server (evicted under a maxmemory policy, "
+                f"or deleted by hand): it held {layout.meta['ne']} entries, {len(layout.entries)} remain"
+            )
