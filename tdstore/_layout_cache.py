@@ -1,4 +1,5 @@
-"""The cached layout of a store handle, shared by TensorDictStore and LazyStackedTensorDictStore.
+"""The identity and cached layout of a store handle, shared by TensorDictStore and
+LazyStackedTensorDictStore.
 
 A handle keeps the last layout it read on its :class:`~tdstore._connection.Connection`
 (shared with its nested sub-handles). :meth:`LayoutCache._layout` returns it, or reads it
@@ -16,8 +17,23 @@ __all__ = ["LayoutCache"]
 
 
 class LayoutCache:
-    """Mixin: the layout cache (needs ``_conn``, ``_cache_metadata``, ``_not_found()``,
-    ``_where()`` and ``_check_layout()`` on the host class)."""
+    """Mixin: the store's identity and layout cache (needs ``_conn``, ``_path``,
+    ``_cache_metadata``, ``_not_found()`` and ``_check_layout()`` on the host class)."""
+
+    @property
+    def td_id(self) -> str:
+        """The id of this store on the server: pass it to ``from_store`` in another process."""
+        return self._conn.keys.td_id
+
+    @property
+    def prefix(self) -> str:
+        return self._conn.keys.prefix
+
+    def _where(self) -> str:
+        where = f"td_id={self.td_id!r}, prefix={self.prefix!r} on {self._conn.describe()}"
+        if self._path:
+            where += f", nested key {self._path!r}"
+        return where
 
     def _layout(self, refresh: bool = False) -> _backend.Layout:
         conn = self._conn

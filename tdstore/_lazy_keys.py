@@ -86,31 +86,13 @@ class LazyWrites:
         self._set_keys([(path, value)])
 
     def _set_keys(self, items: list[tuple[tuple[str, ...], Any]]) -> None:
-        self._ensure_exists()
-        conn = self._conn
-        for attempt in range(_MAX_RETRIES):
-            layout = self._layout()
+        def build(layout: _backend.Layout) -> list[_backend.Op]:
             ops: list[_backend.Op] = []
-            try:
-                for k, (path, value) in enumerate(items):
-                    ops.extend(self._key_ops(layout, path, value, k))
-            except (SchemaError, KeyError):
-                if self._fresh_layout().lv != layout.lv:
-                    continue
-                raise
-            try:
-                conn.run(
-                    lambda c, ops=ops, lv=str(layout.lv): _backend.commit(
-                        c, conn.keys, conn.runner, ops, expected=lv, bump=True, check_lock=True
-                    )
-                )
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
-            conn.layout = None
-            return
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+            for k, (path, value) in enumerate(items):
+                ops.extend(self._key_ops(layout, path, value, k))
+            return ops
+
+        self._commit_ops(build)
 
     def _key_ops(self, layout: _backend.Layout, path: tuple[str, ...], value: Any, k: int) -> list[_backend.Op]:
         from tdstore.lazy import LazyStackedTensorDictStore

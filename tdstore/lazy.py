@@ -170,21 +170,6 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         conn.layout = None
 
     # ------------------------------------------------------------------ identity
-    @property
-    def td_id(self) -> str:
-        """The id of this store on the server: pass it to ``from_store`` in another process."""
-        return self._conn.keys.td_id
-
-    @property
-    def prefix(self) -> str:
-        return self._conn.keys.prefix
-
-    def _where(self) -> str:
-        where = f"td_id={self.td_id!r}, prefix={self.prefix!r} on {self._conn.describe()}"
-        if self._path:
-            where += f", nested key {self._path!r}"
-        return where
-
     def __repr__(self) -> str:
         if self._conn.closed:
             return f"LazyStackedTensorDictStore(td_id={self.td_id!r}, closed)"
