@@ -10,8 +10,10 @@ read from the server goes through the host class's ``_check_layout`` before it i
 
 from __future__ import annotations
 
-from tdstore import _backend
-from tdstore.errors import DataLostError, FormatVersionError
+from typing import Any
+
+from tdstore import _backend, _io
+from tdstore.errors import DataLostError, FormatVersionError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["LayoutCache"]
 
@@ -71,3 +73,24 @@ class LayoutCache:
                 f"the entry registry of {what} is gone from the server (evicted under a maxmemory policy, "
                 f"or deleted by hand): it held {layout.meta['ne']} entries, {len(layout.entries)} remain"
             )
+
+    def _clear_store(self) -> dict[str, Any] | None:
+        """Deletes every key of the store in one step (the clear script, retried while the
+        layout changes under it); returns the meta hash it deleted, or None when there was
+        no store."""
+        conn = self._conn
+        for attempt in range(_io.MAX_RETRIES):
+            try:
+                layout = self._layout(refresh=True)
+            except StoreNotFoundError:
+                return None
+            try:
+                conn.run(lambda c, layout=layout: _backend.clear(c, conn.keys, conn.runner, layout))
+            except StaleLayoutError:
+                _io.backoff(attempt)
+                continue
+            except StoreNotFoundError:
+                return None
+            conn.layout = None
+            return dict(layout.meta)
+        raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")

@@ -23,8 +23,6 @@ from tdstore._keys import new_td_id
 from tdstore._values import is_no_default
 from tdstore.errors import (
     SchemaError,
-    StaleLayoutError,
-    StoreNotFoundError,
 )
 
 if TYPE_CHECKING:
@@ -513,23 +511,9 @@ class StoreAPI:
         The handle stays open; a later write recreates the store with the same batch
         size, device and names.
         """
-        conn = self._conn
-        for attempt in range(_MAX_RETRIES):
-            try:
-                layout = self._layout(refresh=True)
-            except StoreNotFoundError:
-                return
-            try:
-                conn.run(lambda c: _backend.clear(c, conn.keys, conn.runner, layout))
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                continue
-            except StoreNotFoundError:
-                return
-            self._cleared_meta = {str(k): str(v) for k, v in layout.meta.items()}
-            conn.layout = None
-            return
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")
+        meta = self._clear_store()
+        if meta is not None:
+            self._cleared_meta = {str(k): str(v) for k, v in meta.items()}
 
     def __enter__(self) -> TensorDictStore:
         return self  # type: ignore[return-value]

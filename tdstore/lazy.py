@@ -40,7 +40,6 @@ from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
     SchemaError,
-    StaleLayoutError,
     StoreExistsError,
     StoreNotFoundError,
     UnsupportedOperationError,
@@ -410,23 +409,9 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
 
     def clear_redis(self) -> None:
         """Deletes every key of this store from the server in one atomic step."""
-        conn = self._conn
-        for attempt in range(_MAX_RETRIES):
-            try:
-                layout = self._layout(refresh=True)
-            except StoreNotFoundError:
-                return
-            try:
-                conn.run(lambda c, layout=layout: _backend.clear(c, conn.keys, conn.runner, layout))
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                continue
-            except StoreNotFoundError:
-                return
-            self._cleared_meta = {k: v for k, v in layout.meta.items() if k not in _backend.SCRIPT_META_FIELDS}
-            conn.layout = None
-            return
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")
+        meta = self._clear_store()
+        if meta is not None:
+            self._cleared_meta = {k: v for k, v in meta.items() if k not in _backend.SCRIPT_META_FIELDS}
 
     def _ensure_exists(self) -> None:
         """After clear_redis() on this handle, the next write recreates the stack, with no keys."""
