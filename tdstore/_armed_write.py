@@ -26,7 +26,7 @@ from typing import Any
 import redis.asyncio
 import redis.exceptions
 
-from tdstore._backend import write_runs_watched
+from tdstore._backend import setrange_commands, write_runs_watched, written_keys
 from tdstore._keys import StoreKeys
 from tdstore._scripts import ScriptRunner
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError, translate_response_error
@@ -152,7 +152,7 @@ async def write_runs_armed(
         slot.cool -= 1
         await write_runs_watched(client, keys, runner, groups, expected=expected)
         return
-    data_keys = sorted({keys.data(path) for path, runs, _ in groups if runs})
+    data_keys = sorted(written_keys(keys, groups))
     armed = slot.take(client)
     if armed is not None and (
         # disconnected meanwhile (e.g. the pool was reset): redis-py would reconnect on send,
@@ -184,13 +184,8 @@ async def write_runs_armed(
         else:
             exp = armed.exp
         commands: list[tuple[Any, ...]] = [("MULTI",), ("INCR", keys.wv)]
-        for path, runs, payload in groups:
-            data_key = keys.data(path)
-            pos = 0
-            for offset, length in runs:
-                if length:
-                    commands.append(("SETRANGE", data_key, offset, payload[pos : pos + length]))
-                pos += length
+        for key, offset, data in setrange_commands(keys, groups):
+            commands.append(("SETRANGE", key, offset, data))
         if exp:
             # the counter may be created by this INCR: it expires with the store (the meta
             # hash is WATCHed, so "exp" cannot change meanwhile)

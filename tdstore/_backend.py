@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
 
-from tdstore import _large
+from tdstore import _chunks, _large
 from tdstore._keys import StoreKeys, decode_path, encode_path
 from tdstore._scripts import ScriptRunner, get_script
 from tdstore.errors import PartialWriteError, translate_response_error
@@ -192,6 +192,35 @@ async def _read_entries_once(
     device: Any,
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
     """One try of :func:`read_entries`; None when a large entry changed meanwhile."""
+    # the chunking each entry is read with: the cached layout's, then the one read with
+    # the bytes if that differs (the entry was re-created meanwhile)
+    chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
+    for _ in range(_CHUNK_TRIES):
+        got = await _read_entries_chunked(client, keys, paths, with_layout, big, device, chunking)
+        if not isinstance(got, dict):
+            return got
+        chunking = got
+    from tdstore.errors import StaleLayoutError
+
+    raise StaleLayoutError(f"the entries of {keys.base} kept changing their chunking during a read")
+
+
+#: Reads tried while the chunking of an entry keeps changing under them.
+_CHUNK_TRIES = 5
+
+
+async def _read_entries_chunked(
+    client: Any,
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool,
+    big: Mapping[tuple[str, ...], int],
+    device: Any,
+    chunking: dict[tuple[str, ...], Any],
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
+    """:func:`_read_entries_once` with each entry's chunking given; returns the chunking
+    read from the server instead when it differs."""
+    entry_keys = [keys.entry_keys(p, chunking[p]) if chunking[p] is not None else [keys.plain(p)] for p in paths]
 
     def build(pipe: Any) -> None:
         if with_layout:
@@ -202,11 +231,12 @@ async def _read_entries_once(
             pipe.hget(keys.meta, "lv")
             if paths:
                 pipe.hmget(keys.reg, [encode_path(p) for p in paths])
-        for path in paths:
-            if path in big:
-                pipe.strlen(keys.data(path))  # read below, in pieces
-            else:
-                pipe.get(keys.data(path))
+        for path, names in zip(paths, entry_keys, strict=True):
+            for name in names:
+                if path in big:
+                    pipe.strlen(name)  # read below, in pieces
+                else:
+                    pipe.get(name)
         if big and not with_layout:
             pipe.get(keys.wv)
 
@@ -218,17 +248,32 @@ async def _read_entries_once(
             layout.wv = _s(replies[2]) or "0"
         lv = None if layout is None else layout.lv
         metas = [None if layout is None else layout.entries.get(p) for p in paths]
-        blobs, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
+        parts, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
     else:
         lv = None if replies[0] is None else int(replies[0])
         metas = [json.loads(m) if m is not None else None for m in replies[1]] if paths else []
         layout = None
-        blobs = replies[2:] if not big else replies[2:-1]
+        parts = replies[2:] if not big else replies[2:-1]
         wv, lv_raw = (replies[-1] if big else None), replies[0]
+    if lv is not None:
+        found = {p: _chunks.of_meta(m) for p, m in zip(paths, metas, strict=True) if m is not None}
+        if any(found[p] != chunking[p] for p in found):
+            return {p: found.get(p) for p in paths}
+    blobs: list[Any] = []
+    pos = 0
+    for path, names in zip(paths, entry_keys, strict=True):
+        got = parts[pos : pos + len(names)]
+        pos += len(names)
+        if path in big:
+            blobs.append(sum(got) if all(isinstance(g, int) for g in got) else None)
+        elif len(got) == 1:
+            blobs.append(got[0])
+        else:
+            blobs.append(None if any(g is None for g in got) else b"".join(got))
     if big and lv is not None:
         from tdstore import _codec
 
-        pieces: list[tuple[tuple[str, ...], Any]] = []
+        pieces: list[tuple[tuple[str, ...], Any, Any]] = []
         for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
             if path not in big:
                 continue
@@ -239,7 +284,7 @@ async def _read_entries_once(
             ):
                 return None  # not the entry the caller expected (or it is gone): read it whole
             blobs[i] = _large.empty_buffer(size, device)
-            pieces.append((path, blobs[i]))
+            pieces.append((path, blobs[i], chunking[path]))
         if not await _large.read_pieces(client, keys, pieces, wv, lv_raw):
             return None
     return lv, metas, list(blobs), layout
@@ -280,8 +325,10 @@ async def read_runs(
             _raise_first_error([data, lv])
         return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
 
+    recipe = _read_recipe(keys, plans, gathers)
+
     def build(pipe: Any) -> None:
-        _queue_runs(pipe, keys, runner, plans, gathers)
+        _queue_runs(pipe, keys, runner, recipe)
 
     for attempt in range(2):
         replies = await read_snapshot(client, keys, build)
@@ -290,7 +337,7 @@ async def read_runs(
             continue
         break
     _raise_first_error(replies)
-    return _split_runs(replies, plans, gathers)
+    return _split_runs(replies, recipe)
 
 
 def read_runs_direct(
@@ -317,11 +364,12 @@ def read_runs_direct(
                 data, lv = pipe.execute(raise_on_error=False)
             _raise_first_error([data, lv])
         return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+    recipe = _read_recipe(keys, plans, gathers)
     with client.pipeline(transaction=True) as pipe:
-        _queue_runs(pipe, keys, runner, plans, gathers)
+        _queue_runs(pipe, keys, runner, recipe)
         replies = pipe.execute(raise_on_error=False)
     _raise_first_error(replies)
-    return _split_runs(replies, plans, gathers)
+    return _split_runs(replies, recipe)
 
 
 def _single_run(
@@ -338,43 +386,112 @@ def _single_run(
     if which < 0:
         return None
     path, ((offset, length),) = plans[which]
-    last = -1 if length is None else offset + length - 1
-    return which, keys.data(path), offset, last, length is not None and length <= READ_ONE_MAX
+    chunking = keys.chunks.get(path)
+    if chunking is None:
+        last = -1 if length is None else offset + length - 1
+        return which, keys.data(path), offset, last, length is not None and length <= READ_ONE_MAX
+    if length is None:
+        return None
+    parts = list(_chunks.pieces(chunking, offset, length))
+    if len(parts) != 1:
+        return None  # across chunks: several GETRANGEs in one MULTI
+    k, local, n = parts[0]
+    return which, keys.chunk(path, k), local, local + n - 1, n <= READ_ONE_MAX
 
 
-def _queue_runs(
-    pipe: Any,
+# One plan's reads: ("runs", commands, pieces per run) or ("gather", commands, None), or
+# ("cgather", commands, (row bytes, where each row asked for lies in the replies joined))
+# for a gather over the chunks of a chunked entry. A command is ("getrange", key, first,
+# last) or ("gather", key, (row bytes, "row row ...")).
+_Recipe = list[tuple[str, list[tuple[Any, ...]], Any]]
+
+
+def _read_recipe(
     keys: StoreKeys,
-    runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
     gathers: Sequence[tuple[int, str] | None],
-) -> None:
-    pipe.hget(keys.meta, "lv")
+) -> _Recipe:
+    out: _Recipe = []
     for (path, runs), gather in zip(plans, gathers, strict=True):
-        data_key = keys.data(path)
+        chunking = keys.chunks.get(path)
         if gather is not None:
-            runner.queue(pipe, "gather", [data_key], [str(gather[0]), gather[1]])
-            continue
-        for offset, length in runs:
-            # length None reads the whole string (non-tensor entries)
-            pipe.getrange(data_key, offset, -1 if length is None else offset + length - 1)
+            if chunking is None:
+                out.append(("gather", [("gather", keys.data(path), gather)], None))
+                continue
+            row_bytes = gather[0]
+            rows = [int(r) for r in gather[1].split()]
+            if chunking.size % row_bytes == 0:
+                # row-block chunks: one gather per chunk, the rows put back in order after
+                per_chunk = chunking.size // row_bytes
+                groups: dict[int, list[int]] = {}
+                where: list[tuple[int, int]] = []
+                for row in rows:
+                    k = row // per_chunk
+                    group = groups.setdefault(k, [])
+                    where.append((k, len(group)))
+                    group.append(row - k * per_chunk)
+                base: dict[int, int] = {}
+                count = 0
+                for k, group in groups.items():
+                    base[k] = count
+                    count += len(group)
+                perm = [base[k] + i for k, i in where]
+                commands = [("gather", keys.chunk(path, k), (row_bytes, " ".join(map(str, g)))) for k, g in groups.items()]
+                out.append(("cgather", commands, (row_bytes, perm)))
+                continue
+            runs = [(row * row_bytes, row_bytes) for row in rows]
+        commands: list[tuple[Any, ...]] = []
+        counts: list[int] = []
+        if chunking is None:
+            key = keys.data(path)
+            for offset, length in runs:
+                # length None reads the whole string (non-tensor entries)
+                commands.append(("getrange", key, offset, -1 if length is None else offset + length - 1))
+                counts.append(1)
+        else:
+            for offset, length in runs:
+                n = 0
+                for k, local, size in _chunks.pieces(chunking, offset, chunking.nbytes - offset if length is None else length):
+                    commands.append(("getrange", keys.chunk(path, k), local, local + size - 1))
+                    n += 1
+                counts.append(n)
+        out.append(("runs", commands, counts))
+    return out
 
 
-def _split_runs(
-    replies: list[Any],
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
-    gathers: Sequence[tuple[int, str] | None],
-) -> tuple[int | None, list[list[bytes]]]:
+def _queue_runs(pipe: Any, keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> None:
+    pipe.hget(keys.meta, "lv")
+    for _, commands, _ in recipe:
+        for command in commands:
+            if command[0] == "gather":
+                _, key, (row_bytes, rows) = command
+                runner.queue(pipe, "gather", [key], [str(row_bytes), rows])
+            else:
+                pipe.getrange(command[1], command[2], command[3])
+
+
+def _split_runs(replies: list[Any], recipe: _Recipe) -> tuple[int | None, list[list[bytes]]]:
     lv = None if replies[0] is None else int(replies[0])
     out: list[list[bytes]] = []
     pos = 1
-    for (_, runs), gather in zip(plans, gathers, strict=True):
-        if gather is not None:
-            out.append([replies[pos]])
-            pos += 1
+    for kind, commands, extra in recipe:
+        got = replies[pos : pos + len(commands)]
+        pos += len(commands)
+        if kind == "gather":
+            out.append(got)
+        elif kind == "cgather":
+            row_bytes, perm = extra
+            joined = b"".join(got)
+            if perm != list(range(len(perm))):
+                joined = b"".join(joined[i * row_bytes : (i + 1) * row_bytes] for i in perm)
+            out.append([joined])
         else:
-            out.append(replies[pos : pos + len(runs)])
-            pos += len(runs)
+            runs: list[bytes] = []
+            at = 0
+            for n in extra:
+                runs.append(got[at] if n == 1 else b"".join(got[at : at + n]))
+                at += n
+            out.append(runs)
     return lv, out
 
 
@@ -425,6 +542,38 @@ def _nbytes(payload: Any) -> int:
 
 
 @dataclass
+class ZeroBytes:
+    """The payload of a zero-filled entry (or chunk) grown on the server in a tmp key: ``n`` zero bytes."""
+
+    n: int
+
+
+#: Bytes a zero-filled tmp key grows by per SETRANGE (one server step each).
+ZERO_STEP = 64 * 1024 * 1024
+
+
+def _byte_view(payload: Any) -> memoryview:
+    view = memoryview(payload)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+async def grow_zeros(client: Any, tmp: str, n: int, step: int = ZERO_STEP, on_step: Any = None) -> None:
+    """Creates the tmp key ``tmp`` holding ``n`` zero bytes, ``step`` bytes per server step.
+
+    ``on_step(nbytes)`` is called after each step."""
+    await client.set(tmp, b"", px=TMP_TTL_MS)
+    grown = 0
+    while grown < n:
+        end = min(grown + step, n)
+        await client.setrange(tmp, end - 1, b"\0")  # the bytes up to end are zeros
+        if on_step is not None:
+            on_step(end - grown)
+        grown = end
+
+
+@dataclass
 class Op:
     """One change applied by the commit script (see lua/commit.lua)."""
 
@@ -460,26 +609,68 @@ def commit_args(
 
     for op in ops:
         field_name = encode_path(op.path)
-        wire: dict[str, str] = {"op": op.op, "f": field_name}
-        if op.meta is not None:
-            wire["m"] = json.dumps(op.meta, separators=(",", ":"))
-        if op.op == "put":
+        meta_json = json.dumps(op.meta, separators=(",", ":")) if op.meta is not None else None
+
+        def wire_op(kind: str, **fields: str) -> None:
+            wire: dict[str, str] = {"op": kind, "f": field_name}  # noqa: B023 - used at once
+            if meta_json is not None and kind != "del":  # noqa: B023
+                wire["m"] = meta_json  # noqa: B023
+            wire.update(fields)
+            wire_ops.append(wire)
+
+        old = keys.chunks.get(op.path)
+        new = _chunks.of_meta(op.meta) if op.op in ("put", "zero") else None
+        if op.op in ("put", "zero") and (old is not None or new is not None):
+            # the entry's strings change: drop the ones the new value does not overwrite
+            # (the layout version the commit checks is the one these were planned from)
+            stale = set(keys.entry_keys(op.path, old) if old is not None else [keys.plain(op.path)])
+            stale -= set(keys.entry_keys(op.path, new) if new is not None else [keys.plain(op.path)])
+            for key in sorted(stale):
+                wire_op("del", dst=index_of(key))
+        if op.op == "put" and new is not None:
+            view = op.payload if isinstance(op.payload, ZeroBytes) else _byte_view(op.payload)
+            for k in range(new.count):
+                tmp = keys.tmp()
+                start, size = k * new.size, new.length(k)
+                tmp_payloads.append((tmp, ZeroBytes(size) if isinstance(view, ZeroBytes) else view[start : start + size]))
+                wire_op("put", src=index_of(tmp), dst=index_of(keys.chunk(op.path, k)))
+        elif op.op == "put":
             tmp = keys.tmp()
             tmp_payloads.append((tmp, op.payload))
-            wire["src"] = index_of(tmp)
-            wire["dst"] = index_of(keys.data(op.path))
+            wire_op("put", src=index_of(tmp), dst=index_of(keys.plain(op.path)))
+        elif op.op == "zero" and new is not None:
+            # grown chunk by chunk in tmp keys before the commit (see commit()): no server
+            # step zero-fills more than one chunk
+            for k in range(new.count):
+                tmp = keys.tmp()
+                tmp_payloads.append((tmp, ZeroBytes(new.length(k))))
+                wire_op("put", src=index_of(tmp), dst=index_of(keys.chunk(op.path, k)))
         elif op.op == "zero":
-            wire["dst"] = index_of(keys.data(op.path))
-            wire["n"] = str(op.nbytes)
+            wire_op("zero", dst=index_of(keys.plain(op.path)), n=str(op.nbytes))
         elif op.op == "del":
-            if op.has_data:
-                wire["dst"] = index_of(keys.data(op.path))
+            if not op.has_data:
+                wire_op("del")
+            else:
+                for key in keys.entry_keys(op.path):
+                    wire_op("del", dst=index_of(key))
         elif op.op == "move":
             assert op.new_path is not None
-            wire["t"] = encode_path(op.new_path)
-            wire["src"] = index_of(keys.data(op.path))
-            wire["dst"] = index_of(keys.data(op.new_path))
-        wire_ops.append(wire)
+            target = encode_path(op.new_path)
+            chunking = keys.chunks.get(op.path)
+            target_old = keys.chunks.get(op.new_path)
+            if chunking is not None or target_old is not None:
+                # a replaced target: drop its strings the moved entry does not take the place of
+                stale = set(keys.entry_keys(op.new_path, target_old) if target_old is not None else [keys.plain(op.new_path)])
+                stale -= set(keys.entry_keys(op.new_path, chunking) if chunking is not None else [keys.plain(op.new_path)])
+                for key in sorted(stale):
+                    wire_op("del", dst=index_of(key))
+            if chunking is None:
+                wire_op("move", t=target, src=index_of(keys.plain(op.path)), dst=index_of(keys.plain(op.new_path)))
+            else:
+                for k in range(chunking.count):
+                    wire_op("move", t=target, src=index_of(keys.chunk(op.path, k)), dst=index_of(keys.chunk(op.new_path, k)))
+        else:
+            wire_op(op.op)
     if expected == "new":
         # when the store was made (ms since the epoch, the creating client's clock): shown
         # as its age by `tdstore ls` / `tdstore info`; a store re-created after
@@ -527,6 +718,19 @@ async def commit(
     )
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
+    zeros = [(tmp, p.n) for tmp, p in tmp_payloads if isinstance(p, ZeroBytes)]
+    if zeros:
+        # chunks of a zero-filled entry: grown one by one before the commit, so that no
+        # server step zero-fills more than one chunk; the commit renames them into place
+        try:
+            for tmp, n in zeros:
+                await grow_zeros(client, tmp, n)
+        except BaseException:
+            await client.delete(*[tmp for tmp, _ in zeros])
+            raise
+        tmp_payloads = [(tmp, p) for tmp, p in tmp_payloads if not isinstance(p, ZeroBytes)]
+        if not tmp_payloads:
+            return int(await runner.call(client, "commit", key_list, args))
     for attempt in range(2):
         async with client.pipeline(transaction=True) as pipe:
             for tmp, payload in tmp_payloads:
@@ -571,17 +775,101 @@ async def write_runs(
     return int(await runner.call(client, "write_runs", key_list, args))
 
 
-def _write_runs_args(keys: StoreKeys, groups: Sequence[Any], expected: str) -> tuple[list[str], list[Any]]:
+def _write_runs_args(
+    keys: StoreKeys, groups: Sequence[Any], expected: str, extra: Mapping[tuple[str, ...], Any] | None = None
+) -> tuple[list[str], list[Any]]:
     key_list: list[str] = [keys.meta, keys.wv]
     args: list[Any] = [expected]
-    for path, runs, payload in groups:
-        key_list.append(keys.data(path))
+    for key, runs, payload in key_groups(keys, groups, extra):
+        key_list.append(key)
         args.append(str(len(runs)))
         for offset, length in runs:
             args.append(str(offset))
             args.append(str(length))
         args.append(payload)
     return key_list, args
+
+
+def _chunking(keys: StoreKeys, path: tuple[str, ...], extra: Mapping[tuple[str, ...], Any] | None) -> Any:
+    """The chunking of the entry at ``path``: from ``extra`` (entries created in the same
+    step) or from the layout last cached."""
+    if extra and path in extra:
+        return extra[path]
+    return keys.chunks.get(path)
+
+
+def key_groups(
+    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
+) -> list[tuple[str, list[tuple[int, int]], Any]]:
+    """``(key, runs, payload)`` groups of ``(path, runs, payload)`` groups: a chunked entry's
+    runs split into the pieces each chunk holds (a group per stretch of pieces in one chunk).
+
+    ``extra``: the chunking of entries the same step creates (path -> Chunking or None)."""
+    out: list[tuple[str, list[tuple[int, int]], Any]] = []
+    for path, runs, payload in groups:
+        chunking = _chunking(keys, path, extra)
+        if chunking is None:
+            out.append((keys.plain(path), list(runs), payload))
+            continue
+        last_k = -1
+        parts: list[Any] = []
+        local_runs: list[tuple[int, int]] = []
+        for k, offset, data in write_pieces(keys, path, runs, payload, chunking):
+            if k != last_k and local_runs:
+                out.append((keys.chunk(path, last_k), local_runs, parts[0] if len(parts) == 1 else b"".join(parts)))
+                parts, local_runs = [], []
+            last_k = k
+            local_runs.append((offset, len(data)))
+            parts.append(data)
+        if local_runs:
+            out.append((keys.chunk(path, last_k), local_runs, parts[0] if len(parts) == 1 else b"".join(parts)))
+    return out
+
+
+def write_pieces(
+    keys: StoreKeys, path: tuple[str, ...], runs: Sequence[tuple[int, int]], payload: Any, chunking: Any = None
+) -> Iterator[tuple[int, int, Any]]:
+    """``(chunk, offset in the chunk, bytes)`` of the runs of a chunked entry (``payload``: their bytes back to back)."""
+    chunking = chunking if chunking is not None else keys.chunks[path]
+    view = payload if isinstance(payload, (bytes, memoryview)) else memoryview(payload)
+    pos = 0
+    for offset, length in runs:
+        for k, local, n in _chunks.pieces(chunking, offset, length):
+            yield k, local, view[pos : pos + n]
+            pos += n
+
+
+def setrange_commands(
+    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
+) -> Iterator[tuple[str, int, Any]]:
+    """``(key, offset, bytes)`` of one SETRANGE per run (per piece of a run, in a chunked entry)."""
+    for path, runs, payload in groups:
+        chunking = _chunking(keys, path, extra)
+        if chunking is None:
+            data_key = keys.plain(path)
+            pos = 0
+            for offset, length in runs:
+                if length:
+                    yield data_key, offset, payload[pos : pos + length]
+                pos += length
+        else:
+            for k, offset, data in write_pieces(keys, path, runs, payload, chunking):
+                yield keys.chunk(path, k), offset, data
+
+
+def written_keys(keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None) -> set[str]:
+    """The keys the runs of ``groups`` write to."""
+    out: set[str] = set()
+    for path, runs, _ in groups:
+        if not runs:
+            continue
+        chunking = _chunking(keys, path, extra)
+        if chunking is None:
+            out.add(keys.plain(path))
+        else:
+            for offset, length in runs:
+                out.update(keys.chunk(path, k) for k, _, _ in _chunks.pieces(chunking, offset, length))
+    return out
 
 
 #: Runs at least this long (bytes, on average) are written by SETRANGE commands in a
@@ -644,6 +932,7 @@ async def write_runs_watched(
         return not small_via_script or _large_runs(runs)
 
     nt_keys = [keys.data(path) for path, _ in nontensor]
+    created = {op.path: _chunks.of_meta(op.meta) for op in creates}
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(keys.meta, *nt_keys)
         lv, lock, exp, count = await pipe.hmget(keys.meta, ["lv", "lock", "exp", "ne"])
@@ -667,7 +956,7 @@ async def write_runs_watched(
                     layout_changed = True
         if small_via_script:
             # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
-            data_keys = {keys.data(path) for path, runs, _ in groups if runs} - {keys.data(op.path) for op in creates}
+            data_keys = written_keys(keys, groups, created) - {key for op in creates for key in _created_keys(keys, op)}
             if data_keys and await pipe.exists(*data_keys) != len(data_keys):
                 from tdstore.errors import DataLostError
 
@@ -677,27 +966,22 @@ async def write_runs_watched(
             await pipe.script_load(get_script("write_runs").text(runner.shebang))
         pipe.multi()
         for op in creates:
-            data_key = keys.data(op.path)
-            pipe.delete(data_key)
-            if op.nbytes:
-                pipe.setrange(data_key, int(op.nbytes) - 1, b"\0")
-            else:
-                pipe.set(data_key, b"")
+            chunking = _chunks.of_meta(op.meta)
+            sizes = [int(op.nbytes or 0)] if chunking is None else [chunking.length(k) for k in range(chunking.count)]
+            for data_key, size in zip(_created_keys(keys, op), sizes, strict=True):
+                pipe.delete(data_key)
+                if size:
+                    pipe.setrange(data_key, size - 1, b"\0")
+                else:
+                    pipe.set(data_key, b"")
             pipe.hset(keys.reg, encode_path(op.path), json.dumps(op.meta, separators=(",", ":")))
         if small:
-            key_list, args = _write_runs_args(keys, small, expected)
+            key_list, args = _write_runs_args(keys, small, expected, created)
             runner.queue(pipe, "write_runs", key_list, args)  # checks the version, bumps wv
         else:
             pipe.incr(keys.wv)
-        for path, runs, payload in groups:
-            if not large(runs):
-                continue
-            data_key = keys.data(path)
-            pos = 0
-            for offset, length in runs:
-                if length:
-                    pipe.setrange(data_key, offset, payload[pos : pos + length])
-                pos += length
+        for key, offset, data in setrange_commands(keys, [g for g in groups if large(g[1])], created):
+            pipe.setrange(key, offset, data)
         for key, field, new_meta, payload in nt_writes:
             pipe.set(key, payload)
             pipe.hset(keys.reg, field, json.dumps(new_meta, separators=(",", ":")))
@@ -705,7 +989,7 @@ async def write_runs_watched(
         if exp_ms:
             # a store with an expiry: the keys this step creates (or SET, which drops a
             # TTL) expire with it; the meta hash is WATCHed, so "exp" cannot change meanwhile
-            for key in [keys.data(op.path) for op in creates] + [key for key, _, _, _ in nt_writes]:
+            for key in [key for op in creates for key in _created_keys(keys, op)] + [key for key, _, _, _ in nt_writes]:
                 pipe.pexpireat(key, int(exp_ms))
             if creates or nt_writes:
                 pipe.pexpireat(keys.reg, int(exp_ms))
@@ -723,9 +1007,24 @@ async def write_runs_watched(
     return layout_changed
 
 
+def _created_keys(keys: StoreKeys, op: Op) -> list[str]:
+    """The keys a "zero" op creates."""
+    return keys.entry_keys(op.path, _chunks.of_meta(op.meta))
+
+
+def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
+    """Every key holding the bytes of an entry of ``layout``."""
+    chunks = _chunks.chunk_map(layout.entries)
+    return [
+        key
+        for p, e in layout.entries.items() if e.get("k") != "td"
+        for key in keys.entry_keys(p, chunks.get(p))
+    ]
+
+
 async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout) -> int:
     """Deletes every key of the store at layout version ``layout.lv``."""
-    data_keys = [keys.data(p) for p, e in layout.entries.items() if e.get("k") != "td"]
+    data_keys = _layout_data_keys(keys, layout)
     return int(
         await runner.call(
             client,
@@ -742,7 +1041,7 @@ async def expire(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Lay
     Returns:
         The absolute expiry in ms on the server's clock, or 0 when removed.
     """
-    data_keys = [keys.data(p) for p, e in layout.entries.items() if e.get("k") != "td"]
+    data_keys = _layout_data_keys(keys, layout)
     return int(
         await runner.call(
             client,

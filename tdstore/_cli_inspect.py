@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any, TextIO
 
-from tdstore import _backend
+from tdstore import _backend, _chunks
 from tdstore._keys import StoreKeys, encode_path
 
 __all__ = ["list_store_infos", "store_info", "remove_stores", "format_ls", "format_info", "table"]
@@ -172,11 +172,21 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
             if layout is None or "fmt" not in layout.meta:
                 continue  # deleted meanwhile, or not a tdstore store
             layouts.append((k, layout, pttl))
+        counts = []
         async with client.pipeline(transaction=False) as pipe:
             for k, layout, _ in layouts:
+                chunks = _chunks.chunk_map(layout.entries)
                 for path in _leaf_paths(layout):
-                    pipe.strlen(k.data(path))
-            sizes = iter(await pipe.execute())
+                    names = k.entry_keys(path, chunks.get(path))
+                    counts.append(len(names))
+                    for name in names:
+                        pipe.strlen(name)
+            replies = await pipe.execute()
+        sizes_list, pos = [], 0
+        for n in counts:
+            sizes_list.append(sum(replies[pos : pos + n]))
+            pos += n
+        sizes = iter(sizes_list)
         for k, layout, pttl in layouts:
             leaves = _leaf_paths(layout)
             out.append(
@@ -212,17 +222,23 @@ async def _details(client: Any, keys: StoreKeys) -> tuple[Any, ...]:
     if layout is None:
         return None, None, None, None, []
     paths = sorted(layout.entries, key=lambda p: tuple(layout.entries[p].get("o") or [0, 0]))
+    chunks = _chunks.chunk_map(layout.entries)
+    strings = [keys.entry_keys(p, chunks.get(p)) for p in paths if layout.entries[p].get("k") != "td"]
     async with client.pipeline(transaction=False) as pipe:
         pipe.get(keys.wv)
         pipe.get(keys.ring)
         pipe.pttl(keys.meta)
-        for path in paths:
-            if layout.entries[path].get("k") != "td":
-                pipe.strlen(keys.data(path))
+        for names in strings:
+            for name in names:
+                pipe.strlen(name)  # a chunked entry: the sum of its chunks
         if store_kind(layout) == "sharded":
             pipe.get(keys.data(SHARDED_MANIFEST))
         replies = await pipe.execute()
-    return layout, replies[0], replies[1], replies[2], replies[3:]
+    lengths, pos = [], 3
+    for names in strings:
+        lengths.append(sum(replies[pos : pos + len(names)]))
+        pos += len(names)
+    return layout, replies[0], replies[1], replies[2], lengths + replies[pos:]
 
 
 def _manifest(raw: Any) -> dict[str, Any] | None:
@@ -288,7 +304,11 @@ def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
         "layout_version": layout.lv,
         "write_version": int(_text(wv) or 0),
         "locked": m.get("lock") == "1",
-        "chunking": None,  # row-block chunking is not built yet: one string per entry
+        # chunk_bytes= of the store (None: one string per entry), and its chunked entries
+        "chunking": (
+            {"chunk_bytes": int(m["cb"]), "chunked_entries": sum(1 for e in layout.entries.values() if e.get("c") is not None)}
+            if str(m.get("cb") or "").isdigit() else None
+        ),
         "ring_total": int(_text(ring) or 0) if ring is not None else None,
         "ttl_s": _ttl_seconds(pttl),
         "age_s": _age_seconds(m, time.time()),

@@ -20,7 +20,7 @@ import redis.exceptions
 import redis.retry
 from redis.backoff import NoBackoff
 
-from tdstore import _backend, _cluster, _credentials, _io
+from tdstore import _backend, _chunks, _cluster, _credentials, _io
 from tdstore._armed_write import ArmedSlot
 from tdstore._keys import StoreKeys
 from tdstore._retry import (
@@ -78,6 +78,23 @@ class Connection:
     _credentials_from: str | None
     #: progress= of the store: None (automatic), True or False; shared by sub-handles
     progress: bool | None = None
+    #: chunk_bytes= of the handle that creates the store (the server's meta field "cb" rules after)
+    chunk_bytes: int | None = None
+
+    @property
+    def layout(self) -> _backend.Layout | None:
+        """The layout last read from the server (shared by every handle of this store)."""
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: _backend.Layout | None) -> None:
+        # the chunking of the entries goes with it: key names are planned from one layout
+        if layout is not None:
+            chunks = layout.memo.get("chunks")
+            if chunks is None:
+                chunks = layout.memo["chunks"] = _chunks.chunk_map(layout.entries)
+            self.keys.chunks = chunks
+        self._layout = layout
 
     def __init__(
         self,
@@ -525,23 +542,32 @@ class Connection:
             return "maxmemory"
 
     # -- limits ------------------------------------------------------------------------
-    def check_entry_size(self, path: tuple[str, ...], nbytes: int, where: str, what: str = "entry") -> None:
+    def check_entry_size(
+        self, path: tuple[str, ...], nbytes: int, where: str, what: str = "entry", chunk: int | None = None
+    ) -> None:
         """Refuses, before any byte is sent, a string larger than the server's proto-max-bulk-len.
 
         A bulk argument over the limit makes the server drop the connection (a BrokenPipe or
         reset on the client) and a SETRANGE beyond it fails half-way through a transaction, so
         the size is checked against the limit read when the connection was set up.
+        ``chunk``: the chunk size of a chunked entry (its largest string).
         """
         limit = self.max_bulk
-        if nbytes <= limit:
+        if (nbytes if chunk is None else min(chunk, nbytes)) <= limit:
             return
+        if chunk is not None:
+            raise EntryTooLargeError(
+                f"{what} {path!r} of {where} is kept in chunks of {chunk} bytes, more than the server's "
+                f"proto-max-bulk-len of {limit} bytes for one string. Nothing was written. Create the store "
+                f"with a smaller chunk_bytes (at most {limit}), or raise the limit on the server."
+            )
         raise EntryTooLargeError(
             f"{what} {path!r} of {where} needs {nbytes} bytes, more than the server's "
             f"proto-max-bulk-len of {limit} bytes for one string. Nothing was written ({_mib(nbytes)} > "
             f"{_mib(limit)} on {self.describe()}). Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
-            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split the buffer "
-            "into row blocks that each fit in one string with tdstore.ShardedStore(block_rows=...) "
-            "(see docs/deployment.md)."
+            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or keep it in row-block "
+            "strings that each fit: create the store with chunk_bytes=... (one slot, same atomicity) or "
+            "spread it over shards with tdstore.ShardedStore(block_rows=...) (see docs/deployment.md)."
         )
 
     @property

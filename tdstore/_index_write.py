@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import NonTensorData, NonTensorStack
 
-from tdstore import _backend, _codec, _io, _values
+from tdstore import _backend, _chunks, _codec, _io, _values
 from tdstore._armed_write import write_runs_armed
 from tdstore._indexing import RowSpans, contiguous_rows, normalize_index, select_rows
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
@@ -104,8 +104,10 @@ def write_index(
                     )
                 seq += 1
                 meta = {"k": "t", "dtype": _codec.dtype_name(tensor.dtype), "shape": list(shape), "o": [layout.lv + 1, seq]}
+                _chunks.annotate(meta, layout.meta)
                 nbytes = _codec.tensor_nbytes(shape, tensor.dtype)
-                conn.check_entry_size(path, nbytes, where)  # a SETRANGE past the limit would fail mid-MULTI
+                # a SETRANGE past the limit would fail mid-MULTI
+                conn.check_entry_size(path, nbytes, where, chunk=meta.get("c"))
                 create.append(_backend.Op("zero", path, meta, nbytes=nbytes))
             elif meta["k"] != "t":
                 raise UnsupportedOperationError(

@@ -8,6 +8,7 @@ Redis Cluster slot and every script and transaction over them stays legal::
     <prefix>:{<td_id>}:wv            string: write version, bumped by every write (compare-and-set)
     <prefix>:{<td_id>}:ring          string: ring-buffer cursor, rows ever appended by extend()
     <prefix>:{<td_id>}:d:<path>      string: the raw bytes of one entry
+    <prefix>:{<td_id>}:c:<k>:<path>  string: chunk k of a chunked entry (see tdstore._chunks)
     <prefix>:{<td_id>}:tmp:<nonce>   string: bytes in flight inside one MULTI (never outlives it)
 
 An entry path is the tuple of its nested keys. Each component is escaped (``%`` and ``.``
@@ -99,7 +100,7 @@ def new_td_id() -> str:
 class StoreKeys:
     """Builds the server keys of one store."""
 
-    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring")
+    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "chunks")
 
     def __init__(self, prefix: str, td_id: str) -> None:
         self.prefix = validate_prefix(prefix)
@@ -109,9 +110,34 @@ class StoreKeys:
         self.reg = f"{self.base}:reg"
         self.wv = f"{self.base}:wv"
         self.ring = f"{self.base}:ring"
+        #: the chunking of each chunked entry of the layout last cached (see tdstore._chunks);
+        #: replaced as a whole with every new layout
+        self.chunks: dict[tuple[str, ...], Any] = {}
 
     def data(self, path: tuple[str, ...]) -> str:
+        """The one string of an entry that is not chunked."""
+        if path in self.chunks:
+            raise RuntimeError(f"internal error: entry {path!r} of {self.base} is chunked; use entry_keys()")
+        return self.plain(path)
+
+    def plain(self, path: tuple[str, ...]) -> str:
+        """The ``d:`` key of ``path``, whether or not the entry is chunked."""
         return f"{self.base}:d:{encode_path(path)}"
+
+    def chunk(self, path: tuple[str, ...], k: int) -> str:
+        """The key of chunk ``k`` of a chunked entry."""
+        return f"{self.base}:c:{k}:{encode_path(path)}"
+
+    def entry_keys(self, path: tuple[str, ...], chunking: Any = None) -> list[str]:
+        """Every string holding the bytes of the entry at ``path``: its chunks in order, or its one key.
+
+        ``chunking``: the entry's :class:`~tdstore._chunks.Chunking` when known (a new
+        entry); by default the one of the layout last cached.
+        """
+        chunking = chunking if chunking is not None else self.chunks.get(path)
+        if chunking is None:
+            return [self.plain(path)]
+        return [self.chunk(path, k) for k in range(chunking.count)]
 
     def tmp(self) -> str:
         return f"{self.base}:tmp:{uuid.uuid4().hex}"

@@ -147,12 +147,13 @@ async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
 async def read_pieces(
     client: Any,
     keys: StoreKeys,
-    entries: Sequence[tuple[tuple[str, ...], torch.Tensor]],
+    entries: Sequence[tuple[tuple[str, ...], torch.Tensor, Any]],
     wv: Any,
     lv: Any,
 ) -> bool:
-    """Reads each entry ``(path, flat uint8 buffer)`` into its buffer, in GETRANGE pieces.
+    """Reads each entry ``(path, flat uint8 buffer, chunking)`` into its buffer, in GETRANGE pieces.
 
+    ``chunking``: the entry's :class:`~tdstore._chunks.Chunking`, or None for one string.
     ``wv``, ``lv``: the write and layout versions (raw replies) of the snapshot the entry
     sizes come from. Returns True when both are unchanged after the last piece (the
     buffers then hold that snapshot's bytes), False when a write came in between or a
@@ -160,13 +161,17 @@ async def read_pieces(
     """
     commands: list[tuple[Any, ...]] = []
     targets: list[tuple[torch.Tensor, int, int]] = []
-    for path, buf in entries:
-        key = keys.data(path)
+    for path, buf, chunking in entries:
         size = buf.numel()
-        for offset in range(0, size, READ_PIECE):
-            end = min(offset + READ_PIECE, size)
-            commands.append(("GETRANGE", key, offset, end - 1))
-            targets.append((buf, offset, end))
+        if chunking is None:
+            segments = [(keys.plain(path), 0, size)]
+        else:
+            segments = [(keys.chunk(path, k), k * chunking.size, chunking.length(k)) for k in range(chunking.count)]
+        for key, base, length in segments:
+            for offset in range(0, length, READ_PIECE):
+                end = min(offset + READ_PIECE, length)
+                commands.append(("GETRANGE", key, offset, end - 1))
+                targets.append((buf, base + offset, base + end))
     commands.append(("GET", keys.wv))
     commands.append(("HGET", keys.meta, "lv"))
     pool = client.connection_pool

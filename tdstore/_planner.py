@@ -14,7 +14,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _values
+from tdstore import _backend, _chunks, _codec, _values
 from tdstore.errors import EntryNotFoundError
 
 if TYPE_CHECKING:
@@ -147,13 +147,13 @@ class WritePlanner:
                     f"batch dimension mismatch, got self.batch_size={owner_bs} and "
                     f"value.shape={value.shape} for key {path!r} in {self.where}"
                 )
-            meta = _values.tensor_meta(value, existing["o"] if existing else self.order())
+            meta = _chunks.annotate(_values.tensor_meta(value, existing["o"] if existing else self.order()), self.layout.meta)
             if existing is not None and existing["k"] != "t":
                 self.remove(path)
             if existing is None or existing.get("dtype") != meta["dtype"] or existing.get("shape") != meta["shape"]:
                 self.bump = True
         keep, view = _codec.tensor_view(value)
-        self.check_size(path, len(view))
+        self.check_size(path, len(view), meta.get("c"))
         self.entries[path] = meta
         self.ops.append(_backend.Op("put", path, meta, payload=view, extra={"keep": keep}))
 
@@ -181,5 +181,5 @@ class WritePlanner:
                 leaf = leaf._tensordict
             self.add(path + (key,), leaf)
 
-    def check_size(self, path: tuple[str, ...], nbytes: int) -> None:
-        self.store._conn.check_entry_size(path, nbytes, self.where)
+    def check_size(self, path: tuple[str, ...], nbytes: int, chunk: int | None = None) -> None:
+        self.store._conn.check_entry_size(path, nbytes, self.where, chunk=chunk)

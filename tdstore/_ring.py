@@ -34,11 +34,14 @@ class RingState(NamedTuple):
     cursor: int  #: the row the next append starts at (total % capacity)
 
 
-async def _extend(client: Any, conn: Any, groups: list[tuple[str, int, Any]], lv: int, n: int, capacity: int) -> int:
-    keys = [conn.keys.meta, conn.keys.wv, conn.keys.ring] + [key for key, _, _ in groups]
+async def _extend(client: Any, conn: Any, groups: list[tuple[tuple[str, ...], int, Any]], lv: int, n: int, capacity: int) -> int:
+    keys = [conn.keys.meta, conn.keys.wv, conn.keys.ring]
     args: list[Any] = [str(lv), str(n), str(capacity)]
-    for _, row_bytes, payload in groups:
+    for path, row_bytes, payload in groups:
+        chunking = conn.keys.chunks.get(path)
+        keys.extend(conn.keys.entry_keys(path, chunking))
         args.append(str(row_bytes))
+        args.append(str(chunking.size) if chunking is not None else "0")
         args.append(payload)
     return int(await conn.runner.call(client, "extend", keys, args))
 
@@ -109,7 +112,7 @@ class RingBufferAPI:
                 flat, view = _codec.tensor_view(value.to(dtype))
                 keep.append(flat)
                 row_bytes = _codec.tensor_nbytes(tuple(batch[1:]) + feat, dtype)
-                groups.append((conn.keys.data(path), row_bytes, view))
+                groups.append((path, row_bytes, view))
             try:
                 # not idempotent: a re-sent extend would take rows twice
                 start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity), idempotent=False)

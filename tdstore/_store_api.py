@@ -18,7 +18,7 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _io, _values
+from tdstore import _backend, _chunks, _codec, _io, _values
 from tdstore._keys import new_td_id
 from tdstore._values import is_no_default
 from tdstore.errors import (
@@ -145,7 +145,7 @@ class StoreAPI:
             prefix=prefix, batch_size=td.batch_size, device=store_device, _create=False, **kwargs,
         )
         try:
-            planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size))}, {}))
+            planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size)), **store._creation_meta()}, {}))
             for key, value in td.items():
                 planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
             names = td.names if td._has_names() else None
@@ -249,9 +249,11 @@ class StoreAPI:
                 full = list(bs) + shape
                 nbytes = math.prod(full) * _codec.tensor_nbytes((), dtype)
                 store._conn_max_bulk()  # sets up the connection: proto-max-bulk-len is known
-                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry")
                 seq += 1
-                meta = {"k": "t", "dtype": _codec.dtype_name(dtype), "shape": full, "o": [1, seq]}
+                meta = _chunks.annotate(
+                    {"k": "t", "dtype": _codec.dtype_name(dtype), "shape": full, "o": [1, seq]}, store._creation_meta()
+                )
+                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.get("c"))
                 ops.append(_backend.Op("zero", path, meta, nbytes=nbytes))
             store._create_store(bs, store_device, None, ops, None)
         except BaseException:

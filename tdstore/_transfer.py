@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from tdstore import _backend, _codec, _progress
+from tdstore import _backend, _chunks, _codec, _progress
 from tdstore._backend import Layout, Op, parse_layout
 from tdstore._keys import StoreKeys
 from tdstore._progress import Progress
@@ -110,18 +109,8 @@ async def commit(
         progress.close()
 
 
-@dataclass
-class _Zeros:
-    """The payload of a staged zero-filled entry: ``n`` zero bytes, grown on the server."""
-
-    n: int
-
-
-def _byte_view(payload: Any) -> memoryview:
-    view = memoryview(payload)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
+_Zeros = _backend.ZeroBytes
+_byte_view = _backend._byte_view
 
 
 async def commit_staged(
@@ -166,13 +155,7 @@ async def commit_staged(
                 refreshed = time.monotonic()
             if isinstance(payload, _Zeros):
                 await flush()
-                await client.set(tmp, b"", px=_backend.TMP_TTL_MS)
-                grown = 0
-                while grown < payload.n:
-                    end = min(grown + ZERO_CHUNK, payload.n)
-                    await client.setrange(tmp, end - 1, b"\0")  # the bytes up to end are zeros
-                    progress.update(end - grown)
-                    grown = end
+                await _backend.grow_zeros(client, tmp, payload.n, ZERO_CHUNK, progress.update)
                 continue
             view = _byte_view(payload)
             if view.nbytes <= CHUNK:
@@ -240,6 +223,9 @@ async def read_staged(
         return layout, []
     layout.wv = (wv.decode() if isinstance(wv, bytes) else wv) or "0"
     blobs: list[Any] = [None] * len(paths)
+    # the strings of each entry, by the chunking of the layout just read
+    chunks = _chunks.chunk_map(layout.entries)
+    strings = [keys.entry_keys(p, chunks.get(p)) if p in chunks else [keys.plain(p)] for p in paths]
     batch: list[int] = []
     batch_bytes = 0
     lv_raw = str(layout.lv).encode()
@@ -257,13 +243,17 @@ async def read_staged(
         if batch:
             async with client.pipeline(transaction=False) as pipe:
                 for i in batch:
-                    pipe.get(keys.data(paths[i]))
+                    for key in strings[i]:
+                        pipe.get(key)
                 pipe.get(keys.wv)
                 pipe.hget(keys.meta, "lv")
                 replies = await pipe.execute(raise_on_error=False)
             _raise_first(replies)
-            for i, reply in zip(batch, replies[:-2], strict=True):
-                blobs[i] = reply
+            pos = 0
+            for i in batch:
+                got = replies[pos : pos + len(strings[i])]
+                pos += len(strings[i])
+                blobs[i] = got[0] if len(got) == 1 else (None if None in got else b"".join(got))
             progress.update(batch_bytes)
             ok = unchanged(*replies[-2:])
         batch, batch_bytes = [], 0
@@ -280,20 +270,28 @@ async def read_staged(
             return STALE
         buf = bytearray(size)
         complete = True
-        for off in range(0, size, CHUNK):
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.getrange(keys.data(path), off, min(off + CHUNK, size) - 1)
-                pipe.get(keys.wv)
-                pipe.hget(keys.meta, "lv")
-                part, wv_now, lv_now = await pipe.execute(raise_on_error=False)
-            _raise_first([part, wv_now, lv_now])
-            if not unchanged(wv_now, lv_now):
-                return STALE
-            if len(part) != min(CHUNK, size - off):
-                complete = False  # missing, though no write came: the entry was evicted
+        chunking = chunks.get(path)
+        segments = (
+            [(keys.plain(path), 0, size)] if chunking is None
+            else [(keys.chunk(path, k), k * chunking.size, chunking.length(k)) for k in range(chunking.count)]
+        )
+        for key, base, length in segments:
+            for off in range(0, length, CHUNK):
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.getrange(key, off, min(off + CHUNK, length) - 1)
+                    pipe.get(keys.wv)
+                    pipe.hget(keys.meta, "lv")
+                    part, wv_now, lv_now = await pipe.execute(raise_on_error=False)
+                _raise_first([part, wv_now, lv_now])
+                if not unchanged(wv_now, lv_now):
+                    return STALE
+                if len(part) != min(CHUNK, length - off):
+                    complete = False  # missing, though no write came: the entry was evicted
+                    break
+                buf[base + off : base + off + len(part)] = part
+                progress.update(len(part))
+            if not complete:
                 break
-            buf[off : off + len(part)] = part
-            progress.update(len(part))
         blobs[i] = buf if complete else None
     if not await flush():
         return STALE

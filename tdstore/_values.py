@@ -68,9 +68,14 @@ def check_meta(path: tuple[str, ...], meta: Any, where: str) -> dict[str, Any]:
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise CorruptMetadataError(f"entry {path!r} of {where} has a malformed shape {shape!r}")
         try:
-            _codec.dtype_from_name(meta.get("dtype", ""))
+            dtype = _codec.dtype_from_name(meta.get("dtype", ""))
         except ValueError as err:
             raise CorruptMetadataError(f"entry {path!r} of {where}: {err}") from None
+        chunk = meta.get("c")
+        if chunk is not None and not (
+            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 and chunk % dtype.itemsize == 0
+        ):
+            raise CorruptMetadataError(f"entry {path!r} of {where} has a malformed chunk size {chunk!r}")
     elif meta["k"] == "td":
         bs = meta.get("batch_size")
         if not isinstance(bs, list) or not all(isinstance(d, int) and d >= 0 for d in bs):

@@ -21,7 +21,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _io, _transfer, _values
+from tdstore import _backend, _chunks, _codec, _io, _transfer, _values
 from tdstore._compat import StoreCompat014
 from tdstore._connection import Connection, connection_defaults
 from tdstore._io import DEFAULT_TIMEOUT
@@ -38,6 +38,7 @@ from tdstore._unsupported import StoreUnsupported
 from tdstore._values import NO_DEFAULT, is_no_default
 from tdstore._views import StoreKeysView
 from tdstore.errors import (
+    CorruptMetadataError,
     EntryNotFoundError,
     SchemaError,
     StaleLayoutError,
@@ -105,6 +106,7 @@ class TensorDictStore(
         expire: float | None = None,
         progress: bool | None = None,
         retry: RetryPolicy | int | bool | None = None,
+        chunk_bytes: int | None = None,
         _create: bool = True,
         **redis_kwargs: Any,
     ) -> None:
@@ -131,6 +133,10 @@ class TensorDictStore(
         # expire=: the lifetime given to the store when this call creates it (seconds)
         self._create_ttl_ms = ttl_ms(expire, self._where())
         conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
+        # chunk_bytes=: the chunking given to the store when this call creates it
+        conn.chunk_bytes = _chunks.check_chunk_bytes(
+            chunk_bytes if chunk_bytes is not None else _chunks.env_chunk_bytes(), self._where()
+        )
         if not _create:
             return
         bs = torch.Size(batch_size) if batch_size is not None else torch.Size([])
@@ -146,6 +152,12 @@ class TensorDictStore(
                 raise SchemaError(
                     f"td_id {td_id!r} already holds a store with batch_size={list(stored)}, "
                     f"not {list(bs)}; use TensorDictStore.from_store(td_id=...) to reconnect"
+                ) from None
+            stored_cb = int(layout.meta["cb"]) if layout.meta.get("cb") else None
+            if chunk_bytes is not None and stored_cb != chunk_bytes:
+                raise SchemaError(
+                    f"td_id {td_id!r} already holds a store with chunk_bytes={stored_cb}, not {chunk_bytes}; "
+                    "the chunking is set when a store is created (from_store reads it from the server)"
                 ) from None
 
     def _init_handle(
@@ -222,6 +234,9 @@ class TensorDictStore(
                 f"store {self._where()} is not a TensorDictStore (kind {kind!r}"
                 f"{', a LazyStackedTensorDictStore' if kind == 'lazy' else ''}); {hint}"
             )
+        cb = layout.meta.get("cb")
+        if cb and not (cb.isdigit() and int(cb) >= _chunks.MIN_CHUNK_BYTES):
+            raise CorruptMetadataError(f"store {self._where()} has a malformed chunk size {cb!r}")
         for path, meta in layout.entries.items():
             _values.check_meta(path, meta, self._where())
 
@@ -602,6 +617,20 @@ class TensorDictStore(
             return
         raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
 
+    def _creation_meta(self) -> dict[str, str]:
+        """Meta fields a new store gets from this handle's creation settings (its chunking)."""
+        cb = getattr(self._conn, "chunk_bytes", None)
+        return {"cb": str(cb)} if cb else {}
+
+    @property
+    def chunk_bytes(self) -> int | None:
+        """The chunk size of the store's entries (see ``chunk_bytes=``), or None for one string per entry.
+
+        Read from the server: a store reconnected with ``from_store`` has the chunking it was created with.
+        """
+        cb = self._layout().meta.get("cb")
+        return int(cb) if cb else None
+
     def _ensure_exists(self) -> None:
         """After clear_redis() on this handle, the next write recreates the store."""
         meta = self._cleared_meta
@@ -613,6 +642,7 @@ class TensorDictStore(
         if meta.get("ttl"):
             # the recreated store lives as long as the cleared one was set to, from now
             self._create_ttl_ms = int(meta["ttl"])
+        self._conn.chunk_bytes = int(meta["cb"]) if meta.get("cb") else None
         try:
             self._create_store(bs, torch.device(dev) if dev else None, json.loads(meta.get("names") or "null"), [], None)
         except StoreExistsError:
@@ -659,6 +689,7 @@ class TensorDictStore(
             "device": str(device) if device is not None else "",
             "names": json.dumps(names_list),
             "tensorclass": tensorclass or "",
+            **self._creation_meta(),
         }
         conn = self._conn
         conn.run(

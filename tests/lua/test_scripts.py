@@ -1135,11 +1135,11 @@ class TestWriteRunsLargeOffsets:
 # =========================================================================== #
 
 
-def extend_argv(expected: str, n: Any, capacity: Any, *groups: tuple[Any, bytes]) -> list[Any]:
-    """ARGV of extend: version, n, capacity, then (row bytes, payload) per entry."""
+def extend_argv(expected: str, n: Any, capacity: Any, *groups: tuple[Any, ...]) -> list[Any]:
+    """ARGV of extend: version, n, capacity, then (row bytes, payload[, chunk bytes]) per entry."""
     argv: list[Any] = [expected, str(n), str(capacity)]
-    for row_bytes, payload in groups:
-        argv += [str(row_bytes), payload]
+    for row_bytes, payload, *chunk in groups:
+        argv += [str(row_bytes), str(chunk[0]) if chunk else "0", payload]
     return argv
 
 
@@ -1346,13 +1346,13 @@ class TestExtendErrors:
     @pytest.mark.parametrize("n", ["5", "100", "0", "-1", "1.5", "3.25", "x", "", "nan"])
     def test_bad_row_count(self, ring: LuaRedis, lua_version: str, n: str) -> None:
         set_cursor(ring, 2)
-        argv = ["2", n, str(CAP), "2", b"11"]
+        argv = ["2", n, str(CAP), "2", "0", b"11"]
         exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
         assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got {n} and 4"
 
     @pytest.mark.parametrize("capacity", ["4.5", "x", "", "0", "-4", "nan"])
     def test_bad_capacity(self, ring: LuaRedis, lua_version: str, capacity: str) -> None:
-        argv = ["2", "1", capacity, "2", b"11"]
+        argv = ["2", "1", capacity, "2", "0", b"11"]
         exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
         assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got 1 and {capacity}"
 
@@ -1366,27 +1366,35 @@ class TestExtendErrors:
 
     @pytest.mark.parametrize("row_bytes", ["-1", "1.5", "x", ""])
     def test_bad_row_bytes(self, ring: LuaRedis, lua_version: str, row_bytes: str) -> None:
-        argv = ["2", "2", str(CAP), row_bytes, b"11"]
+        argv = ["2", "2", str(CAP), row_bytes, "0", b"11"]
         exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
         assert exc.message == "TDS_BADARG payload of td:{s}:d:x does not hold 2 rows"
 
     @pytest.mark.parametrize(
         "keys,argv",
         [
-            ([META, WV, RING, D("x")], ["2", "1", "4", "2"]),  # payload missing
-            ([META, WV, RING, D("x")], ["2", "1", "4", "2", b"11", b"junk"]),  # one extra value
-            ([META, WV, RING, D("x")], ["2", "1", "4", "2", b"11", "2", b"11"]),  # more groups than keys
-            ([META, WV, RING, D("x"), D("y")], ["2", "1", "4", "2", b"11"]),  # fewer groups than keys
+            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "0"]),  # payload missing
+            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "0", b"11", b"junk"]),  # one extra value
+            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "0", b"11", "2", "0", b"11"]),  # more groups than keys
+            ([META, WV, RING, D("x"), D("y")], ["2", "1", "4", "2", "0", b"11"]),  # fewer groups than keys
             ([META, WV, RING, D("x")], ["2", "1", "4"]),
-            ([META, WV, RING], ["2", "1", "4", "2", b"11"]),
+            ([META, WV, RING], ["2", "1", "4", "2", "0", b"11"]),
             ([META, WV, RING], ["2", "1"]),
+            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "4", b"11"]),  # a chunked group short of keys
         ],
-        ids=["no_payload", "extra", "more_groups", "fewer_groups", "no_group", "group_without_key", "no_capacity"],
+        ids=["no_payload", "extra", "more_groups", "fewer_groups", "no_group", "group_without_key", "no_capacity", "chunks_without_keys"],
     )
     def test_argv_count_mismatch(self, ring: LuaRedis, lua_version: str, keys: list[bytes], argv: list[Any]) -> None:
         exc = expect_error(ring, "TDS_BADARG", "extend", keys, argv, lua_version)
-        if len(argv) >= 3:
-            assert exc.message == f"TDS_BADARG expected {len(keys) - 3} groups of (row bytes, payload)"
+        groups = (len(argv) - 3) / 3
+        if len(argv) >= 3 and groups != int(groups):
+            assert exc.message == f"TDS_BADARG expected groups of (row bytes, chunk bytes, payload), got {len(argv) - 3} values"
+        elif len(argv) >= 3 and len(keys) - 3 > groups:
+            assert exc.message == f"TDS_BADARG KEYS holds {len(keys) - 3 - int(groups)} keys that no group uses"
+        elif len(argv) >= 3 and argv[4] == "4":
+            assert exc.message == "TDS_BADARG group 1 needs 2 keys, fewer are left in KEYS"
+        elif len(argv) >= 3:
+            assert exc.message == f"TDS_BADARG group {len(keys) - 2} has no key left in KEYS"
 
     def test_missing_data_key(self, ring: LuaRedis, lua_version: str) -> None:
         exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, WV, RING, D("nope")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
@@ -1451,7 +1459,7 @@ class TestExtendErrors:
         r.data[WV] = b"5"
         key, row_bytes, payload = second
         keys = [META, WV, RING, D("x"), key, D("y")]
-        argv = ["2", "2", str(CAP), "2", b"1122", row_bytes, payload, "3", b"111222"]
+        argv = ["2", "2", str(CAP), "2", "0", b"1122", row_bytes, "0", payload, "3", "0", b"111222"]
         expect_error(r, code, "extend", keys, argv, lua_version)
         assert r.commands("SETRANGE") == [] and r.commands("SET") == [] and r.commands("INCR") == []
 

@@ -1,0 +1,142 @@
+"""Chunked entries: one tensor entry kept as several row-block strings (pure, no I/O).
+
+A store created with ``chunk_bytes=N`` (meta field ``cb``) keeps every tensor entry of
+more than N bytes as strings of at most N bytes each::
+
+    <prefix>:{<td_id>}:c:<k>:<path>   bytes [k * c, (k + 1) * c) of the entry
+
+``c`` (the registry field ``"c"`` of the entry) is a whole number of rows of the entry's
+first dim when a row fits in N bytes (row-block chunks: a row never straddles two
+strings), else a whole number of elements. Entries of at most N bytes, and non-tensor
+entries, stay one ``d:<path>`` string, so small entries cost nothing more.
+
+Every chunk shares the store's hash tag, so scripts and transactions over them stay
+legal on Redis Cluster and every operation keeps its atomicity: a byte run of the entry
+simply becomes one piece per chunk it crosses (:func:`pieces`).
+
+The client knows an entry's chunking from the layout it planned with (``StoreKeys.chunks``,
+replaced with every layout the connection caches); each operation is checked against that
+layout's version on the server, so a chunking that changed meanwhile is never used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Chunking", "MIN_CHUNK_BYTES", "annotate", "chunk_size", "check_chunk_bytes", "chunk_map", "of_meta", "pieces"]
+
+#: The smallest chunk size a store accepts (the largest element, complex128, is 16 bytes).
+MIN_CHUNK_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How one entry of ``nbytes`` bytes is split: strings of ``size`` bytes (the last one shorter)."""
+
+    size: int
+    nbytes: int
+
+    @property
+    def count(self) -> int:
+        return max(1, -(-self.nbytes // self.size))
+
+    def length(self, k: int) -> int:
+        """The bytes of chunk ``k``."""
+        return max(0, min(self.size, self.nbytes - k * self.size))
+
+
+def check_chunk_bytes(value: Any, where: str) -> int | None:
+    """Validates the ``chunk_bytes=`` argument (None: entries are never chunked)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_CHUNK_BYTES:
+        raise ValueError(
+            f"chunk_bytes of {where} must be an int of at least {MIN_CHUNK_BYTES} bytes (or None for "
+            f"one string per entry), got {value!r}"
+        )
+    return value
+
+
+#: The environment variable that gives new stores a default ``chunk_bytes``.
+ENV = "TDSTORE_CHUNK_BYTES"
+
+
+def env_chunk_bytes() -> int | None:
+    """The default ``chunk_bytes`` of new stores from ``TDSTORE_CHUNK_BYTES`` (unset or empty: None)."""
+    import os
+
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV}={raw!r} is not a number of bytes (unset it, or give an int of at least {MIN_CHUNK_BYTES})") from None
+    if value < MIN_CHUNK_BYTES:
+        raise ValueError(f"{ENV}={raw!r} is below the smallest chunk size, {MIN_CHUNK_BYTES} bytes")
+    return value
+
+
+def chunk_size(shape: Sequence[int], itemsize: int, chunk_bytes: int | None) -> int | None:
+    """The chunk size of a tensor entry, or None when it stays one string.
+
+    Row blocks of the first dim when a row fits in ``chunk_bytes``; else whole elements.
+    """
+    if not chunk_bytes:
+        return None
+    nbytes = math.prod(shape) * itemsize
+    if nbytes <= chunk_bytes:
+        return None
+    row_bytes = nbytes // shape[0]  # nbytes > 0, so shape is not empty and shape[0] > 0
+    if row_bytes <= chunk_bytes:
+        return (chunk_bytes // row_bytes) * row_bytes
+    return (chunk_bytes // itemsize) * itemsize
+
+
+def annotate(meta: dict[str, Any], store_meta: Mapping[str, str]) -> dict[str, Any]:
+    """Adds the chunk size ``"c"`` to a new tensor entry's metadata when its store chunks it."""
+    from tdstore import _codec
+
+    cb = store_meta.get("cb")
+    if cb and meta.get("k") == "t":
+        size = chunk_size(meta["shape"], _codec.dtype_from_name(meta["dtype"]).itemsize, int(cb))
+        if size is not None:
+            meta["c"] = size
+    return meta
+
+
+def chunk_map(entries: Mapping[tuple[str, ...], Mapping[str, Any]]) -> dict[tuple[str, ...], Chunking]:
+    """The chunking of every chunked entry of a layout's registry."""
+    from tdstore import _codec
+
+    out: dict[tuple[str, ...], Chunking] = {}
+    for path, meta in entries.items():
+        size = meta.get("c") if isinstance(meta, Mapping) else None
+        if size is not None and meta.get("k") == "t":
+            nbytes = _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
+            out[path] = Chunking(int(size), nbytes)
+    return out
+
+
+def of_meta(meta: Mapping[str, Any] | None) -> Chunking | None:
+    """The chunking a registry entry describes (None: one string)."""
+    if not isinstance(meta, Mapping) or meta.get("c") is None or meta.get("k") != "t":
+        return None
+    from tdstore import _codec
+
+    return Chunking(int(meta["c"]), _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])))
+
+
+def pieces(chunking: Chunking, offset: int, length: int) -> Iterator[tuple[int, int, int]]:
+    """``(chunk, offset in the chunk, length)`` of the byte run ``[offset, offset + length)``, in order."""
+    size = chunking.size
+    end = offset + length
+    while offset < end:
+        k = offset // size
+        local = offset - k * size
+        n = min(end - offset, size - local)
+        yield k, local, n
+        offset += n
