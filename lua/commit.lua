@@ -19,6 +19,9 @@ ARGV[5]   JSON array of ops, applied in order, each an object with string fields
             {"op":"del",  "f":path, "dst":j}     remove an entry ("dst" absent for a node)
             {"op":"node", "f":path, "m":meta}    register a nested tensordict (no bytes)
             {"op":"move", "f":old, "t":new, "m":meta, "src":i, "dst":j}  rename an entry
+          "put", "del" (with a dst) and "move" take an optional "r": a run of r keys, KEYS[src ..
+          src + r - 1] to KEYS[dst .. dst + r - 1] (the strings of a chunked entry, see
+          tdstore/_chunks.py); the registry changes once per op.
 ARGV[6]   the format version written into a new store
 ARGV[7]   expected write version (KEYS[3], bumped by every write of any process;
           missing reads as "0"): a decimal string, or "" to skip the check. Read-modify-write
@@ -59,17 +62,26 @@ local meta_updates = {}
 if ARGV[4] ~= '' then meta_updates = cjson.decode(ARGV[4]) end
 local ops = cjson.decode(ARGV[5])
 
-local function key_at(op, name)
+-- r: the number of keys of an op (its "r", 1 by default), or nil when malformed
+local function run_of(op)
+  local r = 1
+  if op.r ~= nil then r = tonumber(op.r) end
+  if r == nil or r < 1 or r ~= math.floor(r) then return nil end
+  return r
+end
+
+-- the i-th key (0-based) of an op's run at field name, or nil when out of KEYS
+local function key_at(op, name, i)
   local idx = tonumber(op[name])
-  if idx == nil or idx < 4 or idx > #KEYS then return nil end
-  return KEYS[idx]
+  local r = run_of(op)
+  if idx == nil or r == nil or idx ~= math.floor(idx) or idx < 4 or idx + r - 1 > #KEYS then return nil end
+  return KEYS[idx + (i or 0)]
 end
 
 local function drop_tmps()
   for _, op in ipairs(ops) do
-    if type(op) == 'table' and op.op == 'put' then
-      local src = key_at(op, 'src')
-      if src then rcall('DEL', src) end
+    if type(op) == 'table' and op.op == 'put' and key_at(op, 'src') then
+      for i = 0, run_of(op) - 1 do rcall('DEL', key_at(op, 'src', i)) end
     end
   end
 end
@@ -87,6 +99,9 @@ local function op_error(op)
   end
   if needs_meta[op.op] and type(op.m) ~= 'string' then
     return 'op ' .. op.op .. ' needs metadata m'
+  end
+  if op.r ~= nil and (run_of(op) == nil or not (op.op == 'put' or op.op == 'move' or (op.op == 'del' and op.dst ~= nil))) then
+    return 'op ' .. op.op .. ' has a bad run of keys r'
   end
   if (op.op == 'put' or op.op == 'move') and not (key_at(op, 'src') and key_at(op, 'dst')) then
     return 'op ' .. op.op .. ' needs src and dst keys'
@@ -155,9 +170,13 @@ else
 end
 
 for _, op in ipairs(ops) do
-  if op.op == 'put' and rcall('EXISTS', key_at(op, 'src')) == 0 then
-    drop_tmps()
-    return fail('TDS_PARTIAL', 'the bytes of ' .. op.f .. ' did not reach the server')
+  if op.op == 'put' then
+    for i = 0, run_of(op) - 1 do
+      if rcall('EXISTS', key_at(op, 'src', i)) == 0 then
+        drop_tmps()
+        return fail('TDS_PARTIAL', 'the bytes of ' .. op.f .. ' did not reach the server')
+      end
+    end
   end
 end
 
@@ -190,11 +209,13 @@ end
 for _, op in ipairs(ops) do
   local kind = op.op
   if kind == 'put' then
-    local dst = key_at(op, 'dst')
-    rcall('RENAME', key_at(op, 'src'), dst)
-    -- tmp keys carry a TTL so that an abandoned one expires; the entry must not, or
-    -- must expire with its store
-    if exp then rcall('PEXPIREAT', dst, exp) else rcall('PERSIST', dst) end
+    for i = 0, run_of(op) - 1 do
+      local dst = key_at(op, 'dst', i)
+      rcall('RENAME', key_at(op, 'src', i), dst)
+      -- tmp keys carry a TTL so that an abandoned one expires; the entry must not, or
+      -- must expire with its store
+      if exp then rcall('PEXPIREAT', dst, exp) else rcall('PERSIST', dst) end
+    end
     reg_set(op.f, op.m)
   elseif kind == 'zero' then
     local dst = key_at(op, 'dst')
@@ -209,15 +230,18 @@ for _, op in ipairs(ops) do
     reg_set(op.f, op.m)
   elseif kind == 'del' then
     reg_del(op.f)
-    local dst = key_at(op, 'dst')
-    if dst then rcall('DEL', dst) end
+    if op.dst ~= nil then
+      for i = 0, run_of(op) - 1 do rcall('DEL', key_at(op, 'dst', i)) end
+    end
   elseif kind == 'node' then
     reg_set(op.f, op.m)
   elseif kind == 'move' then
-    local src, dst = key_at(op, 'src'), key_at(op, 'dst')
-    if rcall('EXISTS', src) == 1 then
-      rcall('RENAME', src, dst)
-      if exp then rcall('PEXPIREAT', dst, exp) end
+    for i = 0, run_of(op) - 1 do
+      local src, dst = key_at(op, 'src', i), key_at(op, 'dst', i)
+      if rcall('EXISTS', src) == 1 then
+        rcall('RENAME', src, dst)
+        if exp then rcall('PEXPIREAT', dst, exp) end
+      end
     end
     reg_del(op.f)
     reg_set(op.t, op.m)

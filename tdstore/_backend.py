@@ -607,6 +607,12 @@ def commit_args(
         key_list.append(key)
         return str(len(key_list))
 
+    def index_run(run: Sequence[str]) -> str:
+        """Appends keys side by side; the KEYS index of the first."""
+        first = len(key_list) + 1
+        key_list.extend(run)
+        return str(first)
+
     for op in ops:
         field_name = encode_path(op.path)
         meta_json = json.dumps(op.meta, separators=(",", ":")) if op.meta is not None else None
@@ -618,6 +624,15 @@ def commit_args(
             wire.update(fields)
             wire_ops.append(wire)
 
+        def run_op(kind: str, srcs: Sequence[str] | None, dsts: Sequence[str], **fields: str) -> None:
+            """One op over a run of keys (the strings of a chunked entry), "r" of them."""
+            if srcs is not None:
+                fields["src"] = index_run(srcs)
+            fields["dst"] = index_run(dsts)
+            if len(dsts) != 1:
+                fields["r"] = str(len(dsts))
+            wire_op(kind, **fields)
+
         old = keys.chunks.get(op.path)
         new = _chunks.of_meta(op.meta) if op.op in ("put", "zero") else None
         if op.op in ("put", "zero") and (old is not None or new is not None):
@@ -625,34 +640,32 @@ def commit_args(
             # (the layout version the commit checks is the one these were planned from)
             stale = set(keys.entry_keys(op.path, old) if old is not None else [keys.plain(op.path)])
             stale -= set(keys.entry_keys(op.path, new) if new is not None else [keys.plain(op.path)])
-            for key in sorted(stale):
-                wire_op("del", dst=index_of(key))
+            if stale:
+                run_op("del", None, sorted(stale))
         if op.op == "put" and new is not None:
             view = op.payload if isinstance(op.payload, ZeroBytes) else _byte_view(op.payload)
-            for k in range(new.count):
-                tmp = keys.tmp()
+            tmps = [keys.tmp() for _ in range(new.count)]
+            for k, tmp in enumerate(tmps):
                 start, size = k * new.size, new.length(k)
                 tmp_payloads.append((tmp, ZeroBytes(size) if isinstance(view, ZeroBytes) else view[start : start + size]))
-                wire_op("put", src=index_of(tmp), dst=index_of(keys.chunk(op.path, k)))
+            run_op("put", tmps, keys.entry_keys(op.path, new))
         elif op.op == "put":
             tmp = keys.tmp()
             tmp_payloads.append((tmp, op.payload))
-            wire_op("put", src=index_of(tmp), dst=index_of(keys.plain(op.path)))
+            run_op("put", [tmp], [keys.plain(op.path)])
         elif op.op == "zero" and new is not None:
             # grown chunk by chunk in tmp keys before the commit (see commit()): no server
             # step zero-fills more than one chunk
-            for k in range(new.count):
-                tmp = keys.tmp()
-                tmp_payloads.append((tmp, ZeroBytes(new.length(k))))
-                wire_op("put", src=index_of(tmp), dst=index_of(keys.chunk(op.path, k)))
+            tmps = [keys.tmp() for _ in range(new.count)]
+            tmp_payloads.extend((tmp, ZeroBytes(new.length(k))) for k, tmp in enumerate(tmps))
+            run_op("put", tmps, keys.entry_keys(op.path, new))
         elif op.op == "zero":
             wire_op("zero", dst=index_of(keys.plain(op.path)), n=str(op.nbytes))
         elif op.op == "del":
-            if not op.has_data:
-                wire_op("del")
+            if op.has_data:
+                run_op("del", None, keys.entry_keys(op.path))
             else:
-                for key in keys.entry_keys(op.path):
-                    wire_op("del", dst=index_of(key))
+                wire_op("del")
         elif op.op == "move":
             assert op.new_path is not None
             target = encode_path(op.new_path)
@@ -662,13 +675,9 @@ def commit_args(
                 # a replaced target: drop its strings the moved entry does not take the place of
                 stale = set(keys.entry_keys(op.new_path, target_old) if target_old is not None else [keys.plain(op.new_path)])
                 stale -= set(keys.entry_keys(op.new_path, chunking) if chunking is not None else [keys.plain(op.new_path)])
-                for key in sorted(stale):
-                    wire_op("del", dst=index_of(key))
-            if chunking is None:
-                wire_op("move", t=target, src=index_of(keys.plain(op.path)), dst=index_of(keys.plain(op.new_path)))
-            else:
-                for k in range(chunking.count):
-                    wire_op("move", t=target, src=index_of(keys.chunk(op.path, k)), dst=index_of(keys.chunk(op.new_path, k)))
+                if stale:
+                    run_op("del", None, sorted(stale))
+            run_op("move", keys.entry_keys(op.path, chunking), keys.entry_keys(op.new_path, chunking), t=target)
         else:
             wire_op(op.op)
     if expected == "new":

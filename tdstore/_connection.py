@@ -565,9 +565,9 @@ class Connection:
             f"{what} {path!r} of {where} needs {nbytes} bytes, more than the server's "
             f"proto-max-bulk-len of {limit} bytes for one string. Nothing was written ({_mib(nbytes)} > "
             f"{_mib(limit)} on {self.describe()}). Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
-            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or keep it in row-block "
-            "strings that each fit: create the store with chunk_bytes=... (one slot, same atomicity) or "
-            "spread it over shards with tdstore.ShardedStore(block_rows=...) (see docs/deployment.md)."
+            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split it into row-block "
+            "strings that each fit: create the store with chunk_bytes=... (one slot, same atomicity; see "
+            "docs/chunked.md) or spread it over shards with tdstore.ShardedStore(block_rows=...) (see docs/deployment.md)."
         )
 
     @property

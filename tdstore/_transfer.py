@@ -100,13 +100,44 @@ async def commit(
     progress: Progress | None = None,
     **commit_kwargs: Any,
 ) -> int:
-    """:func:`tdstore._backend.commit`, or :func:`commit_staged` when ``progress`` is a bar (closed here)."""
+    """:func:`tdstore._backend.commit`, or :func:`commit_staged` when ``progress`` is a bar (closed here).
+
+    Large writes of chunked entries are staged too (without a bar): their chunks go up in
+    separate steps before the commit, so no server step moves much more than one chunk.
+    """
     if progress is None:
+        if _chunked_bytes(ops) >= STAGE_CHUNKED_MIN:
+            return await commit_staged(client, keys, runner, ops, _Silent(), **commit_kwargs)  # type: ignore[arg-type]
         return await _backend.commit(client, keys, runner, ops, **commit_kwargs)
     try:
         return await commit_staged(client, keys, runner, ops, progress, **commit_kwargs)
     finally:
         progress.close()
+
+
+#: Writes of chunked entries from this many bytes on are staged chunk by chunk (see commit()).
+STAGE_CHUNKED_MIN = 32 * 1024 * 1024
+
+
+def _chunked_bytes(ops: Sequence[Op]) -> int:
+    """The bytes the "put" ops of chunked entries carry."""
+    total = 0
+    for op in ops:
+        if op.op == "put" and op.meta is not None and op.meta.get("c") is not None:
+            total += _byte_view(op.payload).nbytes
+    return total
+
+
+class _Silent:
+    """A progress object that shows nothing (a staged commit without a bar)."""
+
+    what = ""
+
+    def update(self, nbytes: int) -> None:
+        pass
+
+    def set_status(self, status: str) -> None:
+        pass
 
 
 _Zeros = _backend.ZeroBytes

@@ -114,6 +114,13 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
                 "use TensorDictStore.from_tensordict for other tensordicts"
             )
         cache_metadata = kwargs.pop("cache_metadata", True)
+        if kwargs.pop("chunk_bytes", None) is not None:
+            from tdstore.errors import UnsupportedOperationError
+
+            raise UnsupportedOperationError(
+                "a LazyStackedTensorDictStore keeps one string per leaf and takes no chunk_bytes; stack the "
+                "elements (torch.stack) into a TensorDictStore to chunk them (see docs/chunked.md)"
+            )
         handle = TensorDictStore(td_id=td_id if td_id is not None else new_td_id(), _create=False, **kwargs)
         store_device = torch.device(device) if device is not None else td.device
         self = cls._handle(handle._conn, (), None, cache_metadata)

@@ -591,3 +591,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
         for label, counts in sorted(totals.items()):
             text = " ".join(f"{k}={v}" for k, v in counts.items())
             terminalreporter.write_line(f"{label}: {sum(counts.values())} cases ({text})")
+
+
+@pytest.fixture
+def unchunked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores created by the test keep one string per entry even when CI sets
+    ``TDSTORE_CHUNK_BYTES`` (for tests about that layout, or about entries too large
+    for tiny chunks)."""
+    monkeypatch.delenv("TDSTORE_CHUNK_BYTES", raising=False)

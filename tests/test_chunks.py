@@ -313,8 +313,10 @@ def test_lost_chunk_is_reported(make, server):
     client = server.sync_client()
     client.delete(f"{store.prefix}:{{{store.td_id}}}:c:1:x")
     client.close()
-    with pytest.raises(tdstore.DataLostError):
-        store["x"]
+    for read in (lambda: store["x"], lambda: store[1], lambda: store[0:3], lambda: store[[0, 1]]):  # row 1 is chunk 1
+        with pytest.raises(tdstore.DataLostError):
+            read()
+    assert torch.equal(store[0]["x"], torch.ones(4))  # rows in the other chunks are still there
     with pytest.raises(tdstore.DataLostError):
         store[torch.tensor([0, 1, 2, 3, 4])] = TensorDict(x=torch.zeros(5, 4), batch_size=[5])
 
@@ -458,3 +460,60 @@ def test_chunked_appends_disjoint(race_server, pool, request):
     assert (dup, gaps, torn) == (0, 0, 0)
     store.clear_redis()
     store.close()
+
+
+# --------------------------------------------------------------------------- Redis Cluster
+
+
+def test_chunked_store_on_a_cluster(cluster_server, request):
+    """Every chunk in the store's slot: scripts and transactions over many chunks stay legal on a cluster."""
+    rng = random.Random(7)
+    conn = cluster_server.connection_kwargs()
+    ref = _rand_td(rng, 24)
+    ref["big"] = torch.randn(24, 50)
+    store = TensorDictStore.from_tensordict(ref.clone(), chunk_bytes=64, **conn)
+    try:
+        _equal(store, ref)
+        for _ in range(10):
+            idx = _rand_index(rng, 24, unique=True)
+            sub = ref[idx]
+            value = TensorDict({k: rand_tensor(rng, tuple(v.shape), v.dtype) for k, v in sub.items(True, True)}, batch_size=sub.batch_size)
+            store[idx] = value
+            ref[idx] = value
+            got = store[_rand_index(rng, 24)]
+            assert set(got.keys(True, True)) == set(ref.keys(True, True))
+        _equal(store, ref)
+        ring = TensorDictStore.from_schema({"x": ([6], torch.float32)}, batch_size=[10], chunk_bytes=48, **conn)
+        ring.extend(TensorDict(x=torch.ones(7, 6), batch_size=[7]))
+        rows = ring.extend(TensorDict(x=torch.full((7, 6), 2.0), batch_size=[7]))  # wraps: 7..9, 0..3
+        assert rows.tolist() == [7, 8, 9, 0, 1, 2, 3]
+        assert ring["x"][:, 0].tolist() == [2.0] * 4 + [1.0] * 3 + [2.0] * 3
+        ring.clear_redis()
+        ring.close()
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def test_sharded_blocks_take_the_chunking(real_server):
+    """ShardedStore passes chunk_bytes to its blocks: row blocks over stores, chunks within each."""
+    conn = real_server.connection_kwargs()
+    buf = tdstore.ShardedStore.from_schema({"obs": ([16], torch.float32)}, batch_size=[100], block_rows=40, chunk_bytes=256, **conn)
+    try:
+        assert [b.chunk_bytes for b in buf.blocks] == [256, 256, 256]
+        buf[30:50] = {"obs": torch.ones(20, 16)}
+        assert int(buf[[29, 30, 49, 50]]["obs"].sum()) == 2 * 16
+        client = real_server.sync_client()
+        assert client.exists(f"tensordict:{{{buf.blocks[0].td_id}}}:c:2:obs") == 1  # 40 rows of 64 bytes in chunks of 4 rows
+        client.close()
+    finally:
+        buf.clear_redis()
+        buf.close()
+
+
+def test_lazy_stack_refuses_chunk_bytes(server):
+    from tensordict import LazyStackedTensorDict
+
+    lazy = LazyStackedTensorDict(TensorDict(x=torch.ones(3)), TensorDict(x=torch.zeros(3)))
+    with pytest.raises(tdstore.UnsupportedOperationError, match="takes no chunk_bytes"):
+        TensorDictStore.from_tensordict(lazy, chunk_bytes=64, **server.connection_kwargs())

@@ -98,6 +98,7 @@ def test_direct_read_after_script_flush_and_closed_store(real_server):
     again.close()
 
 
+@pytest.mark.usefixtures("unchunked")  # the one-string layout
 def test_direct_read_of_a_deleted_store_and_lost_bytes(real_server, wire):
     store = _big(real_server)
     store[0]
@@ -180,6 +181,7 @@ def test_armed_writes_land_and_bump_the_write_version(real_server):
     store.close()
 
 
+@pytest.mark.usefixtures("unchunked")  # the one-string layout
 def test_armed_write_refuses_a_deleted_data_key(real_server, wire):
     """The data key is WATCHed: deleted after the connection armed, the write is refused, never recreated."""
     store = _big(real_server)
@@ -313,6 +315,7 @@ def test_gather_script_row_bounds_small_and_huge(server):
     assert ScriptRunner(False).sha("gather") == get_script("gather").sha(False)
 
 
+@pytest.mark.usefixtures("unchunked")  # the one-string layout
 def test_armed_connection_dropped_by_a_pool_reset_is_not_reused(real_server, wire):
     """A pool reset (as after a refused write) disconnects the armed connection: the next write must
     not go out on a silently reconnected socket without its WATCH."""

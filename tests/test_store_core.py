@@ -442,6 +442,7 @@ class TestWholeStore:
         assert (store.to_tensordict() == td).all()
         assert store.to_tensordict()["s"] == "str"
 
+    @pytest.mark.usefixtures("unchunked")  # the one-string layout (and a 21 MB entry)
     def test_from_schema_zero_fills_on_the_server(self, make, server, monkeypatch):
         from tdstore import _backend
 
@@ -463,6 +464,7 @@ class TestWholeStore:
         assert store["n", "act"].dtype == torch.float32 and store["r"].shape == (10,)
         assert server.sync_client().strlen(f"tensordict:{{{store.td_id}}}:d:obs") == 10 * 48
 
+    @pytest.mark.usefixtures("unchunked")  # the one-string layout (and a 21 MB entry)
     def test_from_schema_example(self, make):
         store = make(
             cls_method="from_schema",

@@ -88,6 +88,7 @@ def test_closed_store(filled, server, wire):
     assert wire(server) == before
 
 
+@pytest.mark.usefixtures("unchunked")  # the one-string layout
 def test_oversize_value_is_refused_before_sending(real_server, wire):
     client = real_server.sync_client()
     client.config_set("proto-max-bulk-len", 1024 * 1024)
@@ -112,6 +113,7 @@ def test_oversize_value_is_refused_before_sending(real_server, wire):
         client.config_set("proto-max-bulk-len", 512 * 1024 * 1024)
 
 
+@pytest.mark.usefixtures("unchunked")  # the one-string layout
 def test_failed_from_tensordict_leaves_nothing(real_server, wire):
     client = real_server.sync_client()
     client.config_set("proto-max-bulk-len", 1024 * 1024)

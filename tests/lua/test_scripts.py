@@ -385,6 +385,63 @@ class TestCommitPut:
         assert wv_of(r) == b"3"
 
 
+def C(k: int, path: str) -> bytes:
+    """The key of chunk ``k`` of a chunked entry."""
+    return b"td:{s}:c:" + str(k).encode() + b":" + path.encode()
+
+
+class TestCommitRuns:
+    """"r": one op over a run of keys (the chunks of an entry); the registry changes once."""
+
+    def test_put_renames_every_chunk(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r)
+        tmps = [set_tmp(r, str(i), b"%d" % i * 3) for i in range(3)]
+        keys = [*CK, *tmps, C(0, "a"), C(1, "a"), C(2, "a")]
+        op = {**put("a", 4, 7), "r": "3"}
+        assert r.run("commit", keys, commit_argv(ops=[op]), lua_version) == 3
+        assert [r.data[C(k, "a")] for k in range(3)] == [b"000", b"111", b"222"]
+        assert r.data[REG] == {b"a": M("a").encode()} and not any(t in r.data for t in tmps)
+        assert r.commands("RENAME") == [(tmps[i], C(i, "a")) for i in range(3)]
+
+    def test_a_missing_chunk_refuses_the_whole_put(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r)
+        tmps = [set_tmp(r, "0", b"a"), TMP("gone"), set_tmp(r, "2", b"c")]
+        keys = [*CK, *tmps, C(0, "a"), C(1, "a"), C(2, "a")]
+        exc = expect_error(r, "TDS_PARTIAL", "commit", keys, commit_argv(ops=[{**put("a", 4, 7), "r": "3"}]), lua_version, deleted=(tmps[0], tmps[2]))
+        assert "did not reach the server" in exc.message
+
+    def test_del_and_move_runs(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"b": b"x"})
+        for k in range(2):
+            r.data[C(k, "a")] = b"%d" % k
+        r.data[REG][b"a"] = M("a").encode()
+        keys = [*CK, C(0, "a"), C(1, "a"), C(0, "z"), C(1, "z")]
+        ops = [{"op": "move", "f": "a", "t": "z", "m": M("z"), "src": "4", "dst": "6", "r": "2"}]
+        assert r.run("commit", keys, commit_argv(ops=ops), lua_version) == 3
+        assert (r.data[C(0, "z")], r.data[C(1, "z")]) == (b"0", b"1") and C(0, "a") not in r.data
+        ops = [{"op": "del", "f": "z", "dst": "4", "r": "2"}]
+        assert r.run("commit", [*CK, C(0, "z"), C(1, "z")], commit_argv("3", ops=ops), lua_version) == 4
+        assert C(0, "z") not in r.data and C(1, "z") not in r.data and r.data[REG] == {b"b": M("b").encode()}
+
+    @pytest.mark.parametrize("run", ["0", "-1", "1.5", "x", "4"], ids=["zero", "negative", "fraction", "text", "past_keys"])
+    def test_bad_run(self, r: LuaRedis, lua_version: str, run: str) -> None:
+        make_store(r)
+        tmps = [set_tmp(r, "0", b"a"), set_tmp(r, "1", b"b")]
+        keys = [*CK, *tmps, C(0, "a"), C(1, "a")]
+        argv = commit_argv(ops=[{**put("a", 4, 6), "r": run}])
+        if run == "4":  # the src run fits in KEYS (its tmp keys are dropped), the dst run does not
+            expect_error(r, "TDS_BADARG", "commit", keys, argv, lua_version, deleted=tuple(tmps))
+            return
+        # a malformed run names no key for sure: its tmp keys stay until their TTL ends
+        expect_error(r, "TDS_BADARG", "commit", keys, argv, lua_version)
+        assert all(r.ttls[t] == 60000 for t in tmps)
+
+    def test_run_on_an_op_without_keys(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r)
+        exc = expect_error(r, "TDS_BADARG", "commit", CK, commit_argv(ops=[{"op": "node", "f": "n", "m": M("n"), "r": "2"}]), lua_version)
+        assert "bad run of keys r" in exc.message
+
+
 class TestCommitZero:
     @pytest.mark.parametrize("n", [0, 1, 5, 4096])
     @pytest.mark.parametrize("as_number", [False, True], ids=["n_str", "n_num"])
