@@ -5,9 +5,10 @@ restart, a dropped socket). What it cannot know is whether a command that was in
 when the connection broke was applied. :class:`RetryPolicy` says how often and how long a
 store tries again, and :func:`classify` which failures may be retried:
 
-- the connection could not be opened (``connecting to ...`` refused or timed out) or the
-  server answered ``LOADING`` (still replaying its AOF after a restart): nothing was sent
-  or applied, so any operation is tried again;
+- the connection could not be opened (``connecting to ...`` refused or timed out), the
+  server answered ``LOADING`` (still replaying its AOF after a restart) or ``BUSY`` (another
+  client's script runs past ``busy-reply-threshold``): nothing was sent or applied, so any
+  operation is tried again;
 - the connection broke while a command was in flight: the server ran the whole script or
   MULTI/EXEC or none of it, but the client cannot tell which. Idempotent operations (reads,
   whole-entry writes, indexed writes of given values, deletes of the whole store) are sent
@@ -151,6 +152,11 @@ def classify(err: BaseException) -> str | None:
     """``"unsent"``, ``"unknown"`` or ``None`` (not a connection failure: never retried)."""
     if isinstance(err, redis.exceptions.BusyLoadingError):
         return "unsent"  # the server refused the command while loading its data
+    if isinstance(err, redis.exceptions.ResponseError) and "BUSY " in str(err) and "busy running a script" in str(err):
+        # another client's script runs past busy-reply-threshold (lua-time-limit): the server
+        # refuses every command but SCRIPT KILL until it ends, and a MULTI it refused a
+        # command of is discarded whole (EXECABORT), so nothing of this operation was applied
+        return "unsent"
     if isinstance(err, redis.exceptions.WatchError) and "occurred while watching" in str(err):
         # redis-py's report of a connection lost during WATCH, before MULTI: nothing was written
         return "unsent"

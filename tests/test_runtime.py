@@ -99,3 +99,42 @@ def _busy(client):
         client.eval("local t = redis.call('TIME') local s = t[1] repeat t = redis.call('TIME') until t[1] - s >= 2 return 1", 0)
     except Exception:  # noqa: BLE001 - only the blocking matters
         pass
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_busy_server_is_waited_for_and_nothing_is_applied_twice(kind):
+    """Another client's script past busy-reply-threshold makes the server answer BUSY to
+    everything: a read, a write and an append wait for it (retry policy) and each lands once."""
+    from tdstore.server import start_server
+
+    handle = start_server(kind, config={"busy-reply-threshold": "100"})
+    try:
+        client = handle.sync_client()
+        store = TensorDictStore.from_schema({"x": ([2], torch.float32)}, batch_size=[8], **handle.connection_kwargs())
+        blocker = threading.Thread(target=lambda: _busy(client), daemon=True)
+        blocker.start()
+        import time
+
+        time.sleep(0.5)  # past the threshold: the server now answers BUSY
+        probe = handle.sync_client()
+        with pytest.raises(Exception, match="^BUSY "):
+            probe.ping()
+        probe.close()
+        start = time.monotonic()
+        store[0] = torch.ones(2)  # refused (BUSY), then sent again
+        rows = store.extend(tdstore_td(torch.full((1, 2), 2.0)))
+        assert torch.equal(store["x"][:2], torch.tensor([[2.0, 2.0], [0.0, 0.0]])) and rows.tolist() == [0]
+        assert time.monotonic() - start > 0.5  # it did wait for the script
+        assert store.ring_state().total == 1  # the append landed once
+        blocker.join(10)
+        store.clear_redis()
+        store.close()
+        client.close()
+    finally:
+        handle.stop()
+
+
+def tdstore_td(x: torch.Tensor):
+    from tensordict import TensorDict
+
+    return TensorDict(x=x, batch_size=[x.shape[0]])
