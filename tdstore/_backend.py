@@ -436,8 +436,10 @@ def _read_recipe(
                     base[k] = count
                     count += len(group)
                 perm = [base[k] + i for k, i in where]
-                commands = [("gather", keys.chunk(path, k), (row_bytes, " ".join(map(str, g)))) for k, g in groups.items()]
-                out.append(("cgather", commands, (row_bytes, perm)))
+                gathers_of_chunks: list[tuple[Any, ...]] = [
+                    ("gather", keys.chunk(path, k), (row_bytes, " ".join(map(str, g)))) for k, g in groups.items()
+                ]
+                out.append(("cgather", gathers_of_chunks, (row_bytes, perm)))
                 continue
             runs = [(row * row_bytes, row_bytes) for row in rows]
         commands: list[tuple[Any, ...]] = []

@@ -122,7 +122,7 @@ def test_busy_server_is_waited_for_and_nothing_is_applied_twice(kind):
         probe.close()
         start = time.monotonic()
         store[0] = torch.ones(2)  # refused (BUSY), then sent again
-        rows = store.extend(tdstore_td(torch.full((1, 2), 2.0)))
+        rows = store.extend(_rows(torch.full((1, 2), 2.0)))
         assert torch.equal(store["x"][:2], torch.tensor([[2.0, 2.0], [0.0, 0.0]])) and rows.tolist() == [0]
         assert time.monotonic() - start > 0.5  # it did wait for the script
         assert store.ring_state().total == 1  # the append landed once
@@ -134,7 +134,7 @@ def test_busy_server_is_waited_for_and_nothing_is_applied_twice(kind):
         handle.stop()
 
 
-def tdstore_td(x: torch.Tensor):
+def _rows(x: torch.Tensor):
     from tensordict import TensorDict
 
     return TensorDict(x=x, batch_size=[x.shape[0]])
