@@ -296,6 +296,23 @@ def _data_keys(admin: redis.Redis, td_id: str) -> dict[str, int]:
     return out
 
 
+def _check_layout(admin: redis.Redis, keys: dict[str, int], data: memoryview, label: str) -> None:
+    """Chunk k holds bytes [k * c, (k + 1) * c) of the entry: checks each string's length and
+    its first and last 4 KiB against the tensor's bytes (a whole-string compare would move
+    the entry once more)."""
+    chunks = sorted((int(k.split(":c:")[1].split(":")[0]), k) for k in keys if ":c:" in k)
+    if not chunks:
+        return
+    size = keys[chunks[0][1]]
+    for k, key in chunks:
+        start = k * size
+        n = min(size, data.nbytes - start)
+        assert keys[key] == n, f"{label}: {key} holds {keys[key]} bytes, expected {n}"
+        for off in (0, max(0, n - 4096)):
+            got = admin.getrange(key, off, min(n, off + 4096) - 1)
+            assert got == data[start + off : start + min(n, off + 4096)].tobytes(), f"{label}: {key} bytes differ at {off}"
+
+
 def _check_alloc(store: TensorDictStore, admin: redis.Redis, case: AllocCase, total: int, row_bytes: int) -> int:
     keys = _data_keys(admin, store.td_id)
     assert sum(keys.values()) == total, f"{case.label}: data strings hold {sum(keys.values())} bytes, expected {total}"
@@ -455,6 +472,7 @@ def run_large(
             assert sum(keys.values()) == nbytes, f"{label}: data strings hold {sum(keys.values())} bytes"
             expect = 1 if cb is None or cb >= nbytes else -(-nbytes // ((cb // (nbytes // ROWS_B)) * (nbytes // ROWS_B)))
             assert len(keys) == expect, f"{label}: {len(keys)} strings, expected {expect}"
+            _check_layout(admin, keys, byte_view(tensor), label)
             print(f"#   {label}: {len(keys)} string(s) of at most {max(keys.values()) / MIB:.0f} MiB; read back ok", flush=True)
 
         def writer(store: TensorDictStore) -> Callable[[], None]:
