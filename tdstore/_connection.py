@@ -48,6 +48,21 @@ T = TypeVar("T")
 
 #: Redis's default proto-max-bulk-len, assumed when the server does not tell (CONFIG off).
 DEFAULT_MAX_BULK = 512 * 1024 * 1024
+#: The server's default client-query-buffer-limit (1 GiB): one command must fit in it.
+DEFAULT_MAX_QUERY = 1024 * 1024 * 1024
+#: Room left in the query buffer for a command's other arguments.
+QUERY_MARGIN = 64 * 1024
+
+
+def _config_int(reply: Any, name: str, default: int) -> int:
+    """A CONFIG GET value as an int; ``default`` when refused (ACL, a managed service) or absent."""
+    if not isinstance(reply, dict):
+        return default
+    value = reply.get(name.encode()) or reply.get(name)
+    try:
+        return int(value) if value is not None else default
+    except (TypeError, ValueError):
+        return default
 
 _INHERITED_CLIENTS: list[Any] = []
 
@@ -127,6 +142,7 @@ class Connection:
         self._direct_generation = -1
         self.armed_slot = ArmedSlot()  # see tdstore/_armed_write.py
         self.max_bulk = DEFAULT_MAX_BULK
+        self.max_query = DEFAULT_MAX_QUERY
         redis_kwargs = dict(redis_kwargs)
         # opt-in: pickles of this store carry its password (in clear); see _credentials
         self.pickle_secrets = bool(redis_kwargs.pop("pickle_secrets", False))
@@ -281,6 +297,7 @@ class Connection:
         self._direct_generation = -1
         self.armed_slot = ArmedSlot()
         self.max_bulk = DEFAULT_MAX_BULK
+        self.max_query = DEFAULT_MAX_QUERY
         self._client_class = state["client_class"]
         self._pool_class = state["pool_class"]
         self._connection_class = state["connection_class"]
@@ -543,17 +560,29 @@ class Connection:
 
     # -- limits ------------------------------------------------------------------------
     def check_entry_size(
-        self, path: tuple[str, ...], nbytes: int, where: str, what: str = "entry", chunk: int | None = None
+        self, path: tuple[str, ...], nbytes: int, where: str, what: str = "entry", chunk: int | None = None,
+        sent: bool = True,
     ) -> None:
         """Refuses, before any byte is sent, a string larger than the server's proto-max-bulk-len.
 
         A bulk argument over the limit makes the server drop the connection (a BrokenPipe or
         reset on the client) and a SETRANGE beyond it fails half-way through a transaction, so
         the size is checked against the limit read when the connection was set up.
-        ``chunk``: the chunk size of a chunked entry (its largest string).
+        ``chunk``: the chunk size of a chunked entry (its largest string). ``sent``: the
+        bytes travel in one command (not a zero-fill on the server), which must also fit the
+        server's client-query-buffer-limit, or the server closes the connection.
         """
         limit = self.max_bulk
-        if (nbytes if chunk is None else min(chunk, nbytes)) <= limit:
+        size = nbytes if chunk is None else min(chunk, nbytes)
+        if size <= limit and sent and size + QUERY_MARGIN > self.max_query:
+            raise EntryTooLargeError(
+                f"{what} {path!r} of {where} is written as one command of {size} bytes, more than the server's "
+                f"client-query-buffer-limit of {self.max_query} bytes allows (the server would close the "
+                f"connection). Nothing was written ({_mib(size)} on {self.describe()}). Raise the limit on the server "
+                f"(CONFIG SET client-query-buffer-limit {_suggest_limit(size + QUERY_MARGIN)}), or create the store "
+                "with a smaller chunk_bytes (see docs/chunked.md)."
+            )
+        if size <= limit:
             return
         if chunk is not None:
             raise EntryTooLargeError(
@@ -584,13 +613,13 @@ class Connection:
             if not _is_tls_failure(err):
                 raise
             raise self._tls_error(err) from err
-        try:
-            reply = await client.config_get("proto-max-bulk-len")
-            value = reply.get(b"proto-max-bulk-len") or reply.get("proto-max-bulk-len")
-            if value is not None:
-                self.max_bulk = int(value)
-        except (redis.exceptions.ResponseError, ValueError):
-            self.max_bulk = DEFAULT_MAX_BULK
+        # the two limits of one command's size, in one round trip
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.config_get("proto-max-bulk-len")
+            pipe.config_get("client-query-buffer-limit")
+            replies = await pipe.execute(raise_on_error=False)
+        self.max_bulk = _config_int(replies[0], "proto-max-bulk-len", DEFAULT_MAX_BULK)
+        self.max_query = _config_int(replies[1], "client-query-buffer-limit", DEFAULT_MAX_QUERY)
         runner = ScriptRunner(shebang)
         await runner.load_all(client)
         self._runner = runner

@@ -253,7 +253,8 @@ class StoreAPI:
                 meta = _chunks.annotate(
                     {"k": "t", "dtype": _codec.dtype_name(dtype), "shape": full, "o": [1, seq]}, store._creation_meta()
                 )
-                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.get("c"))
+                # zero-filled on the server: no command carries the bytes
+                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.get("c"), sent=False)
                 ops.append(_backend.Op("zero", path, meta, nbytes=nbytes))
             store._create_store(bs, store_device, None, ops, None)
         except BaseException:

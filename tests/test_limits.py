@@ -100,10 +100,11 @@ def test_limit_read_once_per_connection(make, limited):
         store[f"e{i}"] = torch.zeros(ROWS)
         store[f"e{i}"]
     store.update({"u": torch.ones(ROWS)})
-    assert config_calls() - before == 1
+    # proto-max-bulk-len and client-query-buffer-limit, in one round trip
+    assert config_calls() - before == 2
     other = make(batch_size=[ROWS])  # another store, another connection: read once more
     other["a"] = torch.zeros(ROWS)
-    assert config_calls() - before == 2
+    assert config_calls() - before == 4
     client.close()
 
 
@@ -265,3 +266,28 @@ def test_config_refused_falls_back_to_512_mib(acl_server):
     finally:
         store.clear_redis()
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_query_buffer_limit_is_checked_too(kind, wire):
+    """A command larger than client-query-buffer-limit (though under proto-max-bulk-len) would make the
+    server close the connection: refused up front, naming that limit; zero-fills still work."""
+    handle = start_server(kind, config={"proto-max-bulk-len": "8mb", "client-query-buffer-limit": "1mb"})
+    try:
+        conn = handle.connection_kwargs()
+        store = TensorDictStore(batch_size=[ROWS], **conn)
+        store["small"] = torch.zeros(ROWS)
+        assert (store._conn.max_bulk, store._conn.max_query) == (8 * LIMIT, LIMIT)
+        before = wire(handle)
+        with pytest.raises(tdstore.EntryTooLargeError, match=r"'big'.*client-query-buffer-limit of 1048576 bytes") as info:
+            store["big"] = torch.zeros(ROWS, BIG_FEATURES)
+        assert "CONFIG SET client-query-buffer-limit 4mb" in str(info.value) and "chunk_bytes" in str(info.value)
+        assert wire(handle) == before
+        _assert_still_usable(store)
+        zeros = TensorDictStore.from_schema({"x": ([BIG_FEATURES], torch.float32)}, batch_size=[ROWS], **conn)
+        assert zeros["x"].shape == (ROWS, BIG_FEATURES)  # zero-filled on the server: no large command
+        for s in (store, zeros):
+            s.clear_redis()
+            s.close()
+    finally:
+        handle.stop()
