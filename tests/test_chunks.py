@@ -517,3 +517,31 @@ def test_lazy_stack_refuses_chunk_bytes(server):
     lazy = LazyStackedTensorDict(TensorDict(x=torch.ones(3)), TensorDict(x=torch.zeros(3)))
     with pytest.raises(tdstore.UnsupportedOperationError, match="takes no chunk_bytes"):
         TensorDictStore.from_tensordict(lazy, chunk_bytes=64, **server.connection_kwargs())
+
+
+def test_cli_info_and_ls_count_every_chunk(real_server):
+    """`tdstore info` shows the chunking, and an entry's bytes are the sum of its chunks (STRLEN each)."""
+    import io
+    import json
+
+    from test_cli import conn_args
+
+    from tdstore.cli import main
+
+    store = TensorDictStore.from_tensordict(
+        TensorDict(big=torch.ones(10, 8), small=torch.ones(10), batch_size=[10]), chunk_bytes=96, td_id="cli-chunked",
+        **real_server.connection_kwargs(),
+    )
+    try:
+        out = io.StringIO()
+        assert main(["info", "cli-chunked", "--json", *conn_args(real_server)], out=out, stdin=io.StringIO("")) == 0
+        info = json.loads(out.getvalue())
+        assert info["chunking"] == {"chunk_bytes": 96, "chunked_entries": 1}
+        assert {e["key"][0]: e["bytes"] for e in info["entries"]} == {"big": 320, "small": 40}
+        out = io.StringIO()
+        assert main(["ls", "--json", *conn_args(real_server)], out=out, stdin=io.StringIO("")) == 0
+        listed = {s["td_id"]: s for s in json.loads(out.getvalue())["stores"]}
+        assert listed["cli-chunked"]["bytes"] == 360
+    finally:
+        store.clear_redis()
+        store.close()
