@@ -8,12 +8,17 @@ KEYS[3..] the store's other keys: its write-version counter, its ring cursor and
 
 ARGV[1]   expected layout version (decimal string; "" skips the check)
 ARGV[2]   the number of registry entries the client knows of (leaves and nested nodes)
+ARGV[3]   optional: p, the number of (key, trash key) pairs that end KEYS: each key (a chunk
+          of a chunked entry) is renamed to its trash key, which expires in 10 minutes,
+          instead of deleted, so that the client can then free the chunks one per command
+          (freeing a large string blocks the server; see tdstore/_chunks.py)
 
-Returns: the number of keys deleted (integer)
+Returns: the number of keys deleted or moved to the trash (integer)
 
 Errors:
   TDS_NOSTORE  the store does not exist
   TDS_STALE    the layout version differs from ARGV[1]
+  TDS_BADARG   ARGV[3] is not a count of pairs that KEYS holds
 ]]
 --@include lib/common.lua
 
@@ -24,14 +29,26 @@ local n = rcall('HLEN', KEYS[2])
 if n ~= tonumber(ARGV[2]) then
   return fail('TDS_STALE', 'registry has ' .. n .. ' entries, client knows of ' .. ARGV[2])
 end
+local pairs_n = tonumber(ARGV[3] or '0')
+if pairs_n == nil or pairs_n < 0 or pairs_n ~= math.floor(pairs_n) or 2 * pairs_n > #KEYS - 2 then
+  return fail('TDS_BADARG', 'bad number of trash pairs ' .. tostring(ARGV[3]))
+end
+local last = #KEYS - 2 * pairs_n
 -- DEL in batches: unpack() of a very long table overflows the Lua C stack
 local deleted = 0
 local batch = {}
-for i = 1, #KEYS do
+for i = 1, last do
   batch[#batch + 1] = KEYS[i]
-  if #batch == 1000 or i == #KEYS then
+  if #batch == 1000 or i == last then
     deleted = deleted + rcall('DEL', unpack(batch))
     batch = {}
+  end
+end
+for i = last + 1, #KEYS, 2 do
+  if rcall('EXISTS', KEYS[i]) == 1 then
+    rcall('RENAME', KEYS[i], KEYS[i + 1])
+    rcall('PEXPIRE', KEYS[i + 1], 600000)
+    deleted = deleted + 1
   end
 end
 return deleted

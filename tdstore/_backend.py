@@ -1034,16 +1034,29 @@ def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
 
 
 async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout) -> int:
-    """Deletes every key of the store at layout version ``layout.lv``."""
-    data_keys = _layout_data_keys(keys, layout)
-    return int(
+    """Deletes every key of the store at layout version ``layout.lv``, in one step.
+
+    The chunks of chunked entries are renamed to short-lived trash keys in that step
+    instead of deleted, then freed one per command (freeing a large string blocks the
+    server for as long as it takes): the store is gone at once, and no server step frees
+    more than one chunk.
+    """
+    chunks = _chunks.chunk_map(layout.entries)
+    plain = [keys.plain(p) for p, e in layout.entries.items() if e.get("k") != "td" and p not in chunks]
+    chunked = [key for p, ch in chunks.items() for key in keys.entry_keys(p, ch)]
+    trash = [keys.tmp() for _ in chunked]
+    pairs = [key for pair in zip(chunked, trash, strict=True) for key in pair]
+    deleted = int(
         await runner.call(
             client,
             "clear",
-            [keys.meta, keys.reg, keys.wv, keys.ring, *data_keys],
-            [str(layout.lv), str(len(layout.entries))],
+            [keys.meta, keys.reg, keys.wv, keys.ring, *plain, *pairs],
+            [str(layout.lv), str(len(layout.entries)), str(len(chunked))],
         )
     )
+    for key in trash:
+        await client.delete(key)  # one chunk freed per server step
+    return deleted
 
 
 async def expire(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout, ttl_ms: int | None) -> int:

@@ -380,7 +380,20 @@ def test_from_schema_fills_chunk_by_chunk(limited):
     assert len(fills) == 16  # 4 MiB in 16 chunks of 256 KiB
     assert all(int(entry["command"].split()[2]) < 256 * 1024 for entry in fills)
     assert torch.equal(store[4095]["obs"], torch.zeros(1024, dtype=torch.uint8))
-    store.clear_redis()
+    # clear_redis(): the store goes in one step, its chunks are renamed to trash keys there and
+    # freed afterwards one DEL (one chunk) per command
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    try:
+        store.clear_redis()
+        log = client.slowlog_get(10_000)
+    finally:
+        client.config_set("slowlog-log-slower-than", 10_000)
+    words = [entry["command"].split() for entry in log]
+    renames = [w for w in words if w[0].upper() == b"RENAME"]
+    frees = [w for w in words if w[0].upper() == b"DEL" and b":tmp:" in w[1]]
+    assert len(renames) == 16 and len(frees) == 16 and all(len(w) == 2 for w in frees)
+    assert [k for k in client.scan_iter() if store.td_id.encode() in k] == []
     store.close()
     client.close()
 

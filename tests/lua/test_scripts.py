@@ -1557,6 +1557,20 @@ class TestClear:
         assert r.run("clear", [META, REG, WV, RING, D("a"), D("b")], ["2", "3"], lua_version) == 6
         assert state(r) == {stray: b"tmp"}
 
+    def test_chunks_go_to_the_trash(self, r: LuaRedis, lua_version: str) -> None:
+        """Trailing (chunk, trash key) pairs are renamed, with a 10-minute TTL, for the client to free one by one."""
+        make_store(r, entries={"b": b"bbb"}, wv="1")
+        r.data[C(0, "a")], r.data[C(1, "a")] = b"c0", b"c1"
+        keys = [META, REG, WV, RING, D("b"), C(0, "a"), TMP("t0"), C(1, "a"), TMP("t1"), C(2, "a"), TMP("t2")]
+        assert r.run("clear", keys, ["2", "1", "3"], lua_version) == 6  # meta, reg, wv, b, and 2 chunks moved
+        assert state(r) == {TMP("t0"): b"c0", TMP("t1"): b"c1"}
+        assert r.ttls == {TMP("t0"): 600000, TMP("t1"): 600000}
+
+    @pytest.mark.parametrize("count", ["x", "-1", "1.5", "4"])
+    def test_bad_trash_pair_count(self, r: LuaRedis, lua_version: str, count: str) -> None:
+        make_store(r, entries={"a": b"aaa"})
+        expect_error(r, "TDS_BADARG", "clear", [META, REG, D("a"), C(0, "x"), TMP("t")], ["2", "1", count], lua_version)
+
     def test_counts_only_keys_that_existed(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"aaa"})  # no write version, no cursor yet
         assert r.run("clear", [META, REG, WV, RING, D("a"), D("gone")], ["", "1"], lua_version) == 3
@@ -1692,6 +1706,7 @@ ERROR_TESTS = {
     "clear": {
         "TDS_NOSTORE": TestClear.test_missing_store,
         "TDS_STALE": TestClear.test_registry_size_mismatch,
+        "TDS_BADARG": TestClear.test_bad_trash_pair_count,
     },
 }
 
