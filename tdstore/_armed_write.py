@@ -26,7 +26,8 @@ from typing import Any
 import redis.asyncio
 import redis.exceptions
 
-from tdstore._backend import setrange_commands, write_runs_watched, written_keys
+from tdstore._backend import write_runs_watched
+from tdstore._chunks import setrange_commands, written_keys
 from tdstore._keys import StoreKeys
 from tdstore._scripts import ScriptRunner
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError, translate_response_error

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +32,6 @@ __all__ = [
     "fetch_layout",
     "read_layout_version",
     "read_entries",
-    "read_runs",
-    "read_runs_direct",
     "commit",
     "write_runs",
     "clear",
@@ -288,246 +286,6 @@ async def _read_entries_chunked(
         if not await _large.read_pieces(client, keys, pieces, wv, lv_raw):
             return None
     return lv, metas, list(blobs), layout
-
-
-async def read_runs(
-    client: Any,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
-    gathers: Sequence[tuple[int, str] | None] | None = None,
-) -> tuple[int | None, list[list[bytes]]]:
-    """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
-
-    ``length`` None reads the whole string. ``gathers[i]``, when given, is ``(row bytes,
-    "row row ...")``: plan ``i`` is then read by the gather script in one call, and its
-    runs are not used. The layout version comes back with the runs: the caller
-    decodes them only if it is the version it planned with.
-
-    Returns:
-        (layout version, list of run bytes per entry).
-    """
-    gathers = list(gathers) if gathers is not None else [None] * len(plans)
-    one = _single_run(keys, plans, gathers)
-    if one is not None:
-        which, data_key, offset, last, small = one
-        if small:
-            # One run: one script call returns the version with the bytes (cheaper for the
-            # client than a MULTI of two commands).
-            lv, data = await runner.call(client, "read_one", [keys.meta, data_key], [str(offset), str(last)])
-        else:
-            # large: Lua would copy the bytes; the version is read after them instead, and
-            # it only grows, so if it is the planned one no layout change came before
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.getrange(data_key, offset, last)
-                pipe.hget(keys.meta, "lv")
-                data, lv = await _exec(pipe)
-            _raise_first_error([data, lv])
-        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
-
-    recipe = _read_recipe(keys, plans, gathers)
-
-    def build(pipe: Any) -> None:
-        _queue_runs(pipe, keys, runner, recipe)
-
-    for attempt in range(2):
-        replies = await read_snapshot(client, keys, build)
-        if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            await runner.load_all(client)  # reads only: nothing to undo, load and read again
-            continue
-        break
-    _raise_first_error(replies)
-    return _split_runs(replies, recipe)
-
-
-def read_runs_direct(
-    client: Any,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
-    gathers: Sequence[tuple[int, str] | None],
-) -> tuple[int | None, list[list[bytes]]]:
-    """:func:`read_runs` on a blocking ``redis.Redis`` (see ``Connection.read``): the same commands.
-
-    Anything unusual (a script the server forgot, a MULTI refused over maxmemory) raises,
-    and the caller reads again through :func:`read_runs`, which deals with it.
-    """
-    one = _single_run(keys, plans, gathers)
-    if one is not None:
-        which, data_key, offset, last, small = one
-        if small:
-            lv, data = client.evalsha(runner.sha("read_one"), 2, keys.meta, data_key, str(offset), str(last))
-        else:
-            with client.pipeline(transaction=False) as pipe:
-                pipe.getrange(data_key, offset, last)
-                pipe.hget(keys.meta, "lv")
-                data, lv = pipe.execute(raise_on_error=False)
-            _raise_first_error([data, lv])
-        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
-    recipe = _read_recipe(keys, plans, gathers)
-    with client.pipeline(transaction=True) as pipe:
-        _queue_runs(pipe, keys, runner, recipe)
-        replies = pipe.execute(raise_on_error=False)
-    _raise_first_error(replies)
-    return _split_runs(replies, recipe)
-
-
-def _single_run(
-    keys: StoreKeys,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]], gathers: Sequence[Any]
-) -> tuple[int, str, int, int, bool] | None:
-    """``(plan index, data key, first byte, last byte, small)`` when the plans read one run, else None."""
-    which = -1
-    for i, (_, runs) in enumerate(plans):
-        if gathers[i] is not None or len(runs) > 1 or (runs and which >= 0):
-            return None
-        if runs:
-            which = i
-    if which < 0:
-        return None
-    path, ((offset, length),) = plans[which]
-    chunking = keys.chunks.get(path)
-    if chunking is None:
-        last = -1 if length is None else offset + length - 1
-        return which, keys.data(path), offset, last, length is not None and length <= READ_ONE_MAX
-    if length is None:
-        return None
-    parts = list(_chunks.pieces(chunking, offset, length))
-    if len(parts) != 1:
-        return None  # across chunks: several GETRANGEs in one MULTI
-    k, local, n = parts[0]
-    return which, keys.chunk(path, k), local, local + n - 1, n <= READ_ONE_MAX
-
-
-# One plan's reads: ("runs", commands, pieces per run) or ("gather", commands, None), or
-# ("cgather", commands, (row bytes, where each row asked for lies in the replies joined))
-# for a gather over the chunks of a chunked entry. A command is ("getrange", key, first,
-# last) or ("gather", key, (row bytes, "row row ...")).
-_Recipe = list[tuple[str, list[tuple[Any, ...]], Any]]
-
-
-def _read_recipe(
-    keys: StoreKeys,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
-    gathers: Sequence[tuple[int, str] | None],
-) -> _Recipe:
-    out: _Recipe = []
-    for (path, runs), gather in zip(plans, gathers, strict=True):
-        chunking = keys.chunks.get(path)
-        if gather is not None:
-            if chunking is None:
-                out.append(("gather", [("gather", keys.data(path), gather)], None))
-                continue
-            row_bytes = gather[0]
-            rows = [int(r) for r in gather[1].split()]
-            if chunking.size % row_bytes == 0:
-                # row-block chunks: one gather per chunk, the rows put back in order after
-                per_chunk = chunking.size // row_bytes
-                groups: dict[int, list[int]] = {}
-                where: list[tuple[int, int]] = []
-                for row in rows:
-                    k = row // per_chunk
-                    group = groups.setdefault(k, [])
-                    where.append((k, len(group)))
-                    group.append(row - k * per_chunk)
-                base: dict[int, int] = {}
-                count = 0
-                for k, group in groups.items():
-                    base[k] = count
-                    count += len(group)
-                perm = [base[k] + i for k, i in where]
-                gathers_of_chunks: list[tuple[Any, ...]] = [
-                    ("gather", keys.chunk(path, k), (row_bytes, " ".join(map(str, g)))) for k, g in groups.items()
-                ]
-                out.append(("cgather", gathers_of_chunks, (row_bytes, perm)))
-                continue
-            runs = [(row * row_bytes, row_bytes) for row in rows]
-        commands: list[tuple[Any, ...]] = []
-        counts: list[int] = []
-        if chunking is None:
-            key = keys.data(path)
-            for offset, length in runs:
-                # length None reads the whole string (non-tensor entries)
-                commands.append(("getrange", key, offset, -1 if length is None else offset + length - 1))
-                counts.append(1)
-        else:
-            for offset, length in runs:
-                n = 0
-                for k, local, size in _chunks.pieces(chunking, offset, chunking.nbytes - offset if length is None else length):
-                    commands.append(("getrange", keys.chunk(path, k), local, local + size - 1))
-                    n += 1
-                counts.append(n)
-        out.append(("runs", commands, counts))
-    return out
-
-
-def _queue_runs(pipe: Any, keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> None:
-    pipe.hget(keys.meta, "lv")
-    for _, commands, _ in recipe:
-        for command in commands:
-            if command[0] == "gather":
-                _, key, (row_bytes, rows) = command
-                runner.queue(pipe, "gather", [key], [str(row_bytes), rows])
-            else:
-                pipe.getrange(command[1], command[2], command[3])
-
-
-def _split_runs(replies: list[Any], recipe: _Recipe) -> tuple[int | None, list[list[bytes]]]:
-    lv = None if replies[0] is None else int(replies[0])
-    out: list[list[bytes]] = []
-    pos = 1
-    for kind, commands, extra in recipe:
-        got = replies[pos : pos + len(commands)]
-        pos += len(commands)
-        if kind == "gather":
-            out.append(got)
-        elif kind == "cgather":
-            row_bytes, perm = extra
-            joined = b"".join(got)
-            if perm != list(range(len(perm))):
-                joined = b"".join(joined[i * row_bytes : (i + 1) * row_bytes] for i in perm)
-            out.append([joined])
-        else:
-            runs: list[bytes] = []
-            at = 0
-            for n in extra:
-                runs.append(got[at] if n == 1 else b"".join(got[at : at + n]))
-                at += n
-            out.append(runs)
-    return lv, out
-
-
-#: A single run at most this long is read with the read_one script (one command);
-#: longer ones with GETRANGE (Lua copies every byte it returns).
-READ_ONE_MAX = 65536
-
-#: Runs at most this long (bytes, on average) are read through the gather script.
-GATHER_MAX_RUN = 4096
-#: ... when there are at least this many of them.
-GATHER_MIN_RUNS = 8
-
-
-def choose_read(runs: Sequence[tuple[int, int | None]]) -> str:
-    """How to read the runs of one entry: "gather" (one Lua call) or "getrange" (a command each).
-
-    The gather script takes the row numbers as one argument, so the choice also saves
-    redis-py from packing two arguments per run.
-
-    Measured (benchmarks/bench_index.py): redis-py spends 15-20 us of Python per pipelined
-    command, while Lua concatenates small runs cheaply but is slow per byte; over 256
-    runs the script wins up to about 4 KiB per run and loses from 16 KiB on.
-    """
-    if len(runs) < GATHER_MIN_RUNS or any(length is None for _, length in runs):
-        return "getrange"
-    total = sum(length for _, length in runs if length is not None)
-    return choose_read_rows(len(runs), total)
-
-
-def choose_read_rows(nruns: int, total_bytes: int) -> str:
-    """:func:`choose_read` from the number of runs and their total size."""
-    if nruns < GATHER_MIN_RUNS:
-        return "getrange"
-    return "gather" if total_bytes <= GATHER_MAX_RUN * nruns else "getrange"
 
 
 def _raise_first_error(replies: list[Any]) -> None:
@@ -791,7 +549,7 @@ def _write_runs_args(
 ) -> tuple[list[str], list[Any]]:
     key_list: list[str] = [keys.meta, keys.wv]
     args: list[Any] = [expected]
-    for key, runs, payload in key_groups(keys, groups, extra):
+    for key, runs, payload in _chunks.key_groups(keys, groups, extra):
         key_list.append(key)
         args.append(str(len(runs)))
         for offset, length in runs:
@@ -799,88 +557,6 @@ def _write_runs_args(
             args.append(str(length))
         args.append(payload)
     return key_list, args
-
-
-def _chunking(keys: StoreKeys, path: tuple[str, ...], extra: Mapping[tuple[str, ...], Any] | None) -> Any:
-    """The chunking of the entry at ``path``: from ``extra`` (entries created in the same
-    step) or from the layout last cached."""
-    if extra and path in extra:
-        return extra[path]
-    return keys.chunks.get(path)
-
-
-def key_groups(
-    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
-) -> list[tuple[str, list[tuple[int, int]], Any]]:
-    """``(key, runs, payload)`` groups of ``(path, runs, payload)`` groups: a chunked entry's
-    runs split into the pieces each chunk holds (a group per stretch of pieces in one chunk).
-
-    ``extra``: the chunking of entries the same step creates (path -> Chunking or None)."""
-    out: list[tuple[str, list[tuple[int, int]], Any]] = []
-    for path, runs, payload in groups:
-        chunking = _chunking(keys, path, extra)
-        if chunking is None:
-            out.append((keys.plain(path), list(runs), payload))
-            continue
-        last_k = -1
-        parts: list[Any] = []
-        local_runs: list[tuple[int, int]] = []
-        for k, offset, data in write_pieces(keys, path, runs, payload, chunking):
-            if k != last_k and local_runs:
-                out.append((keys.chunk(path, last_k), local_runs, parts[0] if len(parts) == 1 else b"".join(parts)))
-                parts, local_runs = [], []
-            last_k = k
-            local_runs.append((offset, len(data)))
-            parts.append(data)
-        if local_runs:
-            out.append((keys.chunk(path, last_k), local_runs, parts[0] if len(parts) == 1 else b"".join(parts)))
-    return out
-
-
-def write_pieces(
-    keys: StoreKeys, path: tuple[str, ...], runs: Sequence[tuple[int, int]], payload: Any, chunking: Any = None
-) -> Iterator[tuple[int, int, Any]]:
-    """``(chunk, offset in the chunk, bytes)`` of the runs of a chunked entry (``payload``: their bytes back to back)."""
-    chunking = chunking if chunking is not None else keys.chunks[path]
-    view = payload if isinstance(payload, (bytes, memoryview)) else memoryview(payload)
-    pos = 0
-    for offset, length in runs:
-        for k, local, n in _chunks.pieces(chunking, offset, length):
-            yield k, local, view[pos : pos + n]
-            pos += n
-
-
-def setrange_commands(
-    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
-) -> Iterator[tuple[str, int, Any]]:
-    """``(key, offset, bytes)`` of one SETRANGE per run (per piece of a run, in a chunked entry)."""
-    for path, runs, payload in groups:
-        chunking = _chunking(keys, path, extra)
-        if chunking is None:
-            data_key = keys.plain(path)
-            pos = 0
-            for offset, length in runs:
-                if length:
-                    yield data_key, offset, payload[pos : pos + length]
-                pos += length
-        else:
-            for k, offset, data in write_pieces(keys, path, runs, payload, chunking):
-                yield keys.chunk(path, k), offset, data
-
-
-def written_keys(keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None) -> set[str]:
-    """The keys the runs of ``groups`` write to."""
-    out: set[str] = set()
-    for path, runs, _ in groups:
-        if not runs:
-            continue
-        chunking = _chunking(keys, path, extra)
-        if chunking is None:
-            out.add(keys.plain(path))
-        else:
-            for offset, length in runs:
-                out.update(keys.chunk(path, k) for k, _, _ in _chunks.pieces(chunking, offset, length))
-    return out
 
 
 #: Runs at least this long (bytes, on average) are written by SETRANGE commands in a
@@ -967,7 +643,7 @@ async def write_runs_watched(
                     layout_changed = True
         if small_via_script:
             # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
-            data_keys = written_keys(keys, groups, created) - {key for op in creates for key in _created_keys(keys, op)}
+            data_keys = _chunks.written_keys(keys, groups, created) - {key for op in creates for key in _created_keys(keys, op)}
             if data_keys and await pipe.exists(*data_keys) != len(data_keys):
                 from tdstore.errors import DataLostError
 
@@ -991,7 +667,7 @@ async def write_runs_watched(
             runner.queue(pipe, "write_runs", key_list, args)  # checks the version, bumps wv
         else:
             pipe.incr(keys.wv)
-        for key, offset, data in setrange_commands(keys, [g for g in groups if large(g[1])], created):
+        for key, offset, data in _chunks.setrange_commands(keys, [g for g in groups if large(g[1])], created):
             pipe.setrange(key, offset, data)
         for key, field, new_meta, payload in nt_writes:
             pipe.set(key, payload)

@@ -1,4 +1,5 @@
-"""Chunked entries: one tensor entry kept as several row-block strings (pure, no I/O).
+"""Chunked entries: one tensor entry kept as several row-block strings (pure: key names and
+byte arithmetic, no I/O).
 
 A store created with ``chunk_bytes=N`` (meta field ``cb``) keeps every tensor entry of
 more than N bytes as strings of at most N bytes each::
@@ -24,9 +25,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Chunking", "MIN_CHUNK_BYTES", "annotate", "chunk_size", "check_chunk_bytes", "chunk_map", "of_meta", "pieces"]
+if TYPE_CHECKING:
+    from tdstore._keys import StoreKeys
+
+__all__ = [
+    "Chunking", "MIN_CHUNK_BYTES", "annotate", "chunk_size", "check_chunk_bytes", "chunk_map", "of_meta", "pieces",
+    "key_groups", "write_pieces", "setrange_commands", "written_keys",
+]
 
 #: The smallest chunk size a store accepts (the largest element, complex128, is 16 bytes).
 MIN_CHUNK_BYTES = 16
@@ -140,3 +147,90 @@ def pieces(chunking: Chunking, offset: int, length: int) -> Iterator[tuple[int, 
         n = min(end - offset, size - local)
         yield k, local, n
         offset += n
+
+
+# --------------------------------------------------------------------------- writes of runs
+# ``groups`` are ``(path, runs, payload)``: byte runs ``(offset, length)`` of the entry at
+# ``path`` and their bytes back to back. These map them onto the entry's keys.
+
+
+def _chunking(keys: StoreKeys, path: tuple[str, ...], extra: Mapping[tuple[str, ...], Any] | None) -> Any:
+    """The chunking of the entry at ``path``: from ``extra`` (entries created in the same
+    step) or from the layout last cached."""
+    if extra and path in extra:
+        return extra[path]
+    return keys.chunks.get(path)
+
+
+def key_groups(
+    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
+) -> list[tuple[str, list[tuple[int, int]], Any]]:
+    """``(key, runs, payload)`` groups of ``(path, runs, payload)`` groups: a chunked entry's
+    runs split into the pieces each chunk holds (a group per stretch of pieces in one chunk).
+
+    ``extra``: the chunking of entries the same step creates (path -> Chunking or None)."""
+    out: list[tuple[str, list[tuple[int, int]], Any]] = []
+    for path, runs, payload in groups:
+        chunking = _chunking(keys, path, extra)
+        if chunking is None:
+            out.append((keys.plain(path), list(runs), payload))
+            continue
+        last_k = -1
+        parts: list[Any] = []
+        local_runs: list[tuple[int, int]] = []
+        for k, offset, data in write_pieces(keys, path, runs, payload, chunking):
+            if k != last_k and local_runs:
+                out.append((keys.chunk(path, last_k), local_runs, parts[0] if len(parts) == 1 else b"".join(parts)))
+                parts, local_runs = [], []
+            last_k = k
+            local_runs.append((offset, len(data)))
+            parts.append(data)
+        if local_runs:
+            out.append((keys.chunk(path, last_k), local_runs, parts[0] if len(parts) == 1 else b"".join(parts)))
+    return out
+
+
+def write_pieces(
+    keys: StoreKeys, path: tuple[str, ...], runs: Sequence[tuple[int, int]], payload: Any, chunking: Any = None
+) -> Iterator[tuple[int, int, Any]]:
+    """``(chunk, offset in the chunk, bytes)`` of the runs of a chunked entry (``payload``: their bytes back to back)."""
+    chunking = chunking if chunking is not None else keys.chunks[path]
+    view = payload if isinstance(payload, (bytes, memoryview)) else memoryview(payload)
+    pos = 0
+    for offset, length in runs:
+        for k, local, n in pieces(chunking, offset, length):
+            yield k, local, view[pos : pos + n]
+            pos += n
+
+
+def setrange_commands(
+    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
+) -> Iterator[tuple[str, int, Any]]:
+    """``(key, offset, bytes)`` of one SETRANGE per run (per piece of a run, in a chunked entry)."""
+    for path, runs, payload in groups:
+        chunking = _chunking(keys, path, extra)
+        if chunking is None:
+            data_key = keys.plain(path)
+            pos = 0
+            for offset, length in runs:
+                if length:
+                    yield data_key, offset, payload[pos : pos + length]
+                pos += length
+        else:
+            for k, offset, data in write_pieces(keys, path, runs, payload, chunking):
+                yield keys.chunk(path, k), offset, data
+
+
+def written_keys(keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None) -> set[str]:
+    """The keys the runs of ``groups`` write to."""
+    out: set[str] = set()
+    for path, runs, _ in groups:
+        if not runs:
+            continue
+        chunking = _chunking(keys, path, extra)
+        if chunking is None:
+            out.add(keys.plain(path))
+        else:
+            for offset, length in runs:
+                out.update(keys.chunk(path, k) for k, _, _ in pieces(chunking, offset, length))
+    return out

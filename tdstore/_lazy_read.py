@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from tdstore import _backend, _codec, _io
+from tdstore import _backend, _codec, _io, _run_reads
 from tdstore import _lazy_plan as plan
 from tdstore._keys import as_path as _as_path
 from tdstore._values import NO_DEFAULT, is_no_default
@@ -53,7 +53,7 @@ class LazyReads:
                 spans.append(None)
                 continue
             offsets, sizes = self._spans(layout, path)
-            if "shape" in meta and sizes[0] and _backend.choose_read_rows(len(members), sizes[0] * len(members)) == "gather":
+            if "shape" in meta and sizes[0] and _run_reads.choose_read_rows(len(members), sizes[0] * len(members)) == "gather":
                 plans.append((path, []))
                 gathers.append((sizes[0], " ".join(map(str, members))))
                 spans.append("gather")
@@ -71,8 +71,8 @@ class LazyReads:
             gathers.append(None)
             spans.append(runs)
         lv, replies = conn.read(  # on the calling thread when the transport allows (see Connection.read)
-            lambda c, r: _backend.read_runs_direct(c, conn.keys, r, plans, gathers),
-            lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers),
+            lambda c, r: _run_reads.read_runs_direct(c, conn.keys, r, plans, gathers),
+            lambda c: _run_reads.read_runs(c, conn.keys, conn.runner, plans, gathers),
         )
         if lv is None:
             raise self._not_found()
@@ -299,7 +299,7 @@ class LazyReads:
                 return self._get_path(path, default)
             bs, s = self._root(layout)
             conn = self._conn
-            lv, replies = conn.run(lambda c, conn=conn: _backend.read_runs(c, conn.keys, conn.runner, [(path, [(0, None)])]))
+            lv, replies = conn.run(lambda c, conn=conn: _run_reads.read_runs(c, conn.keys, conn.runner, [(path, [(0, None)])]))
             if lv != layout.lv:
                 if lv is None:
                     raise self._not_found()

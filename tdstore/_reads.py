@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore import _backend, _codec, _io, _transfer, _values
+from tdstore import _backend, _codec, _io, _run_reads, _transfer, _values
 from tdstore._indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
 from tdstore._keys import as_path as _as_path
 from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
@@ -291,7 +291,7 @@ class StoreReads:
                 if dtype is None:
                     plans.append((path, [(0, None)]))
                     gathers.append(None)
-                elif row_bytes and rows is not None and _backend.choose_read_rows(len(spans), nrows * row_bytes) == "gather":
+                elif row_bytes and rows is not None and _run_reads.choose_read_rows(len(spans), nrows * row_bytes) == "gather":
                     if rows_arg is None:
                         flat = rows.reshape(-1).tolist()
                         rows_arg = " ".join(["%d"] * len(flat)) % tuple(flat)
@@ -301,8 +301,8 @@ class StoreReads:
                     plans.append((path, spans.runs(row_bytes)))
                     gathers.append(None)
             lv, parts = conn.read(
-                lambda c, r: _backend.read_runs_direct(c, conn.keys, r, plans, gathers),
-                lambda c: _backend.read_runs(c, conn.keys, conn.runner, plans, gathers),
+                lambda c, r: _run_reads.read_runs_direct(c, conn.keys, r, plans, gathers),
+                lambda c: _run_reads.read_runs(c, conn.keys, conn.runner, plans, gathers),
             )
             if lv is None:
                 raise self._not_found()

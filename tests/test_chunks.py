@@ -344,7 +344,7 @@ def test_entries_past_the_string_limit(limited):
     store = TensorDictStore.from_tensordict(TensorDict(x=value, batch_size=[64]), chunk_bytes=512 * 1024, **conn)
     try:
         assert torch.equal(store["x"], value)
-        idx = torch.tensor([63, 0, 17, 17, 40])
+        idx = torch.tensor([63, 0, 17, 18, 40])  # distinct: torch mixes duplicate rows of large tensors
         assert torch.equal(store[idx]["x"], value[idx])
         new = torch.randn(5, 12_288)
         store[idx] = TensorDict(x=new, batch_size=[5])

@@ -308,13 +308,14 @@ class TestEntries:
     def test_update_does_not_download(self, make, monkeypatch):
         store = make(batch_size=[2])
         store["a"] = torch.zeros(2)
-        from tdstore import _backend
+        from tdstore import _backend, _run_reads
 
         def no_read(*args, **kwargs):
             raise AssertionError("update() downloaded an entry")
 
         monkeypatch.setattr(_backend, "read_entries", no_read)
-        monkeypatch.setattr(_backend, "read_runs", no_read)
+        monkeypatch.setattr(_run_reads, "read_runs", no_read)
+        monkeypatch.setattr(_run_reads, "read_runs_direct", no_read)
         store.update({"a": torch.ones(2), "b": torch.ones(2)})
         monkeypatch.undo()
         assert torch.equal(store["a"], torch.ones(2))

@@ -1,0 +1,260 @@
+"""Indexed reads: byte runs of several entries in one snapshot (MULTI of GETRANGEs, the gather
+script, or one read_one call), on the IO loop's asyncio client or on a blocking client.
+
+A chunked entry's runs become one piece per chunk they cross (:mod:`tdstore._chunks`), and
+a gather over its rows one gather call per chunk, the rows put back in the order asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions
+
+from tdstore import _chunks
+from tdstore._backend import _exec, _raise_first_error, read_snapshot
+from tdstore._keys import StoreKeys
+from tdstore._scripts import ScriptRunner
+
+__all__ = ["read_runs", "read_runs_direct", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
+
+
+async def read_runs(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None] | None = None,
+) -> tuple[int | None, list[list[bytes]]]:
+    """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
+
+    ``length`` None reads the whole string. ``gathers[i]``, when given, is ``(row bytes,
+    "row row ...")``: plan ``i`` is then read by the gather script in one call, and its
+    runs are not used. The layout version comes back with the runs: the caller
+    decodes them only if it is the version it planned with.
+
+    Returns:
+        (layout version, list of run bytes per entry).
+    """
+    gathers = list(gathers) if gathers is not None else [None] * len(plans)
+    one = _single_run(keys, plans, gathers)
+    if one is not None:
+        which, data_key, offset, last, small = one
+        if small:
+            # One run: one script call returns the version with the bytes (cheaper for the
+            # client than a MULTI of two commands).
+            lv, data = await runner.call(client, "read_one", [keys.meta, data_key], [str(offset), str(last)])
+        else:
+            # large: Lua would copy the bytes; the version is read after them instead, and
+            # it only grows, so if it is the planned one no layout change came before
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.getrange(data_key, offset, last)
+                pipe.hget(keys.meta, "lv")
+                data, lv = await _exec(pipe)
+            _raise_first_error([data, lv])
+        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+
+    recipe = _read_recipe(keys, plans, gathers)
+
+    def build(pipe: Any) -> None:
+        _queue_runs(pipe, keys, runner, recipe)
+
+    for attempt in range(2):
+        replies = await read_snapshot(client, keys, build)
+        if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            await runner.load_all(client)  # reads only: nothing to undo, load and read again
+            continue
+        break
+    _raise_first_error(replies)
+    return _split_runs(replies, recipe)
+
+
+def read_runs_direct(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None],
+) -> tuple[int | None, list[list[bytes]]]:
+    """:func:`read_runs` on a blocking ``redis.Redis`` (see ``Connection.read``): the same commands.
+
+    Anything unusual (a script the server forgot, a MULTI refused over maxmemory) raises,
+    and the caller reads again through :func:`read_runs`, which deals with it.
+    """
+    one = _single_run(keys, plans, gathers)
+    if one is not None:
+        which, data_key, offset, last, small = one
+        if small:
+            lv, data = client.evalsha(runner.sha("read_one"), 2, keys.meta, data_key, str(offset), str(last))
+        else:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.getrange(data_key, offset, last)
+                pipe.hget(keys.meta, "lv")
+                data, lv = pipe.execute(raise_on_error=False)
+            _raise_first_error([data, lv])
+        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+    recipe = _read_recipe(keys, plans, gathers)
+    with client.pipeline(transaction=True) as pipe:
+        _queue_runs(pipe, keys, runner, recipe)
+        replies = pipe.execute(raise_on_error=False)
+    _raise_first_error(replies)
+    return _split_runs(replies, recipe)
+
+
+def _single_run(
+    keys: StoreKeys,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]], gathers: Sequence[Any]
+) -> tuple[int, str, int, int, bool] | None:
+    """``(plan index, data key, first byte, last byte, small)`` when the plans read one run, else None."""
+    which = -1
+    for i, (_, runs) in enumerate(plans):
+        if gathers[i] is not None or len(runs) > 1 or (runs and which >= 0):
+            return None
+        if runs:
+            which = i
+    if which < 0:
+        return None
+    path, ((offset, length),) = plans[which]
+    chunking = keys.chunks.get(path)
+    if chunking is None:
+        last = -1 if length is None else offset + length - 1
+        return which, keys.data(path), offset, last, length is not None and length <= READ_ONE_MAX
+    if length is None:
+        return None
+    parts = list(_chunks.pieces(chunking, offset, length))
+    if len(parts) != 1:
+        return None  # across chunks: several GETRANGEs in one MULTI
+    k, local, n = parts[0]
+    return which, keys.chunk(path, k), local, local + n - 1, n <= READ_ONE_MAX
+
+
+# One plan's reads: ("runs", commands, pieces per run) or ("gather", commands, None), or
+# ("cgather", commands, (row bytes, where each row asked for lies in the replies joined))
+# for a gather over the chunks of a chunked entry. A command is ("getrange", key, first,
+# last) or ("gather", key, (row bytes, "row row ...")).
+_Recipe = list[tuple[str, list[tuple[Any, ...]], Any]]
+
+
+def _read_recipe(
+    keys: StoreKeys,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None],
+) -> _Recipe:
+    out: _Recipe = []
+    for (path, runs), gather in zip(plans, gathers, strict=True):
+        chunking = keys.chunks.get(path)
+        if gather is not None:
+            if chunking is None:
+                out.append(("gather", [("gather", keys.data(path), gather)], None))
+                continue
+            row_bytes = gather[0]
+            rows = [int(r) for r in gather[1].split()]
+            if chunking.size % row_bytes == 0:
+                # row-block chunks: one gather per chunk, the rows put back in order after
+                per_chunk = chunking.size // row_bytes
+                groups: dict[int, list[int]] = {}
+                where: list[tuple[int, int]] = []
+                for row in rows:
+                    k = row // per_chunk
+                    group = groups.setdefault(k, [])
+                    where.append((k, len(group)))
+                    group.append(row - k * per_chunk)
+                base: dict[int, int] = {}
+                count = 0
+                for k, group in groups.items():
+                    base[k] = count
+                    count += len(group)
+                perm = [base[k] + i for k, i in where]
+                gathers_of_chunks: list[tuple[Any, ...]] = [
+                    ("gather", keys.chunk(path, k), (row_bytes, " ".join(map(str, g)))) for k, g in groups.items()
+                ]
+                out.append(("cgather", gathers_of_chunks, (row_bytes, perm)))
+                continue
+            runs = [(row * row_bytes, row_bytes) for row in rows]
+        commands: list[tuple[Any, ...]] = []
+        counts: list[int] = []
+        if chunking is None:
+            key = keys.data(path)
+            for offset, length in runs:
+                # length None reads the whole string (non-tensor entries)
+                commands.append(("getrange", key, offset, -1 if length is None else offset + length - 1))
+                counts.append(1)
+        else:
+            for offset, length in runs:
+                n = 0
+                for k, local, size in _chunks.pieces(chunking, offset, chunking.nbytes - offset if length is None else length):
+                    commands.append(("getrange", keys.chunk(path, k), local, local + size - 1))
+                    n += 1
+                counts.append(n)
+        out.append(("runs", commands, counts))
+    return out
+
+
+def _queue_runs(pipe: Any, keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> None:
+    pipe.hget(keys.meta, "lv")
+    for _, commands, _ in recipe:
+        for command in commands:
+            if command[0] == "gather":
+                _, key, (row_bytes, rows) = command
+                runner.queue(pipe, "gather", [key], [str(row_bytes), rows])
+            else:
+                pipe.getrange(command[1], command[2], command[3])
+
+
+def _split_runs(replies: list[Any], recipe: _Recipe) -> tuple[int | None, list[list[bytes]]]:
+    lv = None if replies[0] is None else int(replies[0])
+    out: list[list[bytes]] = []
+    pos = 1
+    for kind, commands, extra in recipe:
+        got = replies[pos : pos + len(commands)]
+        pos += len(commands)
+        if kind == "gather":
+            out.append(got)
+        elif kind == "cgather":
+            row_bytes, perm = extra
+            joined = b"".join(got)
+            if perm != list(range(len(perm))):
+                joined = b"".join(joined[i * row_bytes : (i + 1) * row_bytes] for i in perm)
+            out.append([joined])
+        else:
+            runs: list[bytes] = []
+            at = 0
+            for n in extra:
+                runs.append(got[at] if n == 1 else b"".join(got[at : at + n]))
+                at += n
+            out.append(runs)
+    return lv, out
+
+
+#: A single run at most this long is read with the read_one script (one command);
+#: longer ones with GETRANGE (Lua copies every byte it returns).
+READ_ONE_MAX = 65536
+
+#: Runs at most this long (bytes, on average) are read through the gather script.
+GATHER_MAX_RUN = 4096
+#: ... when there are at least this many of them.
+GATHER_MIN_RUNS = 8
+
+
+def choose_read(runs: Sequence[tuple[int, int | None]]) -> str:
+    """How to read the runs of one entry: "gather" (one Lua call) or "getrange" (a command each).
+
+    The gather script takes the row numbers as one argument, so the choice also saves
+    redis-py from packing two arguments per run.
+
+    Measured (benchmarks/bench_index.py): redis-py spends 15-20 us of Python per pipelined
+    command, while Lua concatenates small runs cheaply but is slow per byte; over 256
+    runs the script wins up to about 4 KiB per run and loses from 16 KiB on.
+    """
+    if len(runs) < GATHER_MIN_RUNS or any(length is None for _, length in runs):
+        return "getrange"
+    total = sum(length for _, length in runs if length is not None)
+    return choose_read_rows(len(runs), total)
+
+
+def choose_read_rows(nruns: int, total_bytes: int) -> str:
+    """:func:`choose_read` from the number of runs and their total size."""
+    if nruns < GATHER_MIN_RUNS:
+        return "getrange"
+    return "gather" if total_bytes <= GATHER_MAX_RUN * nruns else "getrange"
