@@ -492,8 +492,16 @@ async def commit(
         # chunks of a zero-filled entry: grown one by one before the commit, so that no
         # server step zero-fills more than one chunk; the commit renames them into place
         try:
-            for tmp, n in zeros:
+            refreshed = time.monotonic()
+            for i, (tmp, n) in enumerate(zeros):
                 await grow_zeros(client, tmp, n)
+                if time.monotonic() - refreshed > TMP_TTL_MS / 4000:
+                    # a long allocation: the chunks grown so far must outlive it
+                    async with client.pipeline(transaction=False) as pipe:
+                        for done, _ in zeros[: i + 1]:
+                            pipe.pexpire(done, TMP_TTL_MS)
+                        await pipe.execute()
+                    refreshed = time.monotonic()
         except BaseException:
             await client.delete(*[tmp for tmp, _ in zeros])
             raise
