@@ -322,9 +322,9 @@ def sync_hop_cost(repeat: int = 2000) -> float:
 
 
 @contextlib.contextmanager
-def bench_server(kind: str) -> Iterator[ServerHandle]:
-    """One private server for the whole run; stopped on exit (also on error)."""
-    handle = start_server(kind)
+def bench_server(kind: str, config: dict[str, str] | None = None) -> Iterator[ServerHandle]:
+    """One private server for the whole run (``config``: server settings); stopped on exit (also on error)."""
+    handle = start_server(kind, config=dict(config) if config else None)
     try:
         yield handle
         client = handle.sync_client()

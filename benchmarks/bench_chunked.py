@@ -69,6 +69,7 @@ import torch
 from _common import (
     Timing,
     base_parser,
+    bench_server,
     byte_view,
     compare,
     fmt_ms,
@@ -83,7 +84,7 @@ from _common import (
 from bench_large import _RawNoTimeout, measure_memory
 
 from tdstore import TensorDictStore
-from tdstore.server import ServerHandle, start_server
+from tdstore.server import ServerHandle
 
 MIB = 2**20
 CONFIG = {
@@ -605,8 +606,7 @@ def main() -> None:
         parser.error("--row-bytes must divide the entry size")
     result: dict[str, Any] = {"benchmark": "bench_chunked", "server": args.server}
 
-    handle = start_server(args.server, config=dict(CONFIG))
-    try:
+    with bench_server(args.server, CONFIG) as handle:
         admin = redis.Redis(unix_socket_path=handle.unix_socket_path, socket_timeout=None)
         admin.config_set("slowlog-max-len", SLOWLOG_MAX_LEN)
         lazy = admin.config_get("lazyfree-lazy-user-del").get("lazyfree-lazy-user-del")
@@ -688,8 +688,6 @@ def main() -> None:
         if left:
             print(f"# WARNING: {left} keys were left on the server after the benchmark")
         admin.close()
-    finally:
-        handle.stop()
     print()
     print("JSON " + json.dumps(result, separators=(",", ":")))
 

@@ -36,6 +36,7 @@ from _common import (
     RawRedis,
     Timing,
     base_parser,
+    bench_server,
     byte_view,
     compare,
     fmt_goal,
@@ -169,7 +170,7 @@ def main() -> None:
     time_rows: list[list[str]] = []
     mem_rows: list[list[str]] = []
 
-    with bench_server_config(args.server) as srv:
+    with bench_server(args.server, CONFIG) as srv:  # a 1 GiB string needs proto-max-bulk-len > 512mb
         print(f"# bench_large: one float32 entry of {', '.join(f'{s} MiB' for s in sizes)}")
         print(f"# {datetime.datetime.now().isoformat(timespec='minutes')}; {server_banner(srv)}")
         print(f"# server config: {CONFIG}; load average at start: {load_average()}")
@@ -292,31 +293,6 @@ def _mem_rows(mib: int, tr: str, nbytes: int, mem: dict[str, dict[str, Any]]) ->
             f"< {GOAL_MEMORY:.1f}x {'ok' if ours < GOAL_MEMORY else 'MISS'}",
         ])
     return rows
-
-
-class bench_server_config:  # noqa: N801 - used like _common.bench_server
-    """:func:`_common.bench_server` with :data:`CONFIG` (a 1 GiB string needs proto-max-bulk-len > 512mb)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def __enter__(self) -> Any:
-        from tdstore.server import start_server
-
-        self.handle = start_server(self.kind, config=dict(CONFIG))
-        return self.handle
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            client = self.handle.sync_client()
-            try:
-                left = client.dbsize()
-            finally:
-                client.close()
-            if left:
-                print(f"# WARNING: {left} keys were left on the server after the benchmark")
-        finally:
-            self.handle.stop()
 
 
 if __name__ == "__main__":

@@ -167,18 +167,35 @@ async def read_entries(
         path (None when absent), the full layout when ``with_layout``).
     """
     big = {p: n for p, n in (large or {}).items() if n >= _large.READ_MIN and p in paths}
+    # the chunking each entry is read with: the cached layout's, then the one read with
+    # the bytes if that differs (the entry was re-created meanwhile)
+    chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
+
+    async def once(big: Mapping[tuple[str, ...], int]) -> Any:
+        nonlocal chunking
+        for _ in range(_CHUNK_TRIES):
+            got = await _read_entries_once(client, keys, paths, with_layout, big, device, chunking)
+            if not isinstance(got, dict):
+                return got
+            chunking = got
+        from tdstore.errors import StaleLayoutError
+
+        raise StaleLayoutError(f"the entries of {keys.base} kept changing their chunking during a read")
+
     if big and _large.streams(client):
         for _ in range(_LARGE_TRIES):
-            got = await _read_entries_once(client, keys, paths, with_layout, big, device)
+            got = await once(big)
             if got is not None:
                 return got
-    got = await _read_entries_once(client, keys, paths, with_layout, {}, device)
+    got = await once({})
     assert got is not None
     return got
 
 
 #: Reads in pieces tried before falling back to one MULTI (writes kept coming in between).
 _LARGE_TRIES = 3
+#: Reads tried while the chunking of an entry keeps changing under them.
+_CHUNK_TRIES = 5
 
 
 async def _read_entries_once(
@@ -188,37 +205,11 @@ async def _read_entries_once(
     with_layout: bool,
     big: Mapping[tuple[str, ...], int],
     device: Any,
-) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
-    """One try of :func:`read_entries`; None when a large entry changed meanwhile."""
-    # the chunking each entry is read with: the cached layout's, then the one read with
-    # the bytes if that differs (the entry was re-created meanwhile)
-    chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
-    for _ in range(_CHUNK_TRIES):
-        got = await _read_entries_chunked(client, keys, paths, with_layout, big, device, chunking)
-        if not isinstance(got, dict):
-            return got
-        chunking = got
-    from tdstore.errors import StaleLayoutError
-
-    raise StaleLayoutError(f"the entries of {keys.base} kept changing their chunking during a read")
-
-
-#: Reads tried while the chunking of an entry keeps changing under them.
-_CHUNK_TRIES = 5
-
-
-async def _read_entries_chunked(
-    client: Any,
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool,
-    big: Mapping[tuple[str, ...], int],
-    device: Any,
     chunking: dict[tuple[str, ...], Any],
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
-    """:func:`_read_entries_once` with each entry's chunking given; returns the chunking
-    read from the server instead when it differs."""
-    entry_keys = [keys.entry_keys(p, chunking[p]) if chunking[p] is not None else [keys.plain(p)] for p in paths]
+    """One try of :func:`read_entries` with each entry's chunking given: None when a large
+    entry changed meanwhile; the chunking read from the server when it differs."""
+    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
 
     def build(pipe: Any) -> None:
         if with_layout:
@@ -308,29 +299,12 @@ class ZeroBytes:
     n: int
 
 
-#: Bytes a zero-filled tmp key grows by per SETRANGE (one server step each).
-ZERO_STEP = 64 * 1024 * 1024
-
-
-def _byte_view(payload: Any) -> memoryview:
+def byte_view(payload: Any) -> memoryview:
+    """A flat byte view of a bytes-like payload (no copy)."""
     view = memoryview(payload)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     return view
-
-
-async def grow_zeros(client: Any, tmp: str, n: int, step: int = ZERO_STEP, on_step: Any = None) -> None:
-    """Creates the tmp key ``tmp`` holding ``n`` zero bytes, ``step`` bytes per server step.
-
-    ``on_step(nbytes)`` is called after each step."""
-    await client.set(tmp, b"", px=TMP_TTL_MS)
-    grown = 0
-    while grown < n:
-        end = min(grown + step, n)
-        await client.setrange(tmp, end - 1, b"\0")  # the bytes up to end are zeros
-        if on_step is not None:
-            on_step(end - grown)
-        grown = end
 
 
 @dataclass
@@ -398,12 +372,11 @@ def commit_args(
         if op.op in ("put", "zero") and (old is not None or new is not None):
             # the entry's strings change: drop the ones the new value does not overwrite
             # (the layout version the commit checks is the one these were planned from)
-            stale = set(keys.entry_keys(op.path, old) if old is not None else [keys.plain(op.path)])
-            stale -= set(keys.entry_keys(op.path, new) if new is not None else [keys.plain(op.path)])
+            stale = _stale_keys(keys, op.path, old, new)
             if stale:
-                run_op("del", None, sorted(stale))
+                run_op("del", None, stale)
         if op.op == "put" and new is not None:
-            view = op.payload if isinstance(op.payload, ZeroBytes) else _byte_view(op.payload)
+            view = op.payload if isinstance(op.payload, ZeroBytes) else byte_view(op.payload)
             tmps = [keys.tmp() for _ in range(new.count)]
             for k, tmp in enumerate(tmps):
                 start, size = k * new.size, new.length(k)
@@ -423,7 +396,7 @@ def commit_args(
             wire_op("zero", dst=index_of(keys.plain(op.path)), n=str(op.nbytes))
         elif op.op == "del":
             if op.has_data:
-                run_op("del", None, keys.entry_keys(op.path))
+                run_op("del", None, keys.entry_keys(op.path, keys.chunks.get(op.path)))
             else:
                 wire_op("del")
         elif op.op == "move":
@@ -433,10 +406,9 @@ def commit_args(
             target_old = keys.chunks.get(op.new_path)
             if chunking is not None or target_old is not None:
                 # a replaced target: drop its strings the moved entry does not take the place of
-                stale = set(keys.entry_keys(op.new_path, target_old) if target_old is not None else [keys.plain(op.new_path)])
-                stale -= set(keys.entry_keys(op.new_path, chunking) if chunking is not None else [keys.plain(op.new_path)])
+                stale = _stale_keys(keys, op.new_path, target_old, chunking)
                 if stale:
-                    run_op("del", None, sorted(stale))
+                    run_op("del", None, stale)
             run_op("move", keys.entry_keys(op.path, chunking), keys.entry_keys(op.new_path, chunking), t=target)
         else:
             wire_op(op.op)
@@ -487,27 +459,9 @@ async def commit(
     )
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
-    zeros = [(tmp, p.n) for tmp, p in tmp_payloads if isinstance(p, ZeroBytes)]
-    if zeros:
-        # chunks of a zero-filled entry: grown one by one before the commit, so that no
-        # server step zero-fills more than one chunk; the commit renames them into place
-        try:
-            refreshed = time.monotonic()
-            for i, (tmp, n) in enumerate(zeros):
-                await grow_zeros(client, tmp, n)
-                if time.monotonic() - refreshed > TMP_TTL_MS / 4000:
-                    # a long allocation: the chunks grown so far must outlive it
-                    async with client.pipeline(transaction=False) as pipe:
-                        for done, _ in zeros[: i + 1]:
-                            pipe.pexpire(done, TMP_TTL_MS)
-                        await pipe.execute()
-                    refreshed = time.monotonic()
-        except BaseException:
-            await client.delete(*[tmp for tmp, _ in zeros])
-            raise
-        tmp_payloads = [(tmp, p) for tmp, p in tmp_payloads if not isinstance(p, ZeroBytes)]
-        if not tmp_payloads:
-            return int(await runner.call(client, "commit", key_list, args))
+    if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
+        # grown on the server step by step before the commit: tdstore._transfer.commit does it
+        raise AssertionError("zero-filled chunks must be committed through tdstore._transfer.commit")
     for attempt in range(2):
         async with client.pipeline(transaction=True) as pipe:
             for tmp, payload in tmp_payloads:
@@ -700,6 +654,11 @@ async def write_runs_watched(
             raise StaleLayoutError("the layout changed during an indexed write") from None
     _raise_first_error(replies)
     return layout_changed
+
+
+def _stale_keys(keys: StoreKeys, path: tuple[str, ...], old: Any, new: Any) -> list[str]:
+    """The strings of the entry at ``path`` chunked as ``old`` that chunked as ``new`` it does not have."""
+    return sorted(set(keys.entry_keys(path, old)) - set(keys.entry_keys(path, new)))
 
 
 def _created_keys(keys: StoreKeys, op: Op) -> list[str]:

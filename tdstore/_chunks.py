@@ -117,15 +117,7 @@ def annotate(meta: dict[str, Any], store_meta: Mapping[str, str]) -> dict[str, A
 
 def chunk_map(entries: Mapping[tuple[str, ...], Mapping[str, Any]]) -> dict[tuple[str, ...], Chunking]:
     """The chunking of every chunked entry of a layout's registry."""
-    from tdstore import _codec
-
-    out: dict[tuple[str, ...], Chunking] = {}
-    for path, meta in entries.items():
-        size = meta.get("c") if isinstance(meta, Mapping) else None
-        if size is not None and meta.get("k") == "t":
-            nbytes = _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
-            out[path] = Chunking(int(size), nbytes)
-    return out
+    return {path: ch for path, meta in entries.items() if (ch := of_meta(meta)) is not None}
 
 
 def of_meta(meta: Mapping[str, Any] | None) -> Chunking | None:

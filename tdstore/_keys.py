@@ -128,13 +128,12 @@ class StoreKeys:
         """The key of chunk ``k`` of a chunked entry."""
         return f"{self.base}:c:{k}:{encode_path(path)}"
 
-    def entry_keys(self, path: tuple[str, ...], chunking: Any = None) -> list[str]:
+    def entry_keys(self, path: tuple[str, ...], chunking: Any) -> list[str]:
         """Every string holding the bytes of the entry at ``path``: its chunks in order, or its one key.
 
-        ``chunking``: the entry's :class:`~tdstore._chunks.Chunking` when known (a new
-        entry); by default the one of the layout last cached.
+        ``chunking``: the entry's :class:`~tdstore._chunks.Chunking`, or None for one string
+        (``self.chunks.get(path)`` for the layout last cached).
         """
-        chunking = chunking if chunking is not None else self.chunks.get(path)
         if chunking is None:
             return [self.plain(path)]
         return [self.chunk(path, k) for k in range(chunking.count)]

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tdstore import _backend, _chunks, _codec, _progress
-from tdstore._backend import Layout, Op, parse_layout
+from tdstore._backend import Layout, Op, ZeroBytes, byte_view, parse_layout
 from tdstore._keys import StoreKeys
 from tdstore._progress import Progress
 from tdstore._scripts import ScriptRunner
@@ -61,7 +61,7 @@ def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> P
         if op.op == "zero":
             total += int(op.nbytes or 0)
         elif op.op == "put":
-            total += _byte_view(op.payload).nbytes
+            total += byte_view(op.payload).nbytes
     # automatic mode: small writes (the common case) are decided before asking the terminal
     if choice is None and (total < _progress.AUTO_MIN_BYTES or not _progress.stderr_is_tty()):
         return None
@@ -102,11 +102,12 @@ async def commit(
 ) -> int:
     """:func:`tdstore._backend.commit`, or :func:`commit_staged` when ``progress`` is a bar (closed here).
 
-    Large writes of chunked entries are staged too (without a bar): their chunks go up in
-    separate steps before the commit, so no server step moves much more than one chunk.
+    Zero-filled chunked entries and large writes of chunked entries are staged too (without
+    a bar): their chunks are grown or sent in separate steps before the commit, so no server
+    step moves or zero-fills much more than one chunk.
     """
     if progress is None:
-        if _chunked_bytes(ops) >= STAGE_CHUNKED_MIN:
+        if _needs_staging(ops):
             return await commit_staged(client, keys, runner, ops, _Silent(), **commit_kwargs)  # type: ignore[arg-type]
         return await _backend.commit(client, keys, runner, ops, **commit_kwargs)
     try:
@@ -119,13 +120,17 @@ async def commit(
 STAGE_CHUNKED_MIN = 32 * 1024 * 1024
 
 
-def _chunked_bytes(ops: Sequence[Op]) -> int:
-    """The bytes the "put" ops of chunked entries carry."""
+def _needs_staging(ops: Sequence[Op]) -> bool:
+    """Whether ``ops`` zero-fill a chunked entry, or carry :data:`STAGE_CHUNKED_MIN` bytes of chunked entries."""
     total = 0
     for op in ops:
-        if op.op == "put" and op.meta is not None and op.meta.get("c") is not None:
-            total += _byte_view(op.payload).nbytes
-    return total
+        if op.meta is None or op.meta.get("c") is None:
+            continue
+        if op.op == "zero":
+            return True
+        if op.op == "put":
+            total += byte_view(op.payload).nbytes
+    return total >= STAGE_CHUNKED_MIN
 
 
 class _Silent:
@@ -140,8 +145,16 @@ class _Silent:
         pass
 
 
-_Zeros = _backend.ZeroBytes
-_byte_view = _backend._byte_view
+async def grow_zeros(client: Any, tmp: str, n: int, on_step: Any) -> None:
+    """Creates the tmp key ``tmp`` holding ``n`` zero bytes, :data:`ZERO_CHUNK` bytes per
+    server step; ``on_step(nbytes)`` after each step."""
+    await client.set(tmp, b"", px=_backend.TMP_TTL_MS)
+    grown = 0
+    while grown < n:
+        end = min(grown + ZERO_CHUNK, n)
+        await client.setrange(tmp, end - 1, b"\0")  # the bytes up to end are zeros
+        on_step(end - grown)
+        grown = end
 
 
 async def commit_staged(
@@ -154,7 +167,7 @@ async def commit_staged(
 ) -> int:
     """:func:`tdstore._backend.commit`, with the bytes sent ahead in chunks; returns the layout version."""
     staged = [
-        Op("put", op.path, op.meta, payload=_Zeros(int(op.nbytes))) if op.op == "zero" and op.nbytes else op
+        Op("put", op.path, op.meta, payload=ZeroBytes(int(op.nbytes))) if op.op == "zero" and op.nbytes else op
         for op in ops
     ]
     key_list, args, tmp_payloads = _backend.commit_args(keys, staged, **commit_kwargs)
@@ -184,11 +197,11 @@ async def commit_staged(
                         pipe.pexpire(key, _backend.TMP_TTL_MS)
                     await pipe.execute()
                 refreshed = time.monotonic()
-            if isinstance(payload, _Zeros):
+            if isinstance(payload, ZeroBytes):
                 await flush()
-                await _backend.grow_zeros(client, tmp, payload.n, ZERO_CHUNK, progress.update)
+                await grow_zeros(client, tmp, payload.n, progress.update)
                 continue
-            view = _byte_view(payload)
+            view = byte_view(payload)
             if view.nbytes <= CHUNK:
                 batch.append((tmp, view))
                 batch_bytes += view.nbytes
@@ -256,7 +269,7 @@ async def read_staged(
     blobs: list[Any] = [None] * len(paths)
     # the strings of each entry, by the chunking of the layout just read
     chunks = _chunks.chunk_map(layout.entries)
-    strings = [keys.entry_keys(p, chunks.get(p)) if p in chunks else [keys.plain(p)] for p in paths]
+    strings = [keys.entry_keys(p, chunks.get(p)) for p in paths]
     batch: list[int] = []
     batch_bytes = 0
     lv_raw = str(layout.lv).encode()

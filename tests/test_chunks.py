@@ -565,16 +565,17 @@ def test_long_allocation_keeps_its_chunks_alive(server, monkeypatch):
     allocation longer than the TTL still commits (here: a 1 s TTL, chunks grown 0.15 s apart)."""
     import asyncio
 
-    from tdstore import _backend
+    from tdstore import _backend, _transfer
 
-    grow = _backend.grow_zeros
+    grow = _transfer.grow_zeros
 
     async def slow_grow(*args, **kwargs):
         await asyncio.sleep(0.15)
         await grow(*args, **kwargs)
 
     monkeypatch.setattr(_backend, "TMP_TTL_MS", 1000)
-    monkeypatch.setattr(_backend, "grow_zeros", slow_grow)
+    monkeypatch.setattr(_transfer, "REFRESH_S", 0.25)
+    monkeypatch.setattr(_transfer, "grow_zeros", slow_grow)
     store = TensorDictStore.from_schema({"x": ([16], torch.uint8)}, batch_size=[160], chunk_bytes=256, **server.connection_kwargs())
     assert torch.equal(store["x"], torch.zeros(160, 16, dtype=torch.uint8))  # 10 chunks, 1.5 s
     store.clear_redis()
