@@ -13,12 +13,23 @@ and the write is re-planned, exactly as when the WATCH is issued just before. A 
 finds no armed connection (the first one, another thread holding it, a changed layout)
 issues WATCH and the reads in one packet first: two round trips instead of four.
 
-The armed connection belongs to the IO loop of the process that armed it; a fork, a new
-client, an error or a cancellation drops it (disconnected, never reused).
+:class:`_ArmedWrite` holds the commands and the meaning of their replies, without I/O; two
+drivers send them:
+
+* :func:`write_runs_direct`, on the store's blocking direct client (see
+  ``Connection.direct_client``), from the calling thread: no hop to the IO loop, and the
+  payload goes to the socket with ``sendall`` straight from the tensor's memory (redis.asyncio
+  joins a command's arguments into one ``bytes`` first, a copy of the payload);
+* :func:`write_runs_armed`, on the IO loop, for connections the direct client cannot make
+  (TLS, custom connection classes) and calls made from the IO loop's thread.
+
+An armed connection belongs to the client, and so to the process, that armed it; a fork, a
+new client, an error or a cancellation drops it (disconnected, never reused).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,20 +43,25 @@ from tdstore._keys import StoreKeys
 from tdstore._scripts import ScriptRunner
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError, translate_response_error
 
-__all__ = ["ArmedSlot", "write_runs_armed"]
+__all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]
 
 #: A pool must lend at least this many connections for one to be kept out of it (a small
 #: or blocking pool would starve the store's other calls).
 _MIN_POOL = 64
 
+#: Writes sent the plain way after a contended one (see ArmedSlot).
+COOL_WRITES = 32
+
 #: Armed connections inherited through fork(): never touched nor collected (closing one
 #: would unregister the parent's socket from the epoll instance both processes share).
 _INHERITED: list[Any] = []
 
+Groups = Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]]
+
 
 @dataclass
 class _Armed:
-    client: Any  #: the redis.asyncio client whose pool lent ``connection``
+    client: Any  #: the client whose pool lent ``connection``
     connection: Any
     lv: str
     exp: str
@@ -53,33 +69,62 @@ class _Armed:
 
 
 class ArmedSlot:
-    """Holds at most one armed connection of a store; used only on the IO loop's thread.
+    """Holds at most one armed connection of one client of a store.
 
     ``cool``: writes left to send the plain way (``write_runs_watched``) after another
     client's write to the same data aborted an armed one: the data keys are WATCHed too (a
     deleted or evicted key must abort the write, not be recreated zero-padded), so row
     writers of one entry would keep aborting each other, while the plain way WATCHes the
     meta hash only for a moment.
+
+    Thread-safe: the direct driver's slot is shared by every thread of the process.
     """
 
-    __slots__ = ("armed", "cool")
+    __slots__ = ("armed", "cool", "_lock")
 
     def __init__(self) -> None:
         self.armed: _Armed | None = None
         self.cool = 0
+        self._lock = threading.Lock()
 
     def take(self, client: Any) -> _Armed | None:
-        armed, self.armed = self.armed, None
+        with self._lock:
+            armed, self.armed = self.armed, None
         if armed is not None and armed.client is not client:
             _INHERITED.append(armed)  # a replaced client (after a fork): its connection is not ours to touch
             return None
         return armed
 
+    def put(self, armed: _Armed) -> _Armed | None:
+        """Keeps ``armed``; returns the one it displaces (another thread's), to be dropped."""
+        with self._lock:
+            old, self.armed = self.armed, armed
+        if old is not None and old.client is not armed.client:
+            _INHERITED.append(old)
+            return None
+        return old
+
+    def cooling(self) -> bool:
+        """Whether this write goes the plain way (and counts it)."""
+        with self._lock:
+            if self.cool <= 0:
+                return False
+            self.cool -= 1
+            return True
+
+    def contended(self) -> None:
+        with self._lock:
+            self.cool = COOL_WRITES
+
     async def drop(self, armed: _Armed | None) -> None:
-        """Disconnects an armed connection (this forgets its WATCH) and gives it back to its pool."""
-        if armed is None:
-            return
-        await _discard(armed.client, armed.connection)
+        """Disconnects an armed connection of an asyncio client (this forgets its WATCH) and gives it back."""
+        if armed is not None:
+            await _discard(armed.client, armed.connection)
+
+    def drop_sync(self, armed: _Armed | None) -> None:
+        """:meth:`drop` for a connection of a blocking client."""
+        if armed is not None:
+            _discard_sync(armed.client, armed.connection)
 
 
 async def _discard(client: Any, connection: Any) -> None:
@@ -89,16 +134,131 @@ async def _discard(client: Any, connection: Any) -> None:
         await client.connection_pool.release(connection)
 
 
+def _discard_sync(client: Any, connection: Any) -> None:
+    try:
+        connection.disconnect()
+    finally:
+        client.connection_pool.release(connection)
+
+
 def _s(value: Any) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def _read_replies(connection: Any, count: int) -> list[Any]:
-    """Reads ``count`` replies; an error reply is returned in place (the stream stays in step)."""
+def _can_park(client: Any) -> bool:
+    pool = client.connection_pool
+    if isinstance(pool, redis.ConnectionPool):
+        return type(pool) is redis.ConnectionPool  # the direct client's own (unbounded) pool
+    return type(pool) is redis.asyncio.ConnectionPool and (pool.max_connections or 0) >= _MIN_POOL
+
+
+class _ArmedWrite:
+    """One armed write: its commands and what their replies mean (no I/O; both drivers share it)."""
+
+    def __init__(self, keys: StoreKeys, groups: Groups, expected: str, park: bool) -> None:
+        self.keys, self.groups, self.expected, self.park = keys, groups, expected, park
+        self.data_keys = sorted(written_keys(keys, groups))
+        self.sent = 0  #: commands of the write packet (MULTI ... EXEC)
+
+    def usable(self, armed: _Armed | None, connected: bool) -> bool:
+        # a connection dropped meanwhile (e.g. the pool was reset) would reconnect on send,
+        # without the WATCH: the write must not go out on it
+        return (
+            armed is not None and connected and armed.lv == self.expected and armed.data_keys.issuperset(self.data_keys)
+        )
+
+    def arm_commands(self) -> list[tuple[Any, ...]]:
+        keys, data_keys = self.keys, self.data_keys
+        return [("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp"), ("EXISTS", *data_keys)]
+
+    def checked(self, replies: list[Any]) -> str:
+        """The store's expiry from :meth:`arm_commands`' replies on a fresh connection; raises if it cannot write."""
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        lv, exp = replies[1]
+        if lv is None:
+            raise StoreNotFoundError(f"no store at {self.keys.meta}")
+        if _s(lv) != self.expected:
+            raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {self.expected}")
+        if replies[2] != len(self.data_keys):
+            raise self._lost()
+        return _s(exp)
+
+    def _lost(self) -> DataLostError:
+        # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
+        return DataLostError(f"an entry written at {self.keys.base} is registered but its bytes are gone from the server")
+
+    def commands(self, exp: str) -> list[tuple[Any, ...]]:
+        """MULTI, the write version's INCR, the SETRANGEs, EXEC; then the re-arming reads when parking."""
+        keys = self.keys
+        commands: list[tuple[Any, ...]] = [("MULTI",), ("INCR", keys.wv)]
+        for key, offset, data in setrange_commands(keys, self.groups):
+            commands.append(("SETRANGE", key, offset, data))
+        if exp:
+            # the counter may be created by this INCR: it expires with the store (the meta
+            # hash is WATCHed, so "exp" cannot change meanwhile)
+            commands.append(("PEXPIREAT", keys.wv, int(exp)))
+        commands.append(("EXEC",))
+        self.sent = len(commands)
+        return commands + (self.arm_commands() if self.park else [])
+
+    def rearmed(self, client: Any, connection: Any, replies: list[Any]) -> _Armed | None:
+        """The armed state the re-arming replies leave the connection in, or None if they do not arm."""
+        if not self.park:
+            return None
+        watch, meta, exists = replies[self.sent :]
+        if isinstance(watch, Exception) or isinstance(meta, Exception) or isinstance(exists, Exception):
+            return None
+        lv, exp = meta
+        if lv is None or exists != len(self.data_keys):
+            return None
+        return _Armed(client, connection, _s(lv), _s(exp), frozenset(self.data_keys))
+
+    def contended(self, replies: list[Any]) -> bool:
+        """EXEC did nothing while the layout holds and the data keys exist: another client wrote
+        the same data keys (the write then goes the plain way)."""
+        if not self.park or replies[self.sent - 1] is not None:
+            return False
+        meta, exists = replies[self.sent + 1], replies[-1]
+        lv = meta[0] if isinstance(meta, list) else None
+        return _s(lv) == self.expected and exists == len(self.data_keys)
+
+    def outcome(self, replies: list[Any]) -> None:
+        """Raises what the write's replies report (after :meth:`contended` said False)."""
+        queued, result = replies[1 : self.sent - 1], replies[self.sent - 1]
+        if isinstance(result, redis.exceptions.ResponseError):
+            # EXECABORT: a command was refused when queued (e.g. over maxmemory); nothing ran
+            first = next((r for r in queued if isinstance(r, Exception)), None)
+            if isinstance(first, redis.exceptions.OutOfMemoryError):
+                raise first
+            raise result
+        if result is None:
+            # something watched changed: the layout, or a data key's existence
+            exists = replies[-1] if self.park else None
+            if self.park and exists != len(self.data_keys):
+                meta = replies[self.sent + 1]
+                if isinstance(meta, list) and _s(meta[0]) == self.expected:
+                    raise self._lost()
+            raise StaleLayoutError("the layout changed during an indexed write")
+        for reply in result:
+            if isinstance(reply, redis.exceptions.ResponseError):
+                exc = translate_response_error(reply)
+                raise exc from (reply if exc is not reply else None)
+
+
+# --------------------------------------------------------------------------- #
+# the IO-loop driver
+# --------------------------------------------------------------------------- #
+
+
+async def _exchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place."""
+    await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
     out: list[Any] = []
-    for _ in range(count):
+    for _ in commands:
         try:
             out.append(await connection.read_response())
         except redis.exceptions.ResponseError as err:
@@ -106,38 +266,8 @@ async def _read_replies(connection: Any, count: int) -> list[Any]:
     return out
 
 
-def _can_park(client: Any) -> bool:
-    pool = client.connection_pool
-    return type(pool) is redis.asyncio.ConnectionPool and (pool.max_connections or 0) >= _MIN_POOL
-
-
-def _arm_commands(keys: StoreKeys, data_keys: Sequence[str]) -> list[tuple[Any, ...]]:
-    return [("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp"), ("EXISTS", *data_keys)]
-
-
-def _armed_from(client: Any, connection: Any, replies: list[Any], data_keys: Sequence[str]) -> _Armed | None:
-    """The armed state read by :func:`_arm_commands`'s replies, or None if they do not arm."""
-    watch, meta, exists = replies
-    if isinstance(watch, Exception) or isinstance(meta, Exception) or isinstance(exists, Exception):
-        return None
-    lv, exp = meta
-    if lv is None or exists != len(data_keys):
-        return None
-    return _Armed(client, connection, _s(lv), _s(exp), frozenset(data_keys))
-
-
-#: Writes sent the plain way after a contended one (see ArmedSlot).
-COOL_WRITES = 32
-
-
 async def write_runs_armed(
-    client: Any,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    slot: ArmedSlot,
-    groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]],
-    *,
-    expected: str,
+    client: Any, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str
 ) -> None:
     """Writes ``(path, runs, payload)`` groups with SETRANGEs in one MULTI, guarded as ``write_runs_watched``.
 
@@ -149,87 +279,136 @@ async def write_runs_armed(
         StoreNotFoundError: the store does not exist.
         DataLostError: a data key written to is gone from the server.
     """
-    if slot.cool > 0:
-        slot.cool -= 1
+    if slot.cooling():
         await write_runs_watched(client, keys, runner, groups, expected=expected)
         return
-    data_keys = sorted(written_keys(keys, groups))
+    write = _ArmedWrite(keys, groups, expected, _can_park(client))
     armed = slot.take(client)
-    if armed is not None and (
-        # disconnected meanwhile (e.g. the pool was reset): redis-py would reconnect on send,
-        # without the WATCH, so the write must not go out on it
-        not armed.connection.is_connected or armed.lv != expected or not armed.data_keys.issuperset(data_keys)
-    ):
+    if armed is not None and not write.usable(armed, armed.connection.is_connected):
         await slot.drop(armed)
         armed = None
     connection: Any = armed.connection if armed is not None else None
     try:
         if armed is None:
             connection = await client.connection_pool.get_connection()
-            await connection.send_packed_command(connection.pack_commands(_arm_commands(keys, data_keys)), check_health=False)
-            replies = await _read_replies(connection, 3)
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            lv, exp = replies[1]
-            if lv is None:
-                raise StoreNotFoundError(f"no store at {keys.meta}")
-            if _s(lv) != expected:
-                raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {expected}")
-            if replies[2] != len(data_keys):
-                # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
-                raise DataLostError(
-                    f"an entry written at {keys.base} is registered but its bytes are gone from the server"
-                )
-            exp = _s(exp)
+            exp = write.checked(await _exchange(connection, write.arm_commands()))
         else:
             exp = armed.exp
-        commands: list[tuple[Any, ...]] = [("MULTI",), ("INCR", keys.wv)]
-        for key, offset, data in setrange_commands(keys, groups):
-            commands.append(("SETRANGE", key, offset, data))
-        if exp:
-            # the counter may be created by this INCR: it expires with the store (the meta
-            # hash is WATCHed, so "exp" cannot change meanwhile)
-            commands.append(("PEXPIREAT", keys.wv, int(exp)))
-        commands.append(("EXEC",))
-        arm = _arm_commands(keys, data_keys) if _can_park(client) else []
-        await connection.send_packed_command(connection.pack_commands(commands + arm), check_health=False)
-        replies = await _read_replies(connection, len(commands) + len(arm))
+        replies = await _exchange(connection, write.commands(exp))
     except BaseException:
         # a refusal before MULTI leaves the WATCH set; a failure or cancellation mid-way
         # leaves replies unread: either way the connection is not reused
         if connection is not None:
             await _discard(client, connection)
         raise
-    if arm:
-        slot.armed = _armed_from(client, connection, replies[len(commands) :], data_keys)
-        if slot.armed is None:
-            await _discard(client, connection)  # (disconnecting forgets the WATCH)
+    contended = write.contended(replies)
+    rearmed = None if contended else write.rearmed(client, connection, replies)
+    if rearmed is not None:
+        await slot.drop(slot.put(rearmed))
+    elif write.park:
+        await _discard(client, connection)  # (disconnecting forgets the WATCH)
     else:
         await client.connection_pool.release(connection)  # EXEC ended the WATCH
-    queued, result = replies[1 : len(commands) - 1], replies[len(commands) - 1]
-    if isinstance(result, redis.exceptions.ResponseError):
-        # EXECABORT: a command was refused when queued (e.g. over maxmemory); nothing ran
-        first = next((r for r in queued if isinstance(r, Exception)), None)
-        if isinstance(first, redis.exceptions.OutOfMemoryError):
-            raise first
-        raise result
-    if result is None:
-        # something watched changed: the layout, a data key's existence, or (most often)
-        # another client wrote rows of the same entry
-        state = slot.armed
-        meta, exists = (replies[len(commands) + 1], replies[-1]) if arm else (None, None)
-        lv = meta[0] if isinstance(meta, list) else None
-        if not arm or _s(lv) != expected:
-            raise StaleLayoutError("the layout changed during an indexed write")
-        if exists != len(data_keys):
-            raise DataLostError(f"an entry written at {keys.base} is registered but its bytes are gone from the server")
-        # the layout holds: contention on the data; write the plain way for a while
-        slot.armed, slot.cool = None, COOL_WRITES
-        await slot.drop(state)
+    if contended:
+        slot.contended()
         await write_runs_watched(client, keys, runner, groups, expected=expected)
         return
-    for reply in result:
-        if isinstance(reply, redis.exceptions.ResponseError):
-            exc = translate_response_error(reply)
-            raise exc from (reply if exc is not reply else None)
+    write.outcome(replies)
+
+
+# --------------------------------------------------------------------------- #
+# the direct driver
+# --------------------------------------------------------------------------- #
+
+
+#: Buffer arguments at least this large go to the socket from their own memory, not copied.
+_ZERO_COPY_MIN = 64 * 1024
+
+
+def _packed(commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The RESP encoding of ``commands``: ``bytes`` pieces, with every large buffer argument
+    in between as itself, to be sent from its own memory.
+
+    (redis-py's blocking connections, with hiredis installed, copy a ``memoryview`` argument
+    into ``bytes`` and then into the packed command: two copies of the payload.)
+    """
+    out: list[Any] = []
+    head = bytearray()
+    for command in commands:
+        head += b"*%d\r\n" % len(command)
+        for arg in command:
+            if isinstance(arg, memoryview):
+                head += b"$%d\r\n" % arg.nbytes
+                if arg.nbytes >= _ZERO_COPY_MIN:
+                    out.append(bytes(head))
+                    out.append(arg)
+                    head = bytearray(b"\r\n")
+                    continue
+                head += arg
+            else:
+                data = arg if isinstance(arg, bytes) else str(arg).encode()
+                head += b"$%d\r\n" % len(data)
+                head += data
+            head += b"\r\n"
+    out.append(bytes(head))
+    return out
+
+
+def _exchange_sync(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    connection.send_packed_command(_packed(commands), check_health=False)
+    out: list[Any] = []
+    for _ in commands:
+        try:
+            out.append(connection.read_response())
+        except redis.exceptions.ResponseError as err:
+            out.append(err)
+    return out
+
+
+def _connected(connection: Any) -> bool:
+    return getattr(connection, "_sock", None) is not None
+
+
+def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
+    """:func:`write_runs_armed` on a blocking client, from the calling thread.
+
+    Returns False, having written nothing, when the write is to go the plain way
+    (``write_runs_watched`` on the IO loop): the slot is cooling down after contention, or
+    this write's EXEC was aborted by another client's write of the same data.
+
+    Raises:
+        the errors of :func:`write_runs_armed`, and redis-py's connection errors (the
+        write is then all applied or not at all, as any MULTI/EXEC).
+    """
+    if slot.cooling():
+        return False
+    write = _ArmedWrite(keys, groups, expected, _can_park(client))
+    armed = slot.take(client)
+    if armed is not None and not write.usable(armed, _connected(armed.connection)):
+        slot.drop_sync(armed)
+        armed = None
+    connection: Any = armed.connection if armed is not None else None
+    try:
+        if armed is None:
+            connection = client.connection_pool.get_connection()
+            exp = write.checked(_exchange_sync(connection, write.arm_commands()))
+        else:
+            exp = armed.exp
+        replies = _exchange_sync(connection, write.commands(exp))
+    except BaseException:
+        if connection is not None:
+            _discard_sync(client, connection)
+        raise
+    contended = write.contended(replies)
+    rearmed = None if contended else write.rearmed(client, connection, replies)
+    if rearmed is not None:
+        slot.drop_sync(slot.put(rearmed))
+    elif write.park:
+        _discard_sync(client, connection)
+    else:
+        client.connection_pool.release(connection)
+    if contended:
+        slot.contended()
+        return False
+    write.outcome(replies)
+    return True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -21,7 +21,7 @@ import redis.retry
 from redis.backoff import NoBackoff
 
 from tdstore import _backend, _chunks, _cluster, _credentials, _io
-from tdstore._armed_write import ArmedSlot
+from tdstore._armed_write import ArmedSlot, write_runs_armed, write_runs_direct
 from tdstore._keys import StoreKeys
 from tdstore._retry import (
     OutcomeUnknownError,
@@ -40,6 +40,7 @@ from tdstore.errors import (
     ServerPermissionError,
     ServerTLSError,
     StoreClosedError,
+    TDStoreError,
 )
 
 __all__ = ["Connection", "DEFAULT_MAX_BULK"]
@@ -140,7 +141,8 @@ class Connection:
         self._runner: ScriptRunner | None = None
         self._direct: Any = None  # see direct_client()
         self._direct_generation = -1
-        self.armed_slot = ArmedSlot()  # see tdstore/_armed_write.py
+        self.armed_slot = ArmedSlot()  # see tdstore/_armed_write.py: the IO-loop client's
+        self.direct_slot = ArmedSlot()  # ... and the direct client's
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
         redis_kwargs = dict(redis_kwargs)
@@ -296,6 +298,7 @@ class Connection:
         self._direct = None
         self._direct_generation = -1
         self.armed_slot = ArmedSlot()
+        self.direct_slot = ArmedSlot()
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
         self._client_class = state["client_class"]
@@ -468,6 +471,40 @@ class Connection:
                 pass
         return self.run(fn)
 
+    def write_rows(self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str) -> None:
+        """Writes large row runs: SETRANGEs in one MULTI, only if the layout is still version ``expected``.
+
+        One round trip on an armed connection (see tdstore/_armed_write.py): the direct
+        client's, from the calling thread, else the IO loop's; the plain WATCHed MULTI where
+        no connection may be kept armed (cluster, in-process servers). A direct write whose
+        connection fails goes again through :meth:`run` (its retry policy, its errors): an
+        indexed write of given values lands the same bytes twice as once.
+
+        Raises:
+            StaleLayoutError: the layout changed; re-plan the write.
+        """
+        keys = self.keys
+        client = self.direct_client()
+        if client is not None and threading.current_thread() is not _io._thread:
+            try:
+                if write_runs_direct(client, keys, self.direct_slot, groups, expected=expected):
+                    self._reached = True
+                    return
+            except TDStoreError:
+                raise
+            except redis.exceptions.TimeoutError as err:
+                if classify(err) is None:  # the server did not answer in time (not: could not connect)
+                    raise TimeoutError(
+                        f"the server did not answer within {self.timeout} s (set timeout= on the store to wait longer)"
+                    ) from err
+            except (redis.exceptions.RedisError, OSError):
+                pass
+            self.run(lambda c: _backend.write_runs_watched(c, keys, self.runner, groups, expected=expected))
+        elif self.owned_replies and self.cluster_route is None:
+            self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
+        else:
+            self.run(lambda c: _backend.write_runs_watched(c, keys, self.runner, groups, expected=expected))
+
     def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
         if self.closed:
             raise self.closed_error()
@@ -631,6 +668,7 @@ class Connection:
         client, self._client = self._client, None
         direct, self._direct = self._direct, None
         if direct is not None and self._direct_generation == _io.loop_generation():
+            self.direct_slot.take(direct)  # (its connection is one of the pool's, disconnected next)
             try:
                 direct.connection_pool.disconnect()
             except Exception:  # noqa: BLE001 - closing is best effort

@@ -15,7 +15,6 @@ import torch
 from tensordict import NonTensorData, NonTensorStack
 
 from tdstore import _backend, _chunks, _codec, _io, _values
-from tdstore._armed_write import write_runs_armed
 from tdstore._indexing import RowSpans, contiguous_rows, normalize_index, select_rows
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
 
@@ -133,11 +132,7 @@ def write_index(
                 if changed:
                     conn.layout = None
             elif _backend.choose_write(groups) == "multi":
-                if conn.owned_replies and conn.cluster_route is None:
-                    # one round trip on a connection still WATCHing since the last write
-                    conn.run(lambda c: write_runs_armed(c, conn.keys, conn.runner, conn.armed_slot, groups, expected=expected))
-                else:
-                    conn.run(lambda c: _backend.write_runs_watched(c, conn.keys, conn.runner, groups, expected=expected))
+                conn.write_rows(groups, expected)
             else:
                 conn.run(lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
         except StaleLayoutError:

@@ -1,5 +1,6 @@
 """The indexed hot paths keep every guarantee: direct reads (a blocking client, no IO-loop hop)
-and armed row writes (a connection left WATCHing the store between writes, one round trip).
+and armed row writes (a connection left WATCHing the store between writes, one round trip),
+sent by either driver: the direct client's from the calling thread, or the IO loop's.
 
 See tdstore/_connection.py (``Connection.read``) and tdstore/_armed_write.py.
 """
@@ -21,6 +22,18 @@ from tdstore._indexing import RowSpans, contiguous_rows, select_rows
 from tdstore.server import start_server
 
 ROW = (32, 32)  # 4096 bytes of float32 per row: runs large enough for the armed (SETRANGE) path
+
+
+@pytest.fixture(params=["direct", "loop"])
+def driver(request, monkeypatch):
+    """Which client sends armed writes: "loop" takes the direct client away (as for TLS)."""
+    if request.param == "loop":
+        monkeypatch.setattr(tdstore._connection.Connection, "direct_client", lambda self: None)
+    return request.param
+
+
+def _slot(store, driver):
+    return store._conn.direct_slot if driver == "direct" else store._conn.armed_slot
 
 
 def _big(server, n: int = 64, **kw):
@@ -52,6 +65,32 @@ def test_contiguous_rows_matches_select_rows(shape):
         assert spans.runs(8) == RowSpans(rows).runs(8)
         checked += 1
     assert checked >= 5 or 0 in shape
+
+
+def test_packed_commands_match_redis_py_and_keep_large_buffers_uncopied():
+    """The direct driver's RESP encoding is byte for byte redis-py's; large buffers travel as themselves."""
+    import random
+
+    import redis.connection
+
+    from tdstore._armed_write import _ZERO_COPY_MIN, _packed
+
+    encoder = redis.connection.Encoder("utf-8", "strict", False)
+    packer = redis.connection.PythonRespSerializer(6000, encoder.encode)
+    rng = random.Random(3)
+    payload = memoryview(torch.randint(0, 256, (3 * _ZERO_COPY_MIN,), dtype=torch.uint8).numpy()).cast("B")
+    for _ in range(200):
+        commands = [("MULTI",), ("INCR", "p:{id}:wv")]
+        for _ in range(rng.randint(0, 5)):
+            lo = rng.randrange(len(payload))
+            view = payload[lo : rng.randint(lo, len(payload))]
+            commands.append(("SETRANGE", f"p:{{id}}:d:k{rng.randrange(9)}", rng.randrange(2**40), view))
+        commands += [("PEXPIREAT", "p:{id}:wv", rng.randrange(2**45)), ("EXEC",), ("WATCH", "p:{id}:m", "k\u00e9y")]
+        pieces = _packed(commands)
+        assert b"".join(bytes(p) for p in pieces) == b"".join(bytes(p) for c in commands for p in packer.pack(*c))
+        big = [c[3] for c in commands if c[0] == "SETRANGE" and c[3].nbytes >= _ZERO_COPY_MIN]
+        sent = [p for p in pieces if isinstance(p, memoryview)]
+        assert len(sent) == len(big) and all(a is b for a, b in zip(sent, big, strict=True))  # the tensor's own memory, not copies
 
 
 # --------------------------------------------------------------------------- direct reads
@@ -127,14 +166,14 @@ def test_direct_reads_survive_a_crash_restart(request):
         store.close()
 
 
-def test_inherited_store_reads_and_writes_after_fork(real_server, request):
+def test_inherited_store_reads_and_writes_after_fork(real_server, request, driver):
     """A store used (direct client and armed connection alive) before fork works in the child and the parent."""
     if real_server.kind == "fakeredis":
         pytest.skip("fork needs a real server")  # real_server is never fakeredis; kept for clarity
     store = _big(real_server, n=16)
     store[5]
     store[0:2] = TensorDict(x=torch.zeros(2, *ROW), batch_size=[2])
-    assert store._conn.armed_slot.armed is not None
+    assert _slot(store, driver).armed is not None
     ctx = mp.get_context("fork")
     q = ctx.Queue()
 
@@ -164,7 +203,7 @@ def test_inherited_store_reads_and_writes_after_fork(real_server, request):
 
 
 # --------------------------------------------------------------------------- armed writes
-def test_armed_writes_land_and_bump_the_write_version(real_server):
+def test_armed_writes_land_and_bump_the_write_version(real_server, driver):
     store = _big(real_server)
     wv_key = f"tensordict:{{{store.td_id}}}:wv"
     client = real_server.sync_client()
@@ -175,18 +214,18 @@ def test_armed_writes_land_and_bump_the_write_version(real_server):
         store[8 * i : 8 * i + 8] = TensorDict(x=value, batch_size=[8])
         local["x"][8 * i : 8 * i + 8] = value
         assert int(client.get(wv_key)) == before + 1
-    assert store._conn.armed_slot.armed is not None
+    assert _slot(store, driver).armed is not None
     assert torch.equal(store["x"], local["x"])
     store.clear_redis()
     store.close()
 
 
 @pytest.mark.usefixtures("unchunked")  # the one-string layout
-def test_armed_write_refuses_a_deleted_data_key(real_server, wire):
+def test_armed_write_refuses_a_deleted_data_key(real_server, wire, driver):
     """The data key is WATCHed: deleted after the connection armed, the write is refused, never recreated."""
     store = _big(real_server)
     store[0:4] = TensorDict(x=torch.zeros(4, *ROW), batch_size=[4])
-    assert store._conn.armed_slot.armed is not None
+    assert _slot(store, driver).armed is not None
     real_server.sync_client().delete(f"tensordict:{{{store.td_id}}}:d:x")
     before = wire(real_server)
     for _ in range(2):  # armed, then the plain two-round-trip path
@@ -197,7 +236,7 @@ def test_armed_write_refuses_a_deleted_data_key(real_server, wire):
     store.close()
 
 
-def test_armed_write_after_another_client_changes_the_layout(real_server):
+def test_armed_write_after_another_client_changes_the_layout(real_server, driver):
     """A layout change between two writes aborts the armed EXEC; the write is re-planned on the new layout."""
     store = _big(real_server)
     store[0:4] = TensorDict(x=torch.zeros(4, *ROW), batch_size=[4])
@@ -216,7 +255,7 @@ def test_armed_write_after_another_client_changes_the_layout(real_server):
     store.close()
 
 
-def test_armed_writers_of_one_entry_do_not_lose_writes(real_server, request):
+def test_armed_writers_of_one_entry_do_not_lose_writes(real_server, request, driver):
     """Writers on separate connections abort each other's armed EXECs; every write still lands once."""
     stores = [_big(real_server, n=32)]
     stores += [TensorDictStore.from_store(td_id=stores[0].td_id, **real_server.connection_kwargs()) for _ in range(2)]
@@ -241,7 +280,7 @@ def test_armed_writers_of_one_entry_do_not_lose_writes(real_server, request):
     assert not errors, errors
     final = stores[0]["x"]
     torn = sum(int(len(torch.unique(final[r])) != 1) for r in range(32))
-    cooled = sum(int(s._conn.armed_slot.cool > 0) for s in stores)
+    cooled = sum(int(_slot(s, driver).cool > 0) for s in stores)
     record(request, writes=3 * rounds, torn_rows=torn, writers_cooled=cooled)
     assert torn == 0
     for s in stores[1:]:
@@ -250,7 +289,39 @@ def test_armed_writers_of_one_entry_do_not_lose_writes(real_server, request):
     stores[0].close()
 
 
-def test_armed_write_keeps_the_store_expiry(real_server):
+def test_threads_sharing_a_store_leave_one_connection_armed(real_server, driver, request):
+    """Threads writing through one store each arm a connection; the slot keeps one, and the
+    others go back to the pool (none is left out of it, still WATCHing)."""
+    store = _big(real_server, n=32)
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            deadline = time.monotonic() + 60
+            for i in range(25):
+                assert time.monotonic() < deadline
+                store[8 * k : 8 * k + 8] = TensorDict(x=torch.full((8, *ROW), float(100 * k + i)), batch_size=[8])
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    final = store["x"]
+    wrong = sum(int(not bool((final[8 * k : 8 * k + 8] == 100 * k + 24).all())) for k in range(4))
+    pool = store._conn.direct_client().connection_pool if driver == "direct" else store._conn._client.connection_pool
+    held = len(pool._in_use_connections)
+    record(request, writes=100, wrong_blocks=wrong, connections_held=held)
+    assert wrong == 0
+    assert held <= 1  # the armed one
+    store.clear_redis()
+    store.close()
+
+
+def test_armed_write_keeps_the_store_expiry(real_server, driver):
     store = _big(real_server, expire=60)
     client = real_server.sync_client()
     wv_key = f"tensordict:{{{store.td_id}}}:wv"
@@ -262,14 +333,14 @@ def test_armed_write_keeps_the_store_expiry(real_server):
     store.close()
 
 
-def test_close_releases_the_armed_connection(real_server):
+def test_close_releases_the_armed_connection(real_server, driver):
     store = _big(real_server)
     store[0:2] = TensorDict(x=torch.zeros(2, *ROW), batch_size=[2])
-    armed = store._conn.armed_slot.armed
+    armed = _slot(store, driver).armed
     assert armed is not None and armed.connection.is_connected
     store.clear_redis()
     store.close()
-    assert store._conn.armed_slot.armed is None
+    assert _slot(store, driver).armed is None
     assert not armed.connection.is_connected  # disconnected: its WATCH is gone with it
 
 
@@ -316,18 +387,21 @@ def test_gather_script_row_bounds_small_and_huge(server):
 
 
 @pytest.mark.usefixtures("unchunked")  # the one-string layout
-def test_armed_connection_dropped_by_a_pool_reset_is_not_reused(real_server, wire):
+def test_armed_connection_dropped_by_a_pool_reset_is_not_reused(real_server, wire, driver):
     """A pool reset (as after a refused write) disconnects the armed connection: the next write must
     not go out on a silently reconnected socket without its WATCH."""
     store = _big(real_server)
     store[0:4] = TensorDict(x=torch.zeros(4, *ROW), batch_size=[4])
-    armed = store._conn.armed_slot.armed
+    armed = _slot(store, driver).armed
     assert armed is not None
 
     async def reset(client):
         await client.connection_pool.disconnect()
 
-    store._conn.run(reset)
+    if driver == "direct":
+        store._conn.direct_client().connection_pool.disconnect()
+    else:
+        store._conn.run(reset)
     assert not armed.connection.is_connected
     real_server.sync_client().delete(f"tensordict:{{{store.td_id}}}:d:x")
     before = wire(real_server)
@@ -398,7 +472,7 @@ def _race_reader(kwargs, td_id, seconds, q):
         q.put(("err", repr(err)))
 
 
-def test_armed_writes_across_processes_never_torn_nor_lost(real_server, request):
+def test_armed_writes_across_processes_never_torn_nor_lost(real_server, request, driver):
     """Forked writers of overlapping row windows (two large entries per write) and a reader:
     every row read is one write's (both entries alike), and each writer's own row ends at its last write."""
     n = 40
