@@ -11,6 +11,7 @@ through Lua, and a refused write leaves nothing behind).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore import _chunks, _large
+from tdstore import _chunks, _io, _large
 from tdstore._keys import StoreKeys, decode_path, encode_path
 from tdstore._scripts import ScriptRunner, get_script
 from tdstore.errors import PartialWriteError, translate_response_error
@@ -173,11 +174,14 @@ async def read_entries(
 
     async def once(big: Mapping[tuple[str, ...], int]) -> Any:
         nonlocal chunking
-        for _ in range(_CHUNK_TRIES):
+        for attempt in range(1, _CHUNK_TRIES + 1):
             got = await _read_entries_once(client, keys, paths, with_layout, big, device, chunking)
             if not isinstance(got, dict):
                 return got
             chunking = got
+            # writers keep re-creating the entry with another chunking: wait for a gap,
+            # as optimistic writes do
+            await asyncio.sleep(_io.backoff_seconds(attempt))
         from tdstore.errors import StaleLayoutError
 
         raise StaleLayoutError(f"the entries of {keys.base} kept changing their chunking during a read")
@@ -194,8 +198,9 @@ async def read_entries(
 
 #: Reads in pieces tried before falling back to one MULTI (writes kept coming in between).
 _LARGE_TRIES = 3
-#: Reads tried while the chunking of an entry keeps changing under them.
-_CHUNK_TRIES = 5
+#: Reads tried while the chunking of an entry keeps changing under them (as many as an
+#: optimistic write re-plans, with the same randomized backoff).
+_CHUNK_TRIES = _io.MAX_RETRIES
 
 
 async def _read_entries_once(

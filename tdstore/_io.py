@@ -117,11 +117,20 @@ def backoff(attempt: int) -> None:
     The first retries go at once; later ones wait up to 1, 2, 4 ... 32 ms, at random, so
     that writers contending for one store do not keep refusing each other.
     """
-    if attempt >= 2:
-        import random
+    delay = backoff_seconds(attempt)
+    if delay:
         import time
 
-        time.sleep(random.uniform(0, 0.001 * (2 ** min(attempt - 2, 5))))
+        time.sleep(delay)
+
+
+def backoff_seconds(attempt: int) -> float:
+    """The wait of :func:`backoff` (for a caller on the IO loop, which must not block it)."""
+    if attempt < 2:
+        return 0.0
+    import random
+
+    return random.uniform(0, 0.001 * (2 ** min(attempt - 2, 5)))
 
 
 #: How many times an optimistic write re-plans after losing a race before it gives up.
