@@ -47,6 +47,9 @@ __all__ = ["Connection", "DEFAULT_MAX_BULK"]
 
 T = TypeVar("T")
 
+#: What :meth:`Connection._direct_call` returns when the call is to go through the IO loop.
+_NOT_DIRECT = object()
+
 #: Redis's default proto-max-bulk-len, assumed when the server does not tell (CONFIG off).
 DEFAULT_MAX_BULK = 512 * 1024 * 1024
 #: The server's default client-query-buffer-limit (1 GiB): one command must fit in it.
@@ -445,65 +448,63 @@ class Connection:
         self._direct, self._direct_generation = direct, generation
         return direct
 
+    def _direct_call(self, call: Callable[[Any], T]) -> T | object:
+        """``call(client)`` on :meth:`direct_client` from the calling thread, or :data:`_NOT_DIRECT`.
+
+        :data:`_NOT_DIRECT` when there is no direct client, on the IO loop's own thread
+        (where a blocking call would stall every store of the process; run() raises
+        EventLoopError there), or when the call failed for a reason other than a read
+        timeout (a lost connection, a script the server forgot, a server refusing a MULTI
+        over its maxmemory...): the caller then runs it through :meth:`run`, which applies
+        the retry policy and names the problem.
+        """
+        client = self.direct_client()
+        if client is None or threading.current_thread() is _io._thread:
+            return _NOT_DIRECT
+        try:
+            result = call(client)
+        except TDStoreError:
+            raise
+        except redis.exceptions.TimeoutError as err:
+            if classify(err) is None:  # the server did not answer in time (not: could not connect)
+                raise TimeoutError(
+                    f"the server did not answer within {self.timeout} s (set timeout= on the store to wait longer)"
+                ) from err
+            return _NOT_DIRECT
+        except (redis.exceptions.RedisError, OSError):
+            return _NOT_DIRECT
+        self._reached = True
+        return result
+
     def read(self, direct: Callable[[Any, ScriptRunner], T], fn: Callable[[Any], Awaitable[T]]) -> T:
         """Runs a read-only operation: ``direct(client, runner)`` on :meth:`direct_client`, else ``run(fn)``.
 
-        Both must send the same read. When the direct call fails for a reason other than
-        a read timeout (a lost connection, a script the server forgot, a server refusing
-        a MULTI over its maxmemory...), the read runs again through :meth:`run`, which
-        applies the retry policy and names the problem: a read changes nothing on the
-        server, so running it twice is safe.
+        Both must send the same read; a read changes nothing on the server, so running it
+        again through :meth:`run` after a failed direct try is safe (see :meth:`_direct_call`).
         """
-        client = self.direct_client()
-        if client is not None and threading.current_thread() is not _io._thread:
-            # (on the IO loop's own thread, run() raises EventLoopError: a blocking call there
-            # would stall every store of the process)
-            try:
-                result = direct(client, self._runner)  # type: ignore[arg-type]
-                self._reached = True
-                return result
-            except redis.exceptions.TimeoutError as err:
-                if classify(err) is None:  # the server did not answer in time (not: could not connect)
-                    raise TimeoutError(
-                        f"the server did not answer within {self.timeout} s (set timeout= on the store to wait longer)"
-                    ) from err
-            except (redis.exceptions.RedisError, OSError):
-                pass
-        return self.run(fn)
+        result = self._direct_call(lambda client: direct(client, self._runner))  # type: ignore[arg-type]
+        return self.run(fn) if result is _NOT_DIRECT else result  # type: ignore[return-value]
 
     def write_rows(self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str) -> None:
         """Writes large row runs: SETRANGEs in one MULTI, only if the layout is still version ``expected``.
 
         One round trip on an armed connection (see tdstore/_armed_write.py): the direct
         client's, from the calling thread, else the IO loop's; the plain WATCHed MULTI where
-        no connection may be kept armed (cluster, in-process servers). A direct write whose
-        connection fails goes again through :meth:`run` (its retry policy, its errors): an
-        indexed write of given values lands the same bytes twice as once.
+        no connection may be kept armed (cluster, in-process servers) or after contention. A
+        direct write whose connection fails goes again through :meth:`run` (its retry
+        policy, its errors): an indexed write of given values lands the same bytes twice as once.
 
         Raises:
             StaleLayoutError: the layout changed; re-plan the write.
         """
         keys = self.keys
-        client = self.direct_client()
-        if client is not None and threading.current_thread() is not _io._thread:
-            try:
-                if write_runs_direct(client, keys, self.direct_slot, groups, expected=expected):
-                    self._reached = True
-                    return
-            except TDStoreError:
-                raise
-            except redis.exceptions.TimeoutError as err:
-                if classify(err) is None:  # the server did not answer in time (not: could not connect)
-                    raise TimeoutError(
-                        f"the server did not answer within {self.timeout} s (set timeout= on the store to wait longer)"
-                    ) from err
-            except (redis.exceptions.RedisError, OSError):
-                pass
+        done = self._direct_call(lambda c: write_runs_direct(c, keys, self.direct_slot, groups, expected=expected))
+        if done is True:
+            return
+        if done is False or not self.owned_replies or self.cluster_route is not None:
             self.run(lambda c: _backend.write_runs_watched(c, keys, self.runner, groups, expected=expected))
-        elif self.owned_replies and self.cluster_route is None:
-            self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
         else:
-            self.run(lambda c: _backend.write_runs_watched(c, keys, self.runner, groups, expected=expected))
+            self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
 
     def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
         if self.closed:
