@@ -18,7 +18,10 @@ Sampling store: 10000 rows of obs (64,) float32, action (4,) float32, reward () 
   concatenated), vs a MULTI of 3 x 256 GETRANGEs, and vs ``td[idx]`` on an in-memory
   TensorDict holding the same data.
 
-Ratios are ``tdstore time / raw time`` (medians); goals: 1.3x, 1.3x, 2x, 1.2x, 1.0x.
+Ratios are ``tdstore time / raw time`` (medians); goals: 1.3x, 1.3x, 2x, 1.2x, 1.0x. When
+``tensordict.store`` is importable (and without ``--no-baseline``), the same operations of its
+``TensorDictStore`` on the same data are timed in the same rounds, and the last columns give
+its time and ``tdstore time / tensordict.store time``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ from tensordict import TensorDict
 
 from tdstore import TensorDictStore
 
+try:  # the competitor, used only as a baseline
+    from tensordict.store import TensorDictStore as TDStoreBaseline
+except ImportError:  # pragma: no cover - depends on the tensordict version
+    TDStoreBaseline = None
+
 OBS_SHAPE = (84, 84, 3)
 N_SAMPLE = 256
 SLICE = slice(100, 356)
@@ -76,7 +84,9 @@ def _t(timing: Timing | None) -> str:
     return f"{fmt_ms(timing.median)} ({fmt_ms(timing.min)})"
 
 
-def _row(label: str, tr: str, base_label: str, base: Timing, ours: Timing, goal: float | None) -> list[str]:
+def _row(
+    label: str, tr: str, base_label: str, base: Timing, ours: Timing, goal: float | None, comp: Timing | None = None
+) -> list[str]:
     return [
         label,
         tr,
@@ -86,10 +96,37 @@ def _row(label: str, tr: str, base_label: str, base: Timing, ours: Timing, goal:
         fmt_ratio(ours.median, base.median),
         fmt_ratio(ours.min, base.min),
         fmt_goal(ours.median, base.median, goal),
+        _t(comp),
+        fmt_ratio(ours.median, comp.median) if comp is not None else "-",
     ]
 
 
-def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]]) -> None:
+def _competitors(make: Any, srv: Any, args: Any, notes: list[str]) -> dict[str, Any]:
+    """The competitor's store per transport (``make(kwargs)`` builds it over the unix socket;
+    TCP reconnects to it), or {} when it is not importable, not wanted, or fails."""
+    if TDStoreBaseline is None or args.no_baseline:
+        return {}
+    out: dict[str, Any] = {}
+    try:
+        out["unix"] = make(srv.connection_kwargs(unix=True))
+        if "tcp" in transports(args):
+            out["tcp"] = TDStoreBaseline.from_store(td_id=out["unix"]._td_id, **srv.connection_kwargs(unix=False))
+    except Exception as err:  # noqa: BLE001 - the baseline is optional; say why it is missing
+        notes.append(f"tensordict.store failed ({type(err).__name__}: {err}); its columns are empty where it did")
+        _drop_competitors(out)
+        return {}
+    return out
+
+
+def _drop_competitors(stores: dict[str, Any]) -> None:
+    for tr, store in list(stores.items()):
+        if tr == "unix":
+            store.clear_redis()
+        store.close()
+    stores.clear()
+
+
+def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], notes: list[str]) -> None:
     rep, warm, n = args.repeat, args.warmup, args.rows
     gen = torch.Generator().manual_seed(1)
     obs = torch.randint(0, 256, (n, *OBS_SHAPE), dtype=torch.uint8, generator=gen)
@@ -105,8 +142,12 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
         {"obs": (list(OBS_SHAPE), torch.uint8)}, batch_size=[n], **srv.connection_kwargs(unix=True)
     )
     stores = {"unix": first}
+    comps: dict[str, Any] = {}
     try:
         first["obs"] = obs  # same shape and dtype: fills the from_schema entry
+        comps = _competitors(
+            lambda kw: TDStoreBaseline.from_tensordict(TensorDict({"obs": obs}, batch_size=[n]), **kw), srv, args, notes
+        )
         raw.call("unix", lambda c: c.set(key, byte_view(obs)))
         sha = raw.call("unix", lambda c: c.script_load(GATHER_LUA))
         if "tcp" in transports(args):
@@ -114,6 +155,7 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
 
         for tr in transports(args):
             store = stores[tr]
+            comp = comps.get(tr)
 
             async def raw_rows_read(c: Any) -> torch.Tensor:
                 async with c.pipeline(transaction=True) as pipe:
@@ -155,6 +197,10 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
             assert torch.equal(raw.call(tr, raw_one), expected[one]), "raw GETRANGE differs"
             assert torch.equal(store[SLICE]["obs"], expected[SLICE]), "store[slice] differs"
             assert torch.equal(raw.call(tr, raw_slice_read), expected[SLICE]), "raw slice differs"
+            if comp is not None:
+                assert torch.equal(comp[idx]["obs"], expected[idx]), "tensordict.store[idx] differs"
+                assert torch.equal(comp[one]["obs"], expected[one]), "tensordict.store[i] differs"
+                assert torch.equal(comp[SLICE]["obs"], expected[SLICE]), "tensordict.store[slice] differs"
 
             td_rows = TensorDict({"obs": new_rows}, batch_size=[N_SAMPLE])
             td_slice = TensorDict({"obs": new_slice}, batch_size=[SLICE.stop - SLICE.start])
@@ -165,32 +211,53 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
             def write_slice() -> None:
                 store[SLICE] = td_slice
 
+            def c_write_rows() -> None:
+                comp[idx] = td_rows
+
+            def c_write_slice() -> None:
+                comp[SLICE] = td_slice
+
+            def with_comp(cases: dict[str, Any], **theirs: Any) -> dict[str, Any]:
+                if comp is not None:
+                    cases.update({f"comp:{k}": timed(fn) for k, fn in theirs.items()})
+                return cases
+
             t = compare(
-                {
-                    "raw:rows": raw.timed(tr, raw_rows_read),
-                    "raw:rows-lua": raw.timed(tr, raw_rows_lua),
-                    "ours:rows": timed(lambda: store[idx]),
-                },
+                with_comp(
+                    {
+                        "raw:rows": raw.timed(tr, raw_rows_read),
+                        "raw:rows-lua": raw.timed(tr, raw_rows_lua),
+                        "ours:rows": timed(lambda: store[idx]),
+                    },
+                    rows=lambda: comp[idx],
+                ),
                 repeat=max(rep, 15), warmup=max(warm, 3),
             )
             t.update(compare(
-                {"raw:wrows": raw.timed(tr, raw_rows_write), "ours:wrows": timed(write_rows)},
+                with_comp({"raw:wrows": raw.timed(tr, raw_rows_write), "ours:wrows": timed(write_rows)}, wrows=c_write_rows),
                 repeat=max(rep, 15), warmup=max(warm, 3),
             ))
             t.update(compare(
-                {
-                    "raw:one": raw.timed(tr, raw_one),
-                    "raw:one-hop": timed(lambda: raw.call(tr, raw_one)),
-                    "ours:one": timed(lambda: store[one]),
-                },
+                with_comp(
+                    {
+                        "raw:one": raw.timed(tr, raw_one),
+                        "raw:one-hop": timed(lambda: raw.call(tr, raw_one)),
+                        "ours:one": timed(lambda: store[one]),
+                    },
+                    one=lambda: comp[one],
+                ),
                 repeat=max(rep, 31), warmup=max(warm, 5),
             ))
             t.update(compare(
-                {"raw:slice": raw.timed(tr, raw_slice_read), "ours:slice": timed(lambda: store[SLICE])},
+                with_comp(
+                    {"raw:slice": raw.timed(tr, raw_slice_read), "ours:slice": timed(lambda: store[SLICE])},
+                    slice=lambda: comp[SLICE],
+                ),
                 repeat=max(rep, 15), warmup=max(warm, 3),
             ))
             t.update(compare(
-                {"raw:wslice": raw.timed(tr, raw_slice_write), "ours:wslice": timed(write_slice)},
+                with_comp({"raw:wslice": raw.timed(tr, raw_slice_write), "ours:wslice": timed(write_slice)},
+                          wslice=c_write_slice),
                 repeat=max(rep, 15), warmup=max(warm, 3),
             ))
             # the writes landed where they should
@@ -199,21 +266,25 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
             assert torch.equal(store[idx]["obs"], expected[idx]), "store[idx] = td did not land"
             assert torch.equal(raw.call(tr, raw_rows_read), expected[idx]), "raw SETRANGEs did not land"
             assert torch.equal(store[SLICE]["obs"], new_slice), "store[slice] = td did not land"
+            if comp is not None:
+                assert torch.equal(comp[idx]["obs"], expected[idx]), "tensordict.store[idx] = td did not land"
+                assert torch.equal(comp[SLICE]["obs"], new_slice), "tensordict.store[slice] = td did not land"
 
             rows_out.append(_row(f"read  store[idx], {N_SAMPLE} random rows", tr,
-                                 f"MULTI {N_SAMPLE}x GETRANGE + join + frombuffer", t["raw:rows"], t["ours:rows"], 1.3))
+                                 f"MULTI {N_SAMPLE}x GETRANGE + join + frombuffer", t["raw:rows"], t["ours:rows"], 1.3,
+                                 t.get("comp:rows")))
             rows_out.append(_row(f"read  store[idx], {N_SAMPLE} random rows", tr,
                                  "Lua gather script, 1 EVALSHA (info)", t["raw:rows-lua"], t["ours:rows"], None))
             rows_out.append(_row(f"write store[idx] = td, {N_SAMPLE} random rows", tr,
-                                 f"MULTI {N_SAMPLE}x SETRANGE", t["raw:wrows"], t["ours:wrows"], 1.3))
+                                 f"MULTI {N_SAMPLE}x SETRANGE", t["raw:wrows"], t["ours:wrows"], 1.3, t.get("comp:wrows")))
             rows_out.append(_row("read  store[i], one row", tr, "GETRANGE + frombuffer",
-                                 t["raw:one"], t["ours:one"], 2.0))
+                                 t["raw:one"], t["ours:one"], 2.0, t.get("comp:one")))
             rows_out.append(_row("read  store[i], one row", tr, "same, called through a thread hop",
                                  t["raw:one-hop"], t["ours:one"], None))
             rows_out.append(_row(f"read  store[{SLICE.start}:{SLICE.stop}]", tr, "GETRANGE + frombuffer",
-                                 t["raw:slice"], t["ours:slice"], 1.2))
+                                 t["raw:slice"], t["ours:slice"], 1.2, t.get("comp:slice")))
             rows_out.append(_row(f"write store[{SLICE.start}:{SLICE.stop}] = td", tr, "SETRANGE",
-                                 t["raw:wslice"], t["ours:wslice"], 1.2))
+                                 t["raw:wslice"], t["ours:wslice"], 1.2, t.get("comp:wslice")))
     finally:
         for tr, store in stores.items():
             if tr == "unix":
@@ -221,10 +292,11 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
             store.close()
         first.clear_redis()
         first.close()
+        _drop_competitors(comps)
 
 
 def sampling_benchmarks(
-    srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], mem_alone: list[float]
+    srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str]], mem_alone: list[float], notes: list[str]
 ) -> None:
     rep, warm, n = args.repeat, args.warmup, args.sampling_rows
     gen = torch.Generator().manual_seed(2)
@@ -236,7 +308,9 @@ def sampling_benchmarks(
 
     first = TensorDictStore.from_tensordict(local, **srv.connection_kwargs(unix=True))
     stores = {"unix": first}
+    comps: dict[str, Any] = {}
     try:
+        comps = _competitors(lambda kw: TDStoreBaseline.from_tensordict(local, **kw), srv, args, notes)
         for k, v in data.items():
             raw.call("unix", lambda c, k=k, v=v: c.set(keys[k], byte_view(v)))
         sha = raw.call("unix", lambda c: c.script_load(GATHER_LUA))
@@ -245,6 +319,7 @@ def sampling_benchmarks(
 
         for tr in transports(args):
             store = stores[tr]
+            comp = comps.get(tr)
 
             async def raw_gather(c: Any) -> dict[str, torch.Tensor]:
                 rows = idx.tolist()
@@ -275,24 +350,28 @@ def sampling_benchmarks(
             got = store[idx]
             for k in data:
                 assert torch.equal(got[k], want[k]), f"store[idx][{k!r}] differs"
+            if comp is not None:
+                theirs = comp[idx]
+                for k in data:
+                    assert torch.equal(theirs[k], want[k]), f"tensordict.store[idx][{k!r}] differs"
             for fn in (raw_gather, raw_getranges):
                 res = raw.call(tr, fn)
                 for k in data:
                     assert torch.equal(res[k], want[k]), f"{fn.__name__}[{k!r}] differs"
 
-            t = compare(
-                {
-                    "raw:lua": raw.timed(tr, raw_gather),
-                    "raw:getrange": raw.timed(tr, raw_getranges),
-                    "mem": timed(lambda: local[idx]),
-                    "ours": timed(lambda: store[idx]),
-                },
-                repeat=max(rep, 15), warmup=max(warm, 3),
-            )
+            cases = {
+                "raw:lua": raw.timed(tr, raw_gather),
+                "raw:getrange": raw.timed(tr, raw_getranges),
+                "mem": timed(lambda: local[idx]),
+                "ours": timed(lambda: store[idx]),
+            }
+            if comp is not None:
+                cases["comp"] = timed(lambda: comp[idx])
+            t = compare(cases, repeat=max(rep, 15), warmup=max(warm, 3))
             alone = compare({"mem": timed(lambda: local[idx])}, repeat=31, warmup=3)["mem"]
             mem_alone.append(alone.median)
             label = f"sample store[idx], {N_SAMPLE} rows x 3 entries"
-            rows_out.append(_row(label, tr, "Lua gather per entry, one MULTI", t["raw:lua"], t["ours"], 1.0))
+            rows_out.append(_row(label, tr, "Lua gather per entry, one MULTI", t["raw:lua"], t["ours"], 1.0, t.get("comp")))
             rows_out.append(_row(label, tr, f"MULTI 3x{N_SAMPLE} GETRANGE + join", t["raw:getrange"], t["ours"], None))
             rows_out.append(_row(label, tr, "in-memory TensorDict td[idx]", t["mem"], t["ours"], None))
     finally:
@@ -301,14 +380,17 @@ def sampling_benchmarks(
                 store.close()
         first.clear_redis()
         first.close()
+        _drop_competitors(comps)
 
 
 def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=10000, help="rows of the 84x84x3 uint8 store (default 10000)")
     parser.add_argument("--sampling-rows", type=int, default=10000, help="rows of the sampling store (default 10000)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip tensordict.store.TensorDictStore")
     args = parse(parser)
     rows: list[list[str]] = []
+    comp_notes: list[str] = []
     mem_alone: list[float] = []
     with bench_server(args.server) as srv:
         mb = args.rows * 84 * 84 * 3 / 1e6
@@ -320,12 +402,13 @@ def main() -> None:
               "(at least 15 after 3; one-row reads: 31 after 5); cases interleaved")
         raw = RawRedis(srv)
         try:
-            image_benchmarks(srv, raw, args, rows)
-            sampling_benchmarks(srv, raw, args, rows, mem_alone)
+            image_benchmarks(srv, raw, args, rows, comp_notes)
+            sampling_benchmarks(srv, raw, args, rows, mem_alone, comp_notes)
         finally:
             raw.cleanup()
         hop = sync_hop_cost()
-    headers = ["operation", "transport", "raw baseline", "raw ms", "tdstore ms", "tdstore/raw", "(of mins)", "goal"]
+    headers = ["operation", "transport", "raw baseline", "raw ms", "tdstore ms", "tdstore/raw", "(of mins)", "goal",
+               "tensordict.store ms", "tdstore/tensordict.store"]
     notes = [
         "ratio = median time / median baseline time (lower is better); '(of mins)' = min / min.",
         "raw = redis.asyncio + hiredis on the same server and transport, awaited inside its own event loop "
@@ -334,6 +417,12 @@ def main() -> None:
         "'through a thread hop' row times the raw GETRANGE submitted from the main thread the same way.",
         "in-memory td[idx] is timed interleaved with the other cases, i.e. with caches cooled by them; "
         f"timed back to back it takes {fmt_ms(min(mem_alone)) if mem_alone else '-'} ms (median).",
+        "tensordict.store: " + (
+            "tensordict.store.TensorDictStore on the same data, timed in the same interleaved rounds."
+            if TDStoreBaseline is not None and not args.no_baseline
+            else "not importable (or --no-baseline): columns empty."
+        ),
+        *comp_notes,
         f"load average at end: {load_average()}",
     ]
     print_table("indexed reads and writes", headers, rows, notes)
