@@ -354,8 +354,28 @@ def _packed(commands: list[tuple[Any, ...]]) -> list[Any]:
     return out
 
 
+def _send_sync(connection: Any, pieces: list[Any]) -> None:
+    """Writes ``pieces`` to the connection's socket, never reconnecting.
+
+    (redis-py's ``send_packed_command`` reconnects a connection found disconnected, e.g. by
+    a concurrent ``close()``: a write that relies on the connection's WATCH must fail then.)
+    """
+    sock = connection._sock
+    if sock is None:
+        raise redis.exceptions.ConnectionError("the armed connection was closed")
+    try:
+        for piece in pieces:
+            sock.sendall(piece)
+    except TimeoutError:
+        connection.disconnect()
+        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
+    except OSError as err:
+        connection.disconnect()
+        raise redis.exceptions.ConnectionError(f"error while writing to socket: {err}") from err
+
+
 def _exchange_sync(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    connection.send_packed_command(_packed(commands), check_health=False)
+    _send_sync(connection, _packed(commands))
     out: list[Any] = []
     for _ in commands:
         try:

@@ -93,6 +93,27 @@ def test_packed_commands_match_redis_py_and_keep_large_buffers_uncopied():
         assert len(sent) == len(big) and all(a is b for a, b in zip(sent, big, strict=True))  # the tensor's own memory, not copies
 
 
+def test_direct_send_never_reconnects(real_server):
+    """A connection closed under an armed write (say, by close() in another thread) fails the
+    write: redis-py would reconnect it and send the MULTI without the WATCH."""
+    import redis
+
+    from tdstore._armed_write import _exchange_sync
+
+    client = real_server.sync_client()
+    key = "tdstest:{nore}:k"
+    client.delete(key)
+    conn = client.connection_pool.get_connection()
+    try:
+        conn.disconnect()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            _exchange_sync(conn, [("SET", key, "v")])
+        assert conn._sock is None  # not reconnected
+    finally:
+        client.connection_pool.release(conn)
+    assert client.exists(key) == 0
+
+
 # --------------------------------------------------------------------------- direct reads
 def test_direct_reads_match_the_io_loop_path(real_server):
     store = _big(real_server)
