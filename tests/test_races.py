@@ -179,6 +179,7 @@ def test_sigkill_mid_write_leaves_all_or_nothing(race_server, request):
     rng = random.Random(0)
     mixed = orphans = 0
     kills = 4
+    seen: list[int] = []  # the counter each kill left
     for _ in range(kills):
         started = ctx.Event()
         proc = ctx.Process(target=w.killed_writer, args=(conn, store.td_id, size, started))
@@ -190,10 +191,14 @@ def test_sigkill_mid_write_leaves_all_or_nothing(race_server, request):
         a, b = store["a"], store["b"]
         if not (bool((a == a[0]).all()) and bool((b == a[0]).all())):
             mixed += 1
+        seen.append(int(a[0]))
         orphans += len(race_server.sync_client().keys(f"*{store.td_id}*:tmp:*"))
-    _record(request, kills=kills, mixed_states=mixed, orphan_tmp_keys=orphans, last_value=int(store["a"][0]))
+    _record(request, kills=kills, mixed_states=mixed, orphan_tmp_keys=orphans, counters_left=seen)
     assert mixed == 0 and orphans == 0
-    assert int(store["a"][0]) > 2  # the kills landed while the writer was writing
+    # the writers kept writing after they signalled (at 2): the kills landed mid-run. (Any
+    # kill, not the last: with 4096-byte chunks, one write of 2 x 8 MB can outlast the
+    # shortest wait on a loaded 2-core machine.)
+    assert max(seen) > 2
     store.clear_redis()
     store.close()
 
