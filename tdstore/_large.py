@@ -42,8 +42,11 @@ __all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", 
 READ_MIN = 32 * 1024 * 1024
 #: Bytes per GETRANGE piece: the client's peak is the entry plus about two pieces.
 READ_PIECE = 4 * 1024 * 1024
-#: GETRANGE commands sent at a time; two windows are in flight at most.
-READ_WINDOW = 8
+#: GETRANGE commands sent at a time; two windows are in flight at most. The server runs a
+#: client's pipelined commands back to back, so a window is also how long other clients
+#: wait: 8 pieces of 4 MiB stalled them 29-42 ms, 2 pieces 4-7 ms, and the read did not
+#: get slower (benchmarks/bench_read_stall.py).
+READ_WINDOW = 2
 #: ``memoryview`` arguments at least this large are written piece by piece (:func:`streamed`).
 WRITE_MIN = 1024 * 1024
 #: Bytes handed to the socket's transport at a time.
