@@ -81,17 +81,14 @@ from _common import (
     tensor_from_bytes,
     timed,
 )
+from bench_large import CONFIG as LARGE_CONFIG
 from bench_large import _RawNoTimeout, measure_memory
 
 from tdstore import TensorDictStore
 from tdstore.server import ServerHandle
 
 MIB = 2**20
-CONFIG = {
-    "proto-max-bulk-len": "2gb",
-    "client-query-buffer-limit": "2gb",
-    "lazyfree-lazy-user-del": "yes",
-}
+CONFIG = {**LARGE_CONFIG, "lazyfree-lazy-user-del": "yes"}
 SLOWLOG_MAX_LEN = 1_000_000
 ROWS_B = 16  # batch size of part B's store: the entry is [16, n] float32
 # commands of the benchmark itself, left out of "the longest step"

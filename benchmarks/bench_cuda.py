@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from _common import (
-    RawRedis,
     base_parser,
     bench_server,
     byte_view,
@@ -36,12 +35,12 @@ from _common import (
     timed,
     transports,
 )
+from bench_large import CONFIG, _RawNoTimeout
 
 from tdstore import TensorDictStore
 
 ROWS = 16
 OBS = (84, 84, 3)
-CONFIG = {"proto-max-bulk-len": "2gb", "client-query-buffer-limit": "2gb"}
 
 
 def main() -> None:
@@ -56,7 +55,7 @@ def main() -> None:
     with bench_server(args.server, CONFIG) as handle:
         print(f"# bench_cuda; {server_banner(handle)}; GPU: {torch.cuda.get_device_name()}")
         print(f"# load average at start: {load_average()}")
-        raw = RawRedis(handle)
+        raw = _RawNoTimeout(handle)
         try:
             for tr in transports(args):
                 kwargs = (

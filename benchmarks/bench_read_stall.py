@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 from _common import base_parser, bench_server, byte_view, fmt_ms, load_average, parse, print_table, server_banner
+from bench_large import CONFIG
 
 from tdstore import TensorDictStore, _large
 
 ROWS = 16
-CONFIG = {"proto-max-bulk-len": "2gb", "client-query-buffer-limit": "2gb"}
 
 
 def _probe(path: str, stop: Any, ready: Any, out: Any) -> None:

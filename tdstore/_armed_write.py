@@ -226,6 +226,21 @@ class _ArmedWrite:
         lv = meta[0] if isinstance(meta, list) else None
         return _s(lv) == self.expected and exists == len(self.data_keys)
 
+    def settle(self, slot: ArmedSlot, client: Any, connection: Any, replies: list[Any]) -> tuple[bool, list[Any], bool]:
+        """After the write packet's replies: keeps the re-armed connection in ``slot``, or marks
+        the slot contended. Returns (contended, the connections to drop, whether ``connection``
+        goes back to the pool as it is); the driver does the I/O."""
+        contended = self.contended(replies)
+        rearmed = None if contended else self.rearmed(client, connection, replies)
+        if contended:
+            slot.contended()
+        if rearmed is not None:
+            displaced = slot.put(rearmed)
+            return contended, [] if displaced is None else [displaced.connection], False
+        if self.park:
+            return contended, [connection], False  # (disconnecting forgets the WATCH)
+        return contended, [], True  # EXEC ended the WATCH
+
     def outcome(self, replies: list[Any]) -> None:
         """Raises what the write's replies report (after :meth:`contended` said False)."""
         queued, result = replies[1 : self.sent - 1], replies[self.sent - 1]
@@ -301,16 +316,12 @@ async def write_runs_armed(
         if connection is not None:
             await _discard(client, connection)
         raise
-    contended = write.contended(replies)
-    rearmed = None if contended else write.rearmed(client, connection, replies)
-    if rearmed is not None:
-        await slot.drop(slot.put(rearmed))
-    elif write.park:
-        await _discard(client, connection)  # (disconnecting forgets the WATCH)
-    else:
-        await client.connection_pool.release(connection)  # EXEC ended the WATCH
+    contended, drop, release = write.settle(slot, client, connection, replies)
+    for conn in drop:
+        await _discard(client, conn)
+    if release:
+        await client.connection_pool.release(connection)
     if contended:
-        slot.contended()
         await write_runs_watched(client, keys, runner, groups, expected=expected)
         return
     write.outcome(replies)
@@ -419,16 +430,12 @@ def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Gro
         if connection is not None:
             _discard_sync(client, connection)
         raise
-    contended = write.contended(replies)
-    rearmed = None if contended else write.rearmed(client, connection, replies)
-    if rearmed is not None:
-        slot.drop_sync(slot.put(rearmed))
-    elif write.park:
-        _discard_sync(client, connection)
-    else:
+    contended, drop, release = write.settle(slot, client, connection, replies)
+    for conn in drop:
+        _discard_sync(client, conn)
+    if release:
         client.connection_pool.release(connection)
     if contended:
-        slot.contended()
         return False
     write.outcome(replies)
     return True
