@@ -301,7 +301,7 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: Sequence[int]) -> 
 
 def sync_hop_cost(repeat: int = 2000) -> float:
     """Median seconds of one blocking tdstore round trip to its IO loop with no server I/O."""
-    from tdstore import _io
+    from tdstore._backend import loop as _io
 
     async def noop() -> None:
         return None

@@ -27,7 +27,8 @@ import torch
 from _common import base_parser, bench_server, byte_view, fmt_ms, load_average, parse, print_table, server_banner
 from bench_large import CONFIG
 
-from tdstore import TensorDictStore, _large
+from tdstore import TensorDictStore
+from tdstore._backend import large as _large
 
 ROWS = 16
 

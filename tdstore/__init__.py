@@ -13,9 +13,10 @@ Examples:
 
 from __future__ import annotations
 
-from tdstore._codec import PicklePolicy, set_pickle_policy
-from tdstore._progress import set_progress
-from tdstore._retry import OutcomeUnknownError, RetryPolicy, ServerUnavailableError
+from tdstore._backend.retry import OutcomeUnknownError, RetryPolicy, ServerUnavailableError
+from tdstore._core import moved as _moved
+from tdstore._core.codec import PicklePolicy, set_pickle_policy
+from tdstore._core.progress import set_progress
 from tdstore.errors import (
     ClientConfigError,
     CorruptMetadataError,
@@ -44,6 +45,8 @@ from tdstore.sharded import ShardedStore
 from tdstore.store import TensorDictStore
 
 __version__ = "0.1.0"
+
+_moved.install()  # old module names still import (pickles made before the layer packages)
 
 __all__ = [
     "TensorDictStore",

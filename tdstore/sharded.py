@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from tdstore._keys import new_td_id, validate_td_id
+from tdstore._core.keys import new_td_id, validate_td_id
 from tdstore.errors import FormatVersionError, StoreNotFoundError
 from tdstore.store import TensorDictStore
 

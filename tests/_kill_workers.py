@@ -16,8 +16,8 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
-from tdstore._codec import dtype_from_name, tensor_nbytes
-from tdstore._keys import decode_path
+from tdstore._core.codec import dtype_from_name, tensor_nbytes
+from tdstore._core.keys import decode_path
 
 IDLE, CREATE, WRITE, CLEAR = 0, 1, 2, 3
 PHASES = {IDLE: "between", CREATE: "create", WRITE: "write", CLEAR: "clear"}

@@ -154,7 +154,7 @@ def _check_external_url(url: str) -> None:
     import redis
     from redis.connection import UnixDomainSocketConnection
 
-    from tdstore.server import _is_loopback_host  # same rule as ServerHandle.from_url
+    from tdstore.server.find import _is_loopback_host  # same rule as ServerHandle.from_url
 
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in ("redis", "unix"):
@@ -273,7 +273,7 @@ class ServerPool:
 
     def _start(self, kind: str) -> ServerHandle:
         if kind == CLUSTER:
-            from tdstore._server_cluster import start_cluster
+            from tdstore.server.cluster import start_cluster
 
             return start_cluster(masters=3)  # a ClusterHandle (a ServerHandle)
         base, _, variant = kind.partition("-")

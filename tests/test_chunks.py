@@ -24,8 +24,9 @@ from _gen import rand_tensor
 from tensordict import NonTensorStack, TensorDict
 
 import tdstore
-from tdstore import TensorDictStore, _chunks
-from tdstore._chunks import Chunking, chunk_size, pieces
+from tdstore import TensorDictStore
+from tdstore._core import chunks as _chunks
+from tdstore._core.chunks import Chunking, chunk_size, pieces
 from tdstore.server import start_server
 
 DTYPES = [torch.bool, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.complex64]
@@ -565,7 +566,8 @@ def test_long_allocation_keeps_its_chunks_alive(server, monkeypatch):
     allocation longer than the TTL still commits (here: a 1 s TTL, chunks grown 0.15 s apart)."""
     import asyncio
 
-    from tdstore import _backend, _transfer
+    from tdstore._backend import ops as _backend
+    from tdstore._backend import transfer as _transfer
 
     grow = _transfer.grow_zeros
 

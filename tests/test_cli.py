@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tdstore import TensorDictStore
-from tdstore._cli_inspect import human_seconds
 from tdstore.cli import CliError, ConnOptions, build_parser, conn_options, main
+from tdstore.cli.stores import human_seconds
 from tdstore.server import ServerHandle, start_server
 
 SUBPROCESS_TIMEOUT = 90.0

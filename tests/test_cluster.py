@@ -38,15 +38,9 @@ from test_races import pool  # noqa: F401 - fixture of the race tests (spawned w
 from test_store_core import make  # noqa: F401 - fixture of the core tests
 from test_store_errors import filled  # noqa: F401 - fixture of the error tests
 
-from tdstore import (
-    ClientConfigError,
-    ShardedStore,
-    StoreExistsError,
-    StoreNotFoundError,
-    TensorDictStore,
-    _backend,
-    _io,
-)
+from tdstore import ClientConfigError, ShardedStore, StoreExistsError, StoreNotFoundError, TensorDictStore
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
 
 ON_CLUSTER = pytest.mark.parametrize("server", ["cluster"], indirect=True)
 

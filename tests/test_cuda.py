@@ -12,7 +12,8 @@ import torch
 from _counts import record
 from tensordict import TensorDict
 
-from tdstore import TensorDictStore, _large
+from tdstore import TensorDictStore
+from tdstore._backend import large as _large
 
 pytestmark = pytest.mark.cuda
 

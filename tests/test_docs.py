@@ -3,14 +3,14 @@
 The examples are written for a server on the default ``localhost:6379``. Each test sets
 ``TDSTORE_URL`` to a private server of the session (Redis and Valkey, one test id per
 server) so that stores created with the default host and port go there instead (see
-``_connection_defaults`` in ``tdstore/store.py``).
+``_connection_defaults`` in ``tdstore/store/core.py``).
 
 Test ids:
 
 * ``test_doc_file[<server>-README.md]``, ``test_doc_file[<server>-docs/guide.md]``, ...:
   one per Markdown file (code fences are blanked out before parsing);
 * ``test_docstring[<server>-tdstore.store.TensorDictStore]``, ...: one per docstring
-  with examples in :mod:`tdstore`, :mod:`tdstore.store` and :mod:`tdstore._store_api`;
+  with examples in :mod:`tdstore`, :mod:`tdstore.store` and :mod:`tdstore.store.api`;
 * ``test_api_text[<server>-from_schema]``, ...: one per method of the fixed API text
   (``shared/api/TensorDictStore.txt``), whose examples import
   ``from tensordict.store import TensorDictStore``; they run with that line replaced by
@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 import tdstore
-import tdstore._store_api
 import tdstore.store
+import tdstore.store.api
 from tdstore.server import ServerHandle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ API_TEXT = Path(__file__).resolve().parents[2] / "shared" / "api" / "TensorDictS
 API_IMPORT = "from tensordict.store import TensorDictStore"
 OUR_IMPORT = "from tdstore import TensorDictStore"
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
-DOCSTRING_MODULES = (tdstore, tdstore.store, tdstore._store_api)
+DOCSTRING_MODULES = (tdstore, tdstore.store, tdstore.store.api)
 
 # Markdown files that must hold examples (a file that loses all of them fails).
 MUST_HAVE_EXAMPLES = {"README.md", "docs/guide.md", "docs/api.md", "docs/guarantees.md", "docs/limits.md"}
@@ -164,7 +164,7 @@ def test_doc_file(relpath: str, doc_server: ServerHandle) -> None:
 
 @pytest.mark.parametrize("name", sorted(DOCSTRING_TESTS) or ["<none>"])
 def test_docstring(name: str, doc_server: ServerHandle) -> None:
-    assert DOCSTRING_TESTS, "no docstring of tdstore, tdstore.store or tdstore._store_api has an example"
+    assert DOCSTRING_TESTS, "no docstring of tdstore, tdstore.store or tdstore.store.api has an example"
     test = DOCSTRING_TESTS[name]
     # a fresh copy each run: DocTestRunner clears the globals it ran with
     fresh = doctest.DocTest(test.examples, dict(test.globs), test.name, test.filename, test.lineno, test.docstring)

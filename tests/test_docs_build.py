@@ -90,7 +90,7 @@ def test_mkdocs_build_strict(tmp_path: Path, config: dict[str, Any]) -> None:
         "tdstore.TensorDictStore.clear_redis",
         "tdstore.errors.StoreNotFoundError",
         "tdstore.server.ServerHandle",
-        "tdstore._server_start.start_server",
+        "tdstore.server.start.start_server",
         "tdstore.cli.main",
     ):
         assert f'id="{anchor}"' in reference, f"{anchor} is missing from the API reference"

@@ -2,7 +2,7 @@
 and armed row writes (a connection left WATCHing the store between writes, one round trip),
 sent by either driver: the direct client's from the calling thread, or the IO loop's.
 
-See tdstore/_connection.py (``Connection.read``) and tdstore/_armed_write.py.
+See tdstore/_backend/connection.py (``Connection.read``) and tdstore/_backend/armed_write.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 import tdstore
 from tdstore import TensorDictStore
-from tdstore._indexing import RowSpans, contiguous_rows, select_rows
+from tdstore._core.indexing import RowSpans, contiguous_rows, select_rows
 from tdstore.server import start_server
 
 ROW = (32, 32)  # 4096 bytes of float32 per row: runs large enough for the armed (SETRANGE) path
@@ -28,7 +28,7 @@ ROW = (32, 32)  # 4096 bytes of float32 per row: runs large enough for the armed
 def driver(request, monkeypatch):
     """Which client sends armed writes: "loop" takes the direct client away (as for TLS)."""
     if request.param == "loop":
-        monkeypatch.setattr(tdstore._connection.Connection, "direct_client", lambda self: None)
+        monkeypatch.setattr(tdstore._backend.connection.Connection, "direct_client", lambda self: None)
     return request.param
 
 
@@ -73,7 +73,7 @@ def test_packed_commands_match_redis_py_and_keep_large_buffers_uncopied():
 
     import redis.connection
 
-    from tdstore._armed_write import _ZERO_COPY_MIN, _packed
+    from tdstore._backend.armed_write import _ZERO_COPY_MIN, _packed
 
     encoder = redis.connection.Encoder("utf-8", "strict", False)
     packer = redis.connection.PythonRespSerializer(6000, encoder.encode)
@@ -98,7 +98,7 @@ def test_direct_send_never_reconnects(real_server):
     write: redis-py would reconnect it and send the MULTI without the WATCH."""
     import redis
 
-    from tdstore._armed_write import _exchange_sync
+    from tdstore._backend.armed_write import _exchange_sync
 
     client = real_server.sync_client()
     key = "tdstest:{nore}:k"
@@ -388,7 +388,7 @@ def test_blocking_pool_is_never_parked(real_server):
 
 def test_gather_script_row_bounds_small_and_huge(server):
     """gather passes bounds below 1e15 as numbers, larger ones as "%d" strings: both read exactly."""
-    from tdstore._scripts import ScriptRunner, get_script
+    from tdstore._backend.scripts import ScriptRunner, get_script
 
     client = server.sync_client()
     text = get_script("gather").text(False)
@@ -437,7 +437,7 @@ def test_indexed_read_from_inside_the_io_loop_is_a_clear_error(real_server):
     """The direct path does not turn a call from the IO loop's thread into a blocking socket read."""
     import asyncio
 
-    from tdstore import _io
+    from tdstore._backend import loop as _io
 
     store = _big(real_server, n=4)
     store[1]  # the direct client exists

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from tdstore._indexing import consumed_dims, row_runs, select_rows
-from tdstore._run_reads import choose_read
+from tdstore._backend.reads import choose_read
+from tdstore._core.indexing import consumed_dims, row_runs, select_rows
 
 
 def _random_index(rng: random.Random, shape: tuple[int, ...]):

@@ -1,6 +1,6 @@
 """Large entries (issue 6, item 3): streamed writes, reads in pieces into a preallocated tensor.
 
-The piece sizes of :mod:`tdstore._large` are lowered in most tests (``small_pieces``) so that
+The piece sizes of :mod:`tdstore._backend.large` are lowered in most tests (``small_pieces``) so that
 small entries take the large-entry paths; two tests use the real sizes and check the
 client's peak memory in a fresh process. Reads in pieces must keep the snapshot guarantee:
 a write between the snapshot and the last piece makes the read start again, and a
@@ -20,8 +20,10 @@ import pytest
 import torch
 from _counts import record
 
-from tdstore import TensorDictStore, _backend, _large
-from tdstore._codec import DTYPE_BY_NAME
+from tdstore import TensorDictStore
+from tdstore._backend import large as _large
+from tdstore._backend import ops as _backend
+from tdstore._core.codec import DTYPE_BY_NAME
 
 
 @pytest.fixture
@@ -150,7 +152,7 @@ def test_pieces_never_torn_under_writer(real_server, request, small_pieces):
 
 
 def _writer(kwargs, td_id, stop, ready):
-    from tdstore import _large as large
+    from tdstore._backend import large
 
     large.READ_MIN, large.READ_PIECE, large.READ_WINDOW, large.WRITE_MIN, large.WRITE_PIECE = 100, 48, 3, 100, 40
     store = TensorDictStore.from_store(td_id=td_id, **kwargs)

@@ -32,8 +32,8 @@ from tdstore import (
     TensorDictStore,
     UnsupportedOperationError,
 )
-from tdstore._codec import DTYPE_BY_NAME
-from tdstore._lazy_plan import split_index
+from tdstore._core.codec import DTYPE_BY_NAME
+from tdstore.lazy.plan import split_index
 
 DTYPES = list(DTYPE_BY_NAME.values())
 SEEDS = list(range(8))

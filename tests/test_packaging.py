@@ -73,7 +73,7 @@ def test_wheel_holds_the_lua_scripts_as_files_and_py_typed(wheel: Path) -> None:
             assert mode == 0 or (mode & 0o170000) == 0o100000, f"{name} is not a regular file in the wheel"
             assert zf.read(name) == (ROOT / "lua" / rel).read_bytes()
         assert "tdstore/py.typed" in infos
-        assert "tdstore/cli.py" in infos and "tdstore/__main__.py" in infos
+        assert "tdstore/cli/commands.py" in infos and "tdstore/__main__.py" in infos
         assert not [n for n in infos if n.startswith(("tests/", "benchmarks/", "docs/"))]
         dist_info = next(n.split("/")[0] for n in infos if n.endswith(".dist-info/METADATA"))
         entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
@@ -103,7 +103,7 @@ def test_fresh_venv_installs_the_wheel_and_runs_the_demo(wheel: Path, tmp_path: 
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
 
     where = subprocess.run(
-        [str(python), "-c", "import tdstore, tdstore._scripts as s, pathlib; "
+        [str(python), "-c", "import tdstore, tdstore._backend.scripts as s, pathlib; "
          "p = pathlib.Path(tdstore.__file__).parent; print(p); "
          "print(sorted(x.name for x in (p / 'lua').glob('*.lua'))); print((p / 'lua').is_symlink())"],
         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=120,

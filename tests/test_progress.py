@@ -24,7 +24,9 @@ from _counts import record
 from tensordict import TensorDict
 
 import tdstore
-from tdstore import StoreExistsError, TensorDictStore, _progress, _transfer
+from tdstore import StoreExistsError, TensorDictStore
+from tdstore._backend import transfer as _transfer
+from tdstore._core import progress as _progress
 
 
 class TTY(io.StringIO):
@@ -344,7 +346,9 @@ _CHILD = textwrap.dedent(
     """
     import sys, torch
     from tensordict import TensorDict
-    from tdstore import TensorDictStore, _progress, _transfer
+    from tdstore import TensorDictStore
+    from tdstore._core import progress as _progress
+    from tdstore._backend import transfer as _transfer
     _transfer.CHUNK = 64 * 1024
     _progress.AUTO_MIN_BYTES = 1
     _progress.AUTO_DELAY_S = 0.0

@@ -250,7 +250,7 @@ def test_writers_through_crash_restarts_never_half_apply(kind, request):
 
 
 def test_retry_policy_is_validated_configurable_and_travels_with_pickles(redis_server, monkeypatch):
-    from tdstore._retry import DEFAULT_RETRY, resolve_policy
+    from tdstore._backend.retry import DEFAULT_RETRY, resolve_policy
 
     assert RetryPolicy.from_env("attempts=3, deadline=2.5") == RetryPolicy(attempts=3, deadline=2.5)
     assert RetryPolicy.from_env("off").attempts == 1
@@ -293,7 +293,7 @@ def test_redis_py_does_not_resend_behind_the_policy(redis_server):
 def test_failures_are_classified_by_what_the_server_may_have_applied():
     import redis.exceptions as rx
 
-    from tdstore._retry import classify, sleep_before_retry
+    from tdstore._backend.retry import classify, sleep_before_retry
 
     assert classify(rx.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")) == "unsent"
     assert classify(rx.TimeoutError("Timeout connecting to server")) == "unsent"

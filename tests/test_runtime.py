@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import tdstore
-from tdstore import TensorDictStore, _io
+from tdstore import TensorDictStore
+from tdstore._backend import loop as _io
 
 
 def test_one_io_loop_for_all_stores(real_server):

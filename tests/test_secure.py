@@ -385,7 +385,7 @@ def test_rediss_url_from_the_environment(tls_server, tls_files, no_env_credentia
 
 
 def test_strip_secrets_and_fill_from_env(no_env_credentials):
-    from tdstore import _credentials
+    from tdstore._backend import credentials as _credentials
 
     kwargs = {"host": "h", "port": 1, "password": "p", "ssl_password": "k", "username": "u"}
     assert sorted(_credentials.strip_secrets(kwargs)) == ["password", "ssl_password"]

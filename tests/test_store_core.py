@@ -17,7 +17,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import tdstore
 from tdstore import TensorDictStore
-from tdstore._codec import DTYPE_BY_NAME
+from tdstore._core.codec import DTYPE_BY_NAME
 
 
 @pytest.fixture
@@ -308,7 +308,8 @@ class TestEntries:
     def test_update_does_not_download(self, make, monkeypatch):
         store = make(batch_size=[2])
         store["a"] = torch.zeros(2)
-        from tdstore import _backend, _run_reads
+        from tdstore._backend import ops as _backend
+        from tdstore._backend import reads as _run_reads
 
         def no_read(*args, **kwargs):
             raise AssertionError("update() downloaded an entry")
@@ -445,7 +446,7 @@ class TestWholeStore:
 
     @pytest.mark.usefixtures("unchunked")  # the one-string layout (and a 21 MB entry)
     def test_from_schema_zero_fills_on_the_server(self, make, server, monkeypatch):
-        from tdstore import _backend
+        from tdstore._backend import ops as _backend
 
         sent = []
         original = _backend.commit

@@ -37,10 +37,10 @@ from typing import Any
 import redis.asyncio
 import redis.exceptions
 
-from tdstore._backend import write_runs_watched
-from tdstore._chunks import setrange_commands, written_keys
-from tdstore._keys import StoreKeys
-from tdstore._scripts import ScriptRunner
+from tdstore._backend.ops import write_runs_watched
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._core.chunks import setrange_commands, written_keys
+from tdstore._core.keys import StoreKeys
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError, translate_response_error
 
 __all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]

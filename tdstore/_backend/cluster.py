@@ -1,6 +1,6 @@
 """Redis Cluster routing for one store: every key of a store is in one slot, so one node.
 
-All keys of a store share the hash tag ``{td_id}`` (see :mod:`tdstore._keys`), hence one
+All keys of a store share the hash tag ``{td_id}`` (see :mod:`tdstore._core.keys`), hence one
 cluster slot, hence one master at a time. A store on a cluster therefore talks to that
 master with a plain ``redis.asyncio.Redis`` client, and every script, MULTI/EXEC and WATCH
 of the single-server code path stays legal and unchanged (no cross-slot command exists).

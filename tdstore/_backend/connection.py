@@ -1,6 +1,6 @@
 """The connection a store and its nested sub-stores share: client, keys, scripts, metadata cache.
 
-The redis client belongs to the process's IO loop (:mod:`tdstore._io`). After a ``fork()``
+The redis client belongs to the process's IO loop (:mod:`tdstore._backend.loop`). After a ``fork()``
 the loop is replaced, and the connection builds a new client from the same settings on
 first use, so a store inherited by a forked DataLoader worker keeps working.
 """
@@ -20,10 +20,12 @@ import redis.exceptions
 import redis.retry
 from redis.backoff import NoBackoff
 
-from tdstore import _backend, _chunks, _cluster, _credentials, _io
-from tdstore._armed_write import ArmedSlot, write_runs_armed, write_runs_direct
-from tdstore._keys import StoreKeys
-from tdstore._retry import (
+from tdstore._backend import cluster as _cluster
+from tdstore._backend import credentials as _credentials
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
+from tdstore._backend.retry import (
     OutcomeUnknownError,
     RetryPolicy,
     ServerUnavailableError,
@@ -31,7 +33,9 @@ from tdstore._retry import (
     resolve_policy,
     sleep_before_retry,
 )
-from tdstore._scripts import ScriptRunner, probe_shebang
+from tdstore._backend.scripts import ScriptRunner, probe_shebang
+from tdstore._core import chunks as _chunks
+from tdstore._core.keys import StoreKeys
 from tdstore.errors import (
     ClientConfigError,
     EntryTooLargeError,
@@ -130,7 +134,7 @@ class Connection:
         pickle_policy: Any = None,
         retry: Any = None,
     ) -> None:
-        from tdstore._codec import default_pickle_policy
+        from tdstore._core.codec import default_pickle_policy
 
         self.retry_policy = resolve_policy(retry)
 
@@ -144,7 +148,7 @@ class Connection:
         self._runner: ScriptRunner | None = None
         self._direct: Any = None  # see direct_client()
         self._direct_generation = -1
-        self.armed_slot = ArmedSlot()  # see tdstore/_armed_write.py: the IO-loop client's
+        self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
         self.direct_slot = ArmedSlot()  # ... and the direct client's
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
@@ -153,7 +157,7 @@ class Connection:
         self.pickle_secrets = bool(redis_kwargs.pop("pickle_secrets", False))
         self._secrets_dropped: list[str] = []
         self._credentials_from: str | None = None
-        # Redis Cluster (see tdstore/_cluster.py): one plain client to the master of the store's slot
+        # Redis Cluster (see tdstore/_backend/cluster.py): one plain client to the master of the store's slot
         self.cluster_route: _cluster.ClusterRoute | None = None
         self._client_node: tuple[str, int] | None = None
         self._retired: list[tuple[int, Any]] = []  # (loop generation, client) replaced by node_client()
@@ -281,7 +285,7 @@ class Connection:
 
     @classmethod
     def from_pickle_state(cls, state: dict[str, Any]) -> Connection:
-        from tdstore._codec import PicklePolicy, default_pickle_policy
+        from tdstore._core.codec import PicklePolicy, default_pickle_policy
 
         self = cls.__new__(cls)
         default = default_pickle_policy()
@@ -368,10 +372,10 @@ class Connection:
     def run(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None = None, *, idempotent: bool = True) -> T:
         """Runs ``fn(client)`` on the IO loop and returns its result.
 
-        A connection failure is retried by the store's :class:`~tdstore._retry.RetryPolicy`
+        A connection failure is retried by the store's :class:`~tdstore._backend.retry.RetryPolicy`
         when nothing was sent, or when ``fn`` is idempotent (running it twice leaves the same
         state as once). A non-idempotent ``fn`` whose connection broke mid-flight raises
-        :class:`~tdstore._retry.OutcomeUnknownError` instead; see docs/guarantees.md.
+        :class:`~tdstore._backend.retry.OutcomeUnknownError` instead; see docs/guarantees.md.
         """
         policy = self.retry_policy
         started = 0.0
@@ -488,7 +492,7 @@ class Connection:
     def write_rows(self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str) -> None:
         """Writes large row runs: SETRANGEs in one MULTI, only if the layout is still version ``expected``.
 
-        One round trip on an armed connection (see tdstore/_armed_write.py): the direct
+        One round trip on an armed connection (see tdstore/_backend/armed_write.py): the direct
         client's, from the calling thread, else the IO loop's; the plain WATCHed MULTI where
         no connection may be kept armed (cluster, in-process servers) or after contention. A
         direct write whose connection fails goes again through :meth:`run` (its retry

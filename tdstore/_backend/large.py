@@ -34,7 +34,7 @@ from typing import Any
 import redis.exceptions
 import torch
 
-from tdstore._keys import StoreKeys
+from tdstore._core.keys import StoreKeys
 
 __all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "read_pieces", "empty_buffer"]
 
@@ -156,7 +156,7 @@ async def read_pieces(
 ) -> bool:
     """Reads each entry ``(path, flat uint8 buffer, chunking)`` into its buffer, in GETRANGE pieces.
 
-    ``chunking``: the entry's :class:`~tdstore._chunks.Chunking`, or None for one string.
+    ``chunking``: the entry's :class:`~tdstore._core.chunks.Chunking`, or None for one string.
     ``wv``, ``lv``: the write and layout versions (raw replies) of the snapshot the entry
     sizes come from. Returns True when both are unchanged after the last piece (the
     buffers then hold that snapshot's bytes), False when a write came in between or a

@@ -1,7 +1,7 @@
 """Every server operation of tdstore, as async functions. No TensorDict logic lives here.
 
-The functions take a ``redis.asyncio`` client, the store's :class:`~tdstore._keys.StoreKeys`
-and, for scripts, a :class:`~tdstore._scripts.ScriptRunner`. Reads that must be consistent
+The functions take a ``redis.asyncio`` client, the store's :class:`~tdstore._core.keys.StoreKeys`
+and, for scripts, a :class:`~tdstore._backend.scripts.ScriptRunner`. Reads that must be consistent
 (entry metadata with its bytes, several entries with each other) run in one MULTI/EXEC, so
 the server executes them without interleaving another client's write. Writes that change
 the layout go through the ``commit`` script; the bytes they carry travel in the same
@@ -21,9 +21,11 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore import _chunks, _io, _large
-from tdstore._keys import StoreKeys, decode_path, encode_path
-from tdstore._scripts import ScriptRunner, get_script
+from tdstore._backend import large as _large
+from tdstore._backend import loop as _io
+from tdstore._backend.scripts import ScriptRunner, get_script
+from tdstore._core import chunks as _chunks
+from tdstore._core.keys import StoreKeys, decode_path, encode_path
 from tdstore.errors import PartialWriteError, translate_response_error
 
 __all__ = [
@@ -159,9 +161,9 @@ async def read_entries(
     """Reads entries whole, with their metadata, in one snapshot.
 
     ``large``: the byte size the caller expects of some tensor entries (from its cached
-    layout). Those of at least :data:`tdstore._large.READ_MIN` bytes are read in pieces
+    layout). Those of at least :data:`tdstore._backend.large.READ_MIN` bytes are read in pieces
     into preallocated tensors (pinned when ``device`` is CUDA), still as one snapshot
-    (see :func:`tdstore._large.read_pieces`); their "bytes" are then flat uint8 tensors.
+    (see :func:`tdstore._backend.large.read_pieces`); their "bytes" are then flat uint8 tensors.
 
     Returns:
         (layout version, raw registry metadata per path (None when absent), bytes per
@@ -265,7 +267,7 @@ async def _read_entries_once(
         else:
             blobs.append(None if any(g is None for g in got) else b"".join(got))
     if big and lv is not None:
-        from tdstore import _codec
+        from tdstore._core import codec as _codec
 
         pieces: list[tuple[tuple[str, ...], Any, Any]] = []
         for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
@@ -465,8 +467,8 @@ async def commit(
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
     if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
-        # grown on the server step by step before the commit: tdstore._transfer.commit does it
-        raise AssertionError("zero-filled chunks must be committed through tdstore._transfer.commit")
+        # grown on the server step by step before the commit: tdstore._backend.transfer.commit does it
+        raise AssertionError("zero-filled chunks must be committed through tdstore._backend.transfer.commit")
     for attempt in range(2):
         async with client.pipeline(transaction=True) as pipe:
             for tmp, payload in tmp_payloads:

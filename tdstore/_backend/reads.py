@@ -1,7 +1,7 @@
 """Indexed reads: byte runs of several entries in one snapshot (MULTI of GETRANGEs, the gather
 script, or one read_one call), on the IO loop's asyncio client or on a blocking client.
 
-A chunked entry's runs become one piece per chunk they cross (:mod:`tdstore._chunks`), and
+A chunked entry's runs become one piece per chunk they cross (:mod:`tdstore._core.chunks`), and
 a gather over its rows one gather call per chunk, the rows put back in the order asked.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore import _chunks
-from tdstore._backend import _exec, _raise_first_error, read_snapshot
-from tdstore._keys import StoreKeys
-from tdstore._scripts import ScriptRunner
+from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._core import chunks as _chunks
+from tdstore._core.keys import StoreKeys
 
 __all__ = ["read_runs", "read_runs_direct", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
 

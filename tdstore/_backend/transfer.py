@@ -1,8 +1,8 @@
 """Long transfers in chunks, so that a progress bar can follow them; same guarantees as one step.
 
-Used only when a transfer shows a progress bar (:mod:`tdstore._progress`); otherwise the
-store writes with one MULTI/EXEC (:func:`tdstore._backend.commit`) and reads with one
-(:func:`tdstore._backend.read_entries`).
+Used only when a transfer shows a progress bar (:mod:`tdstore._core.progress`); otherwise the
+store writes with one MULTI/EXEC (:func:`tdstore._backend.ops.commit`) and reads with one
+(:func:`tdstore._backend.ops.read_entries`).
 
 * Upload (:func:`commit_staged`): the bytes of every "put" op go to their tmp keys before
   the commit, in chunks (``SET ... PX``, then ``APPEND``); zero-filled entries are grown
@@ -24,11 +24,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tdstore import _backend, _chunks, _codec, _progress
-from tdstore._backend import Layout, Op, ZeroBytes, byte_view, parse_layout
-from tdstore._keys import StoreKeys
-from tdstore._progress import Progress
-from tdstore._scripts import ScriptRunner
+from tdstore._backend import ops as _backend
+from tdstore._backend.ops import Layout, Op, ZeroBytes, byte_view, parse_layout
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._core import chunks as _chunks
+from tdstore._core import codec as _codec
+from tdstore._core import progress as _progress
+from tdstore._core.keys import StoreKeys
+from tdstore._core.progress import Progress
 
 __all__ = ["CHUNK", "commit", "commit_staged", "read_staged", "STALE", "upload_bar", "download_bar", "leaf_sizes"]
 
@@ -100,7 +103,7 @@ async def commit(
     progress: Progress | None = None,
     **commit_kwargs: Any,
 ) -> int:
-    """:func:`tdstore._backend.commit`, or :func:`commit_staged` when ``progress`` is a bar (closed here).
+    """:func:`tdstore._backend.ops.commit`, or :func:`commit_staged` when ``progress`` is a bar (closed here).
 
     Zero-filled chunked entries and large writes of chunked entries are staged too (without
     a bar): their chunks are grown or sent in separate steps before the commit, so no server
@@ -165,7 +168,7 @@ async def commit_staged(
     progress: Progress,
     **commit_kwargs: Any,
 ) -> int:
-    """:func:`tdstore._backend.commit`, with the bytes sent ahead in chunks; returns the layout version."""
+    """:func:`tdstore._backend.ops.commit`, with the bytes sent ahead in chunks; returns the layout version."""
     staged = [
         Op("put", op.path, op.meta, payload=ZeroBytes(int(op.nbytes))) if op.op == "zero" and op.nbytes else op
         for op in ops

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tdstore._keys import StoreKeys
+    from tdstore._core.keys import StoreKeys
 
 __all__ = [
     "Chunking", "MIN_CHUNK_BYTES", "annotate", "chunk_size", "check_chunk_bytes", "chunk_map", "of_meta", "pieces",
@@ -105,7 +105,7 @@ def chunk_size(shape: Sequence[int], itemsize: int, chunk_bytes: int | None) -> 
 
 def annotate(meta: dict[str, Any], store_meta: Mapping[str, str]) -> dict[str, Any]:
     """Adds the chunk size ``"c"`` to a new tensor entry's metadata when its store chunks it."""
-    from tdstore import _codec
+    from tdstore._core import codec as _codec
 
     cb = store_meta.get("cb")
     if cb and meta.get("k") == "t":
@@ -124,7 +124,7 @@ def of_meta(meta: Mapping[str, Any] | None) -> Chunking | None:
     """The chunking a registry entry describes (None: one string)."""
     if not isinstance(meta, Mapping) or meta.get("c") is None or meta.get("k") != "t":
         return None
-    from tdstore import _codec
+    from tdstore._core import codec as _codec
 
     return Chunking(int(meta["c"]), _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])))
 

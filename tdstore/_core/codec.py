@@ -125,7 +125,7 @@ def tensor_from_reply(
             server, such as fakeredis, may hand out its own stored object) it is copied.
     """
     expected = tensor_nbytes(shape, dtype)
-    if isinstance(data, torch.Tensor):  # read in pieces into a fresh flat uint8 buffer (tdstore._large)
+    if isinstance(data, torch.Tensor):  # read in pieces into a fresh flat uint8 buffer (tdstore._backend.large)
         if data.numel() != expected:
             raise ValueError(f"expected {expected} bytes for {dtype} {list(shape)}, got {data.numel()}")
         flat = data if dtype == torch.uint8 else data.view(dtype)

@@ -8,7 +8,7 @@ Redis Cluster slot and every script and transaction over them stays legal::
     <prefix>:{<td_id>}:wv            string: write version, bumped by every write (compare-and-set)
     <prefix>:{<td_id>}:ring          string: ring-buffer cursor, rows ever appended by extend()
     <prefix>:{<td_id>}:d:<path>      string: the raw bytes of one entry
-    <prefix>:{<td_id>}:c:<k>:<path>  string: chunk k of a chunked entry (see tdstore._chunks)
+    <prefix>:{<td_id>}:c:<k>:<path>  string: chunk k of a chunked entry (see tdstore._core.chunks)
     <prefix>:{<td_id>}:tmp:<nonce>   string: bytes in flight inside one MULTI (never outlives it)
 
 An entry path is the tuple of its nested keys. Each component is escaped (``%`` and ``.``
@@ -110,7 +110,7 @@ class StoreKeys:
         self.reg = f"{self.base}:reg"
         self.wv = f"{self.base}:wv"
         self.ring = f"{self.base}:ring"
-        #: the chunking of each chunked entry of the layout last cached (see tdstore._chunks);
+        #: the chunking of each chunked entry of the layout last cached (see tdstore._core.chunks);
         #: replaced as a whole with every new layout
         self.chunks: dict[tuple[str, ...], Any] = {}
 
@@ -131,7 +131,7 @@ class StoreKeys:
     def entry_keys(self, path: tuple[str, ...], chunking: Any) -> list[str]:
         """Every string holding the bytes of the entry at ``path``: its chunks in order, or its one key.
 
-        ``chunking``: the entry's :class:`~tdstore._chunks.Chunking`, or None for one string
+        ``chunking``: the entry's :class:`~tdstore._core.chunks.Chunking`, or None for one string
         (``self.chunks.get(path)`` for the layout last cached).
         """
         if chunking is None:

@@ -14,7 +14,10 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _chunks, _codec, _values
+from tdstore._backend import ops as _backend
+from tdstore._core import chunks as _chunks
+from tdstore._core import codec as _codec
+from tdstore._core import values as _values
 from tdstore.errors import EntryNotFoundError
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ wins, by:
    :data:`AUTO_MIN_BYTES`; the bar then appears only once the transfer has lasted
    :data:`AUTO_DELAY_S` seconds, so short transfers print nothing.
 
-A transfer with a bar moves its bytes in chunks (see :mod:`tdstore._transfer`) so the bar
+A transfer with a bar moves its bytes in chunks (see :mod:`tdstore._backend.transfer`) so the bar
 can advance; the server still applies it in one atomic step. The bar is drawn by tdstore
 itself (no dependency): a ``\\r``-rewritten line, throttled to about 10 updates a second.
 """

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tensordict.base import NO_DEFAULT  # the "argument left out" sentinel of TensorDictBase
 
-from tdstore import _codec
+from tdstore._core import codec as _codec
 from tdstore.errors import CorruptMetadataError, DataLostError, SchemaError
 
 __all__ = ["NO_DEFAULT", "is_no_default", "tensor_meta", "nontensor_parts", "decode_value", "check_meta", "order_key"]

@@ -39,7 +39,7 @@ class _Raw:
     """Plain redis.asyncio calls on tdstore's IO loop (one client, created on that loop)."""
 
     def __init__(self, opts: Any) -> None:
-        from tdstore import _io
+        from tdstore._backend import loop as _io
 
         self._io = _io
         self._opts = opts
@@ -176,7 +176,7 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
 
 
 def _format(results: list[dict[str, Any]], where: str, server: str) -> str:
-    from tdstore._cli_inspect import table
+    from tdstore.cli.stores import table
 
     rows = [
         [

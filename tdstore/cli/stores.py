@@ -1,7 +1,7 @@
 """``tdstore ls``, ``info`` and ``rm``: read store metadata and present it.
 
-Metadata comes through :mod:`tdstore._backend` (``list_stores``, ``parse_layout``,
-``fetch_layout``) and key names through :class:`~tdstore._keys.StoreKeys`; nothing here
+Metadata comes through :mod:`tdstore._backend.ops` (``list_stores``, ``parse_layout``,
+``fetch_layout``) and key names through :class:`~tdstore._core.keys.StoreKeys`; nothing here
 parses key names beyond taking the prefix of a meta key that SCAN returned. Sizes are the
 servers' own string lengths (STRLEN of each data key), the TTL is the meta key's PTTL, and
 the age comes from a creation timestamp in the meta hash when the store has one.
@@ -13,8 +13,9 @@ import json
 import time
 from typing import Any, TextIO
 
-from tdstore import _backend, _chunks
-from tdstore._keys import StoreKeys, encode_path
+from tdstore._backend import ops as _backend
+from tdstore._core import chunks as _chunks
+from tdstore._core.keys import StoreKeys, encode_path
 
 __all__ = ["list_store_infos", "store_info", "remove_stores", "format_ls", "format_info", "table"]
 
@@ -133,7 +134,7 @@ async def _scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]
 
 def _run(opts: Any, fn: Any) -> Any:
     """Runs ``fn(client)`` on tdstore's IO loop with a fresh ``redis.asyncio`` client."""
-    from tdstore import _io
+    from tdstore._backend import loop as _io
 
     async def call() -> Any:
         client = opts.async_client()

@@ -3,7 +3,7 @@
 A lazy stack keeps ``N`` tensordicts ("elements") side by side along ``stack_dim``; their
 entries may differ in shape (ragged leaves). The store keeps them under one store id,
 with the meta hash, registry, write version and data keys of :class:`~tdstore.TensorDictStore`
-(layout in :mod:`tdstore._lazy_plan`), so the same rules hold:
+(layout in :mod:`tdstore.lazy.plan`), so the same rules hold:
 
 * the upload, every key change and every write is one atomic server step (the ``commit``
   script, or a WATCH-guarded MULTI / the ``write_runs`` script for element writes);
@@ -25,17 +25,11 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore import _backend, _io
-from tdstore import _lazy_plan as plan
-from tdstore._compat import StoreCompat014
-from tdstore._keys import as_path as _as_path
-from tdstore._keys import new_td_id
-from tdstore._layout_cache import LayoutCache
-from tdstore._lazy_keys import LazyWrites
-from tdstore._lazy_read import LazyReads
-from tdstore._unsupported import StoreUnsupported
-from tdstore._values import is_no_default, order_key
-from tdstore._views import StoreKeysView
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._core.keys import as_path as _as_path
+from tdstore._core.keys import new_td_id
+from tdstore._core.values import is_no_default, order_key
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -44,6 +38,13 @@ from tdstore.errors import (
     StoreNotFoundError,
     UnsupportedOperationError,
 )
+from tdstore.lazy import plan
+from tdstore.lazy.reads import LazyReads
+from tdstore.lazy.writes import LazyWrites
+from tdstore.store.compat import StoreCompat014
+from tdstore.store.layout_cache import LayoutCache
+from tdstore.store.unsupported import StoreUnsupported
+from tdstore.store.views import StoreKeysView
 
 __all__ = ["LazyStackedTensorDictStore"]
 
@@ -485,7 +486,7 @@ for _name in ("fill_", "copy_", "update_", "update_at_", "_stack_onto_", "where"
 
 
 def _unpickle(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> Any:
-    from tdstore._connection import Connection
+    from tdstore._backend.connection import Connection
 
     self = cls.__new__(cls)
     self._init_handle(Connection.from_pickle_state(state["conn"]), state["path"], state["device"], state["cache_metadata"])

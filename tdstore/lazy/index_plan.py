@@ -18,9 +18,10 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec
-from tdstore import _lazy_plan as plan
+from tdstore._backend import ops as _backend
+from tdstore._core import codec as _codec
 from tdstore.errors import CorruptMetadataError, EntryNotFoundError, SchemaError, UnsupportedOperationError
+from tdstore.lazy import plan
 
 if TYPE_CHECKING:
     from tdstore.lazy import LazyStackedTensorDictStore

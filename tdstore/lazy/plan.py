@@ -2,7 +2,7 @@
 
 No I/O. A lazy store keeps the ``N`` stacked tensordicts ("elements") of a
 ``LazyStackedTensorDict`` under one store id, with the usual meta hash, registry and
-data keys (see :mod:`tdstore._keys`). The meta hash also holds ``kind = "lazy"`` and
+data keys (see :mod:`tdstore._core.keys`). The meta hash also holds ``kind = "lazy"`` and
 ``stack_dim``; ``batch_size`` is the full batch size (the stack dim included).
 
 Registry metadata, one JSON object per entry path:
@@ -31,7 +31,9 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _values
+from tdstore._backend import ops as _backend
+from tdstore._core import codec as _codec
+from tdstore._core import values as _values
 from tdstore.errors import CorruptMetadataError, SchemaError
 
 __all__ = [
@@ -150,7 +152,7 @@ class MemberPlanner:
             self.add_node(path, values, owner_bs)
 
     def add_tensor(self, path: tuple[str, ...], values: list[torch.Tensor], owner_bs: torch.Size) -> None:
-        from tdstore._planner import check_tensor
+        from tdstore._core.planner import check_tensor
 
         dtypes = {v.dtype for v in values}
         if len(dtypes) != 1:
@@ -286,7 +288,7 @@ def members_from_value(value: Any, batch_size: torch.Size, stack_dim: int, path:
     if isinstance(value, dict):
         return members_from_value(TensorDict.from_dict(value, batch_size=batch_size), batch_size, stack_dim, path, where)
     elem_bs = batch_size[:stack_dim] + batch_size[stack_dim + 1 :]
-    from tdstore._planner import tensor_like
+    from tdstore._core.planner import tensor_like
 
     if tensor_like(value) and not isinstance(value, (str, bytes)):
         try:

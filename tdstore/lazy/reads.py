@@ -14,11 +14,14 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from tdstore import _backend, _codec, _io, _run_reads
-from tdstore import _lazy_plan as plan
-from tdstore._keys import as_path as _as_path
-from tdstore._values import NO_DEFAULT, is_no_default
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._backend import reads as _run_reads
+from tdstore._core import codec as _codec
+from tdstore._core.keys import as_path as _as_path
+from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import DataLostError, StaleLayoutError, UnsupportedOperationError
+from tdstore.lazy import plan
 
 __all__ = ["LazyReads"]
 

@@ -3,7 +3,7 @@
 Key changes (add, replace, delete, rename) are one ``commit`` each and bump the layout
 version; element writes are byte runs written in one WATCH-guarded MULTI (or the
 ``write_runs`` script) at the layout version they were planned with (see
-:mod:`tdstore._lazy_write`).
+:mod:`tdstore.lazy.index_plan`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _io
-from tdstore import _lazy_plan as plan
-from tdstore._keys import as_path as _as_path
-from tdstore._values import NO_DEFAULT, is_no_default
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._core import codec as _codec
+from tdstore._core.keys import as_path as _as_path
+from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import SchemaError, StaleLayoutError, UnsupportedOperationError
+from tdstore.lazy import plan
 
 if TYPE_CHECKING:
     from tdstore.lazy import LazyStackedTensorDictStore
@@ -53,7 +55,7 @@ class LazyWrites:
         rel = _as_path(key)
         if not isinstance(value, (torch.Tensor, numbers.Number)):
             raise TypeError(f"set_at_ writes a tensor at an index of {rel!r} in {self._where()}, got {type(value).__name__}")
-        from tdstore._lazy_write import OneLeaf
+        from tdstore.lazy.index_plan import OneLeaf
 
         self._write_index(idx, OneLeaf(rel, value))
         return self
@@ -217,7 +219,7 @@ class LazyWrites:
 
     # ------------------------------------------------------------------ element writes
     def _write_index(self, index: Any, value: Any) -> None:
-        from tdstore._lazy_write import plan_index_write
+        from tdstore.lazy.index_plan import plan_index_write
 
         self._ensure_exists()
         conn = self._conn

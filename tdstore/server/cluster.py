@@ -30,7 +30,7 @@ import redis.asyncio.cluster
 import redis.cluster
 import redis.exceptions
 
-from tdstore.server import ServerHandle, _register, _unregister
+from tdstore.server.handle import ServerHandle, _register, _unregister
 
 __all__ = ["ClusterHandle", "start_cluster", "SLOTS"]
 
@@ -167,7 +167,7 @@ class ClusterHandle(ServerHandle):
 
     def node_of_store(self, td_id: str, prefix: str = "tensordict") -> int:
         """The index of the master that holds the store ``td_id`` (all its keys are in one slot)."""
-        from tdstore._keys import StoreKeys
+        from tdstore._core.keys import StoreKeys
 
         return self.node_of_key(StoreKeys(prefix, td_id).meta)
 
@@ -235,7 +235,7 @@ def _address(node: ServerHandle) -> tuple[str, int]:
 
 
 def _start_node(kind: str, startup_timeout: float, node_timeout_ms: int) -> ServerHandle:
-    from tdstore.server import start_server
+    from tdstore.server.start import start_server
 
     last: Exception | None = None
     for _ in range(_PORT_ATTEMPTS):

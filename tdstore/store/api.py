@@ -18,9 +18,13 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _chunks, _codec, _io, _values
-from tdstore._keys import new_td_id
-from tdstore._values import is_no_default
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._core import chunks as _chunks
+from tdstore._core import codec as _codec
+from tdstore._core import values as _values
+from tdstore._core.keys import new_td_id
+from tdstore._core.values import is_no_default
 from tdstore.errors import (
     SchemaError,
 )
@@ -36,7 +40,7 @@ _MISSING = object()
 _MAX_RETRIES = _io.MAX_RETRIES
 
 
-from tdstore._keys import as_path as _as_path  # noqa: E402
+from tdstore._core.keys import as_path as _as_path  # noqa: E402
 
 
 class StoreAPI:
@@ -534,7 +538,7 @@ class StoreAPI:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        from tdstore._connection import Connection
+        from tdstore._backend.connection import Connection
 
         conn = Connection.from_pickle_state(state["conn"])
         self._init_handle(conn, state["path"], state["device"], state["cache_metadata"], state["backend"])
@@ -560,7 +564,7 @@ async def _noop(client: Any) -> None:
 
 
 def _planner(store: Any, layout: _backend.Layout) -> Any:
-    from tdstore._planner import WritePlanner
+    from tdstore._core.planner import WritePlanner
 
     store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
     return WritePlanner(store, layout, inplace=False)

@@ -22,7 +22,7 @@ from typing import Any
 import tensordict
 from tensordict import TensorDict, TensorDictBase
 
-from tdstore._keys import KeyTypeError
+from tdstore._core.keys import KeyTypeError
 from tdstore.errors import UnsupportedOperationError
 
 __all__ = ["NEEDS_COMPAT", "StoreCompat014", "TENSORDICT_VERSION"]

@@ -1,6 +1,6 @@
 """TensorDictStore: a TensorDict whose entries live on a Redis-wire server.
 
-All TensorDict semantics live here; every server operation is in :mod:`tdstore._backend`.
+All TensorDict semantics live here; every server operation is in :mod:`tdstore._backend.ops`.
 The consistency rules (see ``docs/guarantees.md``):
 
 * one logical operation is one atomic server step (the ``commit`` and ``write_runs``
@@ -21,22 +21,19 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _chunks, _codec, _io, _transfer, _values
-from tdstore._compat import StoreCompat014
-from tdstore._connection import Connection, connection_defaults
-from tdstore._io import DEFAULT_TIMEOUT
-from tdstore._keys import as_path as _as_path
-from tdstore._keys import new_td_id
-from tdstore._layout_cache import LayoutCache
-from tdstore._lifetime import LifetimeAPI, ttl_ms
-from tdstore._planner import WritePlanner, check_tensor, flatten_values, tensor_like
-from tdstore._reads import StoreReads
-from tdstore._retry import RetryPolicy
-from tdstore._ring import RingBufferAPI
-from tdstore._store_api import StoreAPI
-from tdstore._unsupported import StoreUnsupported
-from tdstore._values import NO_DEFAULT, is_no_default
-from tdstore._views import StoreKeysView
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._backend import transfer as _transfer
+from tdstore._backend.connection import Connection, connection_defaults
+from tdstore._backend.loop import DEFAULT_TIMEOUT
+from tdstore._backend.retry import RetryPolicy
+from tdstore._core import chunks as _chunks
+from tdstore._core import codec as _codec
+from tdstore._core import values as _values
+from tdstore._core.keys import as_path as _as_path
+from tdstore._core.keys import new_td_id
+from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
+from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -45,6 +42,14 @@ from tdstore.errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
+from tdstore.store.api import StoreAPI
+from tdstore.store.compat import StoreCompat014
+from tdstore.store.layout_cache import LayoutCache
+from tdstore.store.lifetime import LifetimeAPI, ttl_ms
+from tdstore.store.reads import StoreReads
+from tdstore.store.ring import RingBufferAPI
+from tdstore.store.unsupported import StoreUnsupported
+from tdstore.store.views import StoreKeysView
 
 __all__ = ["TensorDictStore"]
 
@@ -740,7 +745,7 @@ class TensorDictStore(
         self._write_index(index, targets, check_batch=None if from_dict else _batch_check(value, self._where()))
 
     def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any], check_batch: Any = None) -> None:
-        from tdstore._index_write import write_index
+        from tdstore.store.index_write import write_index
 
         write_index(self, index, targets, check_batch)
 

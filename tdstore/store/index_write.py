@@ -14,8 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import NonTensorData, NonTensorStack
 
-from tdstore import _backend, _chunks, _codec, _io, _values
-from tdstore._indexing import RowSpans, contiguous_rows, normalize_index, select_rows
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._core import chunks as _chunks
+from tdstore._core import codec as _codec
+from tdstore._core import values as _values
+from tdstore._core.indexing import RowSpans, contiguous_rows, normalize_index, select_rows
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -26,7 +30,7 @@ _MAX_RETRIES = _io.MAX_RETRIES
 
 def _row_payload(value: Any, dtype: torch.dtype, shape: tuple[int, ...], key: tuple[str, ...], where: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        from tdstore._planner import check_tensor  # sparse, nested and meta tensors: a clear TypeError
+        from tdstore._core.planner import check_tensor  # sparse, nested and meta tensors: a clear TypeError
 
         check_tensor(value, key, where)
     tensor = torch.as_tensor(value)

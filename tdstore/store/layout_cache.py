@@ -1,7 +1,7 @@
 """The identity and cached layout of a store handle, shared by TensorDictStore and
 LazyStackedTensorDictStore.
 
-A handle keeps the last layout it read on its :class:`~tdstore._connection.Connection`
+A handle keeps the last layout it read on its :class:`~tdstore._backend.connection.Connection`
 (shared with its nested sub-handles). :meth:`LayoutCache._layout` returns it, or reads it
 again when asked to (or when metadata caching is off); :meth:`LayoutCache._fresh_layout`
 first checks it against the server's layout version (one small round trip). Every layout
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdstore import _backend, _io
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
 from tdstore.errors import DataLostError, FormatVersionError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["LayoutCache"]
@@ -62,7 +63,7 @@ class LayoutCache:
 
     def _check_store_meta(self, layout: _backend.Layout, what: str) -> None:
         """The checks every kind of store makes: the format version, and a registry that is
-        still all there (see :func:`tdstore._backend.registry_lost`). ``what`` names the store."""
+        still all there (see :func:`tdstore._backend.ops.registry_lost`). ``what`` names the store."""
         fmt = layout.meta.get("fmt")
         if fmt != _backend.FORMAT_VERSION:
             raise FormatVersionError(

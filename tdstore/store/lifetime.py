@@ -15,7 +15,8 @@ import numbers
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from tdstore import _backend, _io
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
 from tdstore.errors import StaleLayoutError
 
 if TYPE_CHECKING:

@@ -14,9 +14,14 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore import _backend, _codec, _io, _run_reads, _transfer, _values
-from tdstore._indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
-from tdstore._keys import as_path as _as_path
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._backend import reads as _run_reads
+from tdstore._backend import transfer as _transfer
+from tdstore._core import codec as _codec
+from tdstore._core import values as _values
+from tdstore._core.indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
+from tdstore._core.keys import as_path as _as_path
 from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
 
 __all__ = ["StoreReads"]

@@ -14,7 +14,9 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore import _backend, _codec, _io
+from tdstore._backend import loop as _io
+from tdstore._backend import ops as _backend
+from tdstore._core import codec as _codec
 from tdstore.errors import SchemaError, StaleLayoutError
 
 if TYPE_CHECKING:

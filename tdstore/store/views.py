@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tdstore._keys import as_path
+from tdstore._core.keys import as_path
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore

@@ -44,7 +44,7 @@ from typing import Any
 import lupa.lua51
 import lupa.lua54
 
-from tdstore._scripts import get_script
+from tdstore._backend.scripts import get_script
 from tdstore.errors import LUA_ERRORS, TDStoreError
 
 __all__ = [

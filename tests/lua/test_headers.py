@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tdstore._scripts import get_script, parse_header, script_names
+from tdstore._backend.scripts import get_script, parse_header, script_names
 from tdstore.errors import LUA_ERRORS
 
 pytestmark = pytest.mark.lua

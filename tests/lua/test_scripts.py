@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis.exceptions
 
-from tdstore._scripts import get_script, script_names
+from tdstore._backend.scripts import get_script, script_names
 from tdstore.errors import LUA_ERRORS, translate_response_error
 
 from .shim import (
@@ -30,7 +30,7 @@ from .shim import (
 
 pytestmark = pytest.mark.lua
 
-# keys of the store under test (see tdstore/_keys.py), and of a neighbour store no
+# keys of the store under test (see tdstore/_core/keys.py), and of a neighbour store no
 # script may touch
 META, REG, WV, RING = b"td:{s}:meta", b"td:{s}:reg", b"td:{s}:wv", b"td:{s}:ring"
 OTHER = {

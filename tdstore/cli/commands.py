@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
     stdin = sys.stdin if stdin is None else stdin
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "demo":
-        from tdstore.demo import main as demo_main
+        from tdstore.cli.demo import main as demo_main
 
         return demo_main(args_list[1:])
     parser = build_parser()
@@ -285,12 +285,12 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     try:
         if args.command == "serve":
-            from tdstore._cli_serve import serve
+            from tdstore.cli.serve import serve
 
             return serve(args, out)
         opts = conn_options(args)
         if args.command == "ls":
-            from tdstore._cli_inspect import format_ls, list_store_infos
+            from tdstore.cli.stores import format_ls, list_store_infos
 
             stores = list_store_infos(opts, args.prefix)
             if args.json:
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
                 out.write(format_ls(stores, opts.describe()))
             return 0
         if args.command == "info":
-            from tdstore._cli_inspect import format_info, store_info
+            from tdstore.cli.stores import format_info, store_info
 
             info = store_info(opts, args.prefix or DEFAULT_PREFIX, args.td_id)
             if args.json:
@@ -308,12 +308,12 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
                 out.write(format_info(info))
             return 0
         if args.command == "rm":
-            from tdstore._cli_inspect import remove_stores
+            from tdstore.cli.stores import remove_stores
 
             return remove_stores(opts, args.prefix or DEFAULT_PREFIX, args.td_ids, yes=args.yes,
                                  as_json=args.json, out=out, stdin=stdin)
         if args.command == "bench":
-            from tdstore._cli_bench import run_bench
+            from tdstore.cli.bench import run_bench
 
             return run_bench(opts, args, out)
     except CliError as err:
