@@ -369,8 +369,11 @@ class Connection:
             f"TensorDictStore.from_store(td_id={self.keys.td_id!r}, ...)"
         )
 
-    def run(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None = None, *, idempotent: bool = True) -> T:
+    def run(self, fn: Callable[..., Awaitable[T]], timeout: float | None = None, *, idempotent: bool = True) -> T:
         """Runs ``fn(client)`` on the IO loop and returns its result.
+
+        ``fn`` takes the client as its one positional argument; it is typed ``Callable[..., ...]``
+        because the retry loops pass lambdas that bind their loop variables as defaults.
 
         A connection failure is retried by the store's :class:`~tdstore._backend.retry.RetryPolicy`
         when nothing was sent, or when ``fn`` is idempotent (running it twice leaves the same

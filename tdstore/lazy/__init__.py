@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tdstore.lazy.core import LazyStackedTensorDictStore
-from tdstore.lazy.core import _unpickle  # noqa: F401 - pickles made before tdstore.lazy was a package name it here
+from tdstore.lazy.core import (
+    LazyStackedTensorDictStore,
+    _unpickle,  # noqa: F401 - pickles made before tdstore.lazy was a package name it here
+)
 
 __all__ = ["LazyStackedTensorDictStore"]

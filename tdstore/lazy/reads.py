@@ -22,6 +22,7 @@ from tdstore._core.keys import as_path as _as_path
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import DataLostError, StaleLayoutError, UnsupportedOperationError
 from tdstore.lazy import plan
+from tdstore.store.host import LazyBase
 
 __all__ = ["LazyReads"]
 
@@ -32,7 +33,7 @@ class _Stale(Exception):
     """The bytes were read at another layout version than the one planned with."""
 
 
-class LazyReads:
+class LazyReads(LazyBase):
     """Read methods of :class:`~tdstore.lazy.LazyStackedTensorDictStore`."""
 
     # ------------------------------------------------------------------ reads

@@ -23,9 +23,11 @@ from tdstore._core.keys import as_path as _as_path
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import SchemaError, StaleLayoutError, UnsupportedOperationError
 from tdstore.lazy import plan
+from tdstore.store.host import LazyBase
 
 if TYPE_CHECKING:
-    from tdstore.lazy import LazyStackedTensorDictStore
+    from typing_extensions import Self
+
 
 __all__ = ["LazyWrites"]
 
@@ -33,7 +35,7 @@ _MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
 
 
-class LazyWrites:
+class LazyWrites(LazyBase):
     """Write methods of :class:`~tdstore.lazy.LazyStackedTensorDictStore`."""
 
     # ------------------------------------------------------------------ key writes
@@ -45,13 +47,13 @@ class LazyWrites:
             return
         self._write_index(index, value)
 
-    def _set_str(self, key: Any, value: Any, *, inplace: Any = False, validated: bool = False, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: Any) -> LazyStackedTensorDictStore:
+    def _set_str(self, key: Any, value: Any, *, inplace: Any = False, validated: bool = False, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
         self._set_key(self._path + _as_path(key), value)
         return self
 
     _set_tuple = _set_str
 
-    def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> LazyStackedTensorDictStore:
+    def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
         rel = _as_path(key)
         if not isinstance(value, (torch.Tensor, numbers.Number)):
             raise TypeError(f"set_at_ writes a tensor at an index of {rel!r} in {self._where()}, got {type(value).__name__}")
@@ -65,7 +67,7 @@ class LazyWrites:
     def update(
         self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, *,
         keys_to_update: Any = None, non_blocking: bool = False, **kwargs: Any,
-    ) -> LazyStackedTensorDictStore:
+    ) -> Self:
         """Sets every key of a dict or tensordict of the stack's batch size, in one atomic step."""
         for option in ("is_leaf", "update_batch_size", "ignore_lock"):
             kwargs.pop(option, None)
@@ -130,7 +132,7 @@ class LazyWrites:
         ops.extend(new_ops)
         return ops
 
-    def del_(self, key: Any) -> LazyStackedTensorDictStore:
+    def del_(self, key: Any) -> Self:
         """Deletes an entry (a nested one with all its content) in one atomic step."""
         path = self._path + _as_path(key)
 
@@ -159,7 +161,7 @@ class LazyWrites:
         self.del_(key)
         return value
 
-    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> LazyStackedTensorDictStore:
+    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> Self:
         """Renames an entry on the server (no bytes move through the client), in one atomic step."""
         old = self._path + _as_path(old_key)
         new = self._path + _as_path(new_key)

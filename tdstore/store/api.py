@@ -28,9 +28,11 @@ from tdstore._core.values import is_no_default
 from tdstore.errors import (
     SchemaError,
 )
+from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
-    from tdstore.store import TensorDictStore
+    from typing_extensions import Self
+
 
 __all__ = ["StoreAPI"]
 
@@ -43,7 +45,7 @@ _MAX_RETRIES = _io.MAX_RETRIES
 from tdstore._core.keys import as_path as _as_path  # noqa: E402
 
 
-class StoreAPI:
+class StoreAPI(DenseBase):
     """Whole-store methods of :class:`~tdstore.TensorDictStore`."""
 
     #: the meta hash of a store this handle cleared, to recreate it on the next write
@@ -67,7 +69,7 @@ class StoreAPI:
         batch_dims: int | None = None,
         names: Sequence[str | None] | None = None,
         **kwargs: Any,
-    ) -> TensorDictStore:
+    ) -> Self:
         """Creates a store from a dict or TensorDict, in one atomic upload.
 
         Examples:
@@ -111,7 +113,7 @@ class StoreAPI:
         prefix: str = "tensordict",
         device: Any = None,
         **kwargs: Any,
-    ) -> TensorDictStore:
+    ) -> Self:
         """Uploads a TensorDict (or tensorclass) to a new store: every leaf in one atomic step.
 
         Examples:
@@ -173,7 +175,7 @@ class StoreAPI:
         prefix: str = "tensordict",
         device: Any = None,
         **kwargs: Any,
-    ) -> TensorDictStore:
+    ) -> Self:
         """Creates a store of zero-filled entries, allocated on the server; no tensor bytes are sent.
 
         The whole schema is checked before anything is written, and the store, its
@@ -278,7 +280,7 @@ class StoreAPI:
         prefix: str = "tensordict",
         td_id: str,
         device: Any = None,
-        tensorclass_cls: type | str | None = None,
+        tensorclass_cls: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Connects to an existing store by its ``td_id``; reads batch size, device and tensorclass."""
@@ -323,7 +325,7 @@ class StoreAPI:
         update_batch_size: bool = False,
         ignore_lock: bool = False,
         **kwargs: Any,
-    ) -> TensorDictStore:
+    ) -> Self:
         """Writes every entry of ``input_dict_or_td`` in one atomic step; nested ones merge."""
         if input_dict_or_td is None:
             input_dict_or_td = kwargs
@@ -344,7 +346,7 @@ class StoreAPI:
         non_blocking: bool = False,
         keys_to_update: Sequence[Any] | None = None,
         **kwargs: Any,
-    ) -> TensorDictStore:
+    ) -> Self:
         """Writes into existing entries (shapes checked, dtypes cast), in one atomic step."""
         if input_dict_or_td is None:
             input_dict_or_td = kwargs
@@ -353,7 +355,7 @@ class StoreAPI:
             self._write(items, inplace=True)
         return self
 
-    def del_(self, key: Any) -> TensorDictStore:
+    def del_(self, key: Any) -> Self:
         """Deletes an entry (a nested one with all its content) in one atomic step."""
         path = self._path + _as_path(key)
 
@@ -376,7 +378,7 @@ class StoreAPI:
     def __delitem__(self, key: Any) -> None:
         self.del_(key)
 
-    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> TensorDictStore:
+    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> Self:
         """Renames an entry on the server (no bytes move through the client)."""
         old = self._path + _as_path(old_key)
         new = self._path + _as_path(new_key)
@@ -451,7 +453,7 @@ class StoreAPI:
                     out._set_tuple(path[n:], _TD(batch_size=meta["batch_size"], device=device), inplace=False, validated=True, non_blocking=False)
         return out
 
-    def _sibling_from(self, td: TensorDictBase, *, device: Any = None, names: Any = None) -> TensorDictStore:
+    def _sibling_from(self, td: TensorDictBase, *, device: Any = None, names: Any = None) -> Self:
         cls = type(self)
         conn = self._conn.sibling(new_td_id())
         store = cls._handle(conn, (), torch.device(device) if device is not None else None, self._cache_metadata, self._backend_label)
@@ -461,17 +463,17 @@ class StoreAPI:
         store._create_store(td.batch_size, store._device_override, names, planner.ops, None)
         return store
 
-    def _clone(self, recurse: bool = True, **kwargs: Any) -> TensorDictStore:
+    def _clone(self, recurse: bool = True, **kwargs: Any) -> Self:
         """``clone()``: a new store (new td_id) holding a copy; ``recurse=False``: a new handle."""
         if not recurse:
             return type(self)._handle(self._conn, self._path, self._device_override, self._cache_metadata, self._backend_label)
         td = self.to_tensordict()
         return self._sibling_from(td, device=self._device_override, names=td.names if td._has_names() else None)
 
-    def clone(self, recurse: bool = True, **kwargs: Any) -> TensorDictStore:
+    def clone(self, recurse: bool = True, **kwargs: Any) -> Self:
         return self._clone(recurse, **kwargs)
 
-    def copy(self) -> TensorDictStore:
+    def copy(self) -> Self:
         return self._clone(False)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
@@ -522,7 +524,7 @@ class StoreAPI:
         if meta is not None:
             self._cleared_meta = {str(k): str(v) for k, v in meta.items()}
 
-    def __enter__(self) -> TensorDictStore:
+    def __enter__(self) -> Self:
         return self  # type: ignore[return-value]
 
     def __exit__(self, *exc: Any) -> None:

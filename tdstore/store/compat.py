@@ -24,6 +24,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from tdstore._core.keys import KeyTypeError
 from tdstore.errors import UnsupportedOperationError
+from tdstore.store.host import SharedBase
 
 __all__ = ["NEEDS_COMPAT", "StoreCompat014", "TENSORDICT_VERSION"]
 
@@ -98,7 +99,7 @@ def _unsupported(name: str) -> Callable[..., Any]:
     return method
 
 
-class StoreCompat014:
+class StoreCompat014(SharedBase):
     """Mixin placed before TensorDictBase: the 0.15 behaviour of the store on tensordict 0.14.x."""
 
 

@@ -15,11 +15,12 @@ from typing import Any
 from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore.errors import DataLostError, FormatVersionError, StaleLayoutError, StoreNotFoundError
+from tdstore.store.host import SharedBase
 
 __all__ = ["LayoutCache"]
 
 
-class LayoutCache:
+class LayoutCache(SharedBase):
     """Mixin: the store's identity and layout cache (needs ``_conn``, ``_path``,
     ``_cache_metadata``, ``_not_found()`` and ``_check_layout()`` on the host class)."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore.errors import StaleLayoutError
+from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -54,7 +55,7 @@ def ttl_ms(seconds: Any, where: str) -> int | None:
     return ms
 
 
-class LifetimeAPI:
+class LifetimeAPI(DenseBase):
     """Lifetime methods of :class:`~tdstore.TensorDictStore`."""
 
     def expire(self: TensorDictStore, seconds: float) -> TensorDictStore:  # type: ignore[misc]

@@ -23,6 +23,7 @@ from tdstore._core import values as _values
 from tdstore._core.indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
+from tdstore.store.host import DenseBase
 
 __all__ = ["StoreReads"]
 
@@ -43,7 +44,7 @@ def _large_sizes(layout: _backend.Layout, paths: list[tuple[str, ...]]) -> dict[
     return out
 
 
-class StoreReads:
+class StoreReads(DenseBase):
     """Read methods of :class:`~tdstore.TensorDictStore`."""
 
     def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:

@@ -18,6 +18,7 @@ from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
 from tdstore.errors import SchemaError, StaleLayoutError
+from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -48,7 +49,7 @@ async def _extend(client: Any, conn: Any, groups: list[tuple[tuple[str, ...], in
     return int(await conn.runner.call(client, "extend", keys, args))
 
 
-class RingBufferAPI:
+class RingBufferAPI(DenseBase):
     """Ring-buffer methods of :class:`~tdstore.TensorDictStore` (a mixin)."""
 
     def extend(self: TensorDictStore, td: Any) -> torch.Tensor:  # type: ignore[misc]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from tdstore.errors import UnsupportedOperationError
+from tdstore.store.host import SharedBase
 
 __all__ = ["StoreUnsupported"]
 
@@ -38,7 +39,7 @@ def _unsupported(name: str, hint: str) -> Any:
     return method
 
 
-class StoreUnsupported:
+class StoreUnsupported(SharedBase):
     """Mixin: methods of TensorDictBase that raise on a store, each naming the alternative."""
 
     def _where(self) -> str:  # overridden by the store
