@@ -9,8 +9,8 @@ Test ids:
 
 * ``test_doc_file[<server>-README.md]``, ``test_doc_file[<server>-docs/guide.md]``, ...:
   one per Markdown file (code fences are blanked out before parsing);
-* ``test_docstring[<server>-tdstore.store.TensorDictStore]``, ...: one per docstring
-  with examples in :mod:`tdstore`, :mod:`tdstore.store` and :mod:`tdstore.store.api`;
+* ``test_docstring[<server>-tdstore.store.core.TensorDictStore]``, ...: one per docstring
+  with examples in any module of the package (found by walking it, not from a list);
 * ``test_api_text[<server>-from_schema]``, ...: one per method of the fixed API text
   (``shared/api/TensorDictStore.txt``), whose examples import
   ``from tensordict.store import TensorDictStore``; they run with that line replaced by
@@ -23,16 +23,17 @@ keys on the server fails too: the docs teach ``clear_redis()``.
 from __future__ import annotations
 
 import doctest
+import importlib
+import pkgutil
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 import tdstore
-import tdstore.store
-import tdstore.store.api
 from tdstore.server import ServerHandle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,9 @@ API_TEXT = Path(__file__).resolve().parents[2] / "shared" / "api" / "TensorDictS
 API_IMPORT = "from tensordict.store import TensorDictStore"
 OUR_IMPORT = "from tdstore import TensorDictStore"
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
-DOCSTRING_MODULES = (tdstore, tdstore.store, tdstore.store.api)
+#: Modules that import an optional dependency (module -> what it needs): their docstrings run in
+#: the environment that has it (tdstore.torchrl: the tensordict 0.14.3 + TorchRL step of .ci/run).
+OPTIONAL_MODULES = {"tdstore.torchrl": "torchrl"}
 
 # Markdown files that must hold examples (a file that loses all of them fails).
 MUST_HAVE_EXAMPLES = {"README.md", "docs/guide.md", "docs/api.md", "docs/guarantees.md", "docs/limits.md"}
@@ -55,10 +58,23 @@ def _markdown_files() -> list[str]:
     return [f for f in files if (ROOT / f).is_file()] or ["README.md"]
 
 
+def _package_modules() -> list[ModuleType]:
+    """Every module of the tdstore package (an optional dependency that is missing skips its module)."""
+    modules = [tdstore]
+    for info in pkgutil.walk_packages(tdstore.__path__, "tdstore."):
+        try:
+            modules.append(importlib.import_module(info.name))
+        except ImportError as exc:
+            needs = OPTIONAL_MODULES.get(info.name)
+            if needs is None or needs not in str(exc):
+                raise
+    return modules
+
+
 def _docstring_tests() -> list[doctest.DocTest]:
     finder = doctest.DocTestFinder(exclude_empty=True)
     tests: list[doctest.DocTest] = []
-    for module in DOCSTRING_MODULES:
+    for module in _package_modules():
         tests.extend(t for t in finder.find(module) if t.examples)
     return sorted(tests, key=lambda t: t.name)
 
