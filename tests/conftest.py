@@ -20,7 +20,7 @@ Fixtures
     ``redis-tls`` and ``redis-acl`` alone, session-scoped. ``tls_files`` gives the
     certificate files (and a second, unrelated CA) of the session.
 ``wire``
-    ``wire(handle) -> {key: (type, value)}``, see ``tests/_wire.py``.
+    ``wire(handle) -> {key: (type, value)}``, see ``tdstore/testing/wire.py``.
 
 Every handle above is shared by the session; the keyspace is flushed after
 each test that used one, and a shared server that the test stopped (or that
@@ -54,9 +54,8 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:  # so `import _wire` works under any --import-mode
     sys.path.insert(0, _TESTS_DIR)
 
-from _wire import WireSnapshot, wire_snapshot  # noqa: E402
-
 from tdstore.server import ServerHandle, ServerNotFoundError, TLSFiles, start_server  # noqa: E402
+from tdstore.testing.wire import WireSnapshot, wire_snapshot  # noqa: E402
 
 ALL_BACKENDS: tuple[str, ...] = ("fakeredis", "redis", "valkey", "redis6")
 REAL_BACKENDS: tuple[str, ...] = ("redis", "valkey", "redis6")
@@ -107,15 +106,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="LIST",
         help=f"comma-separated backends to run `server` tests on (default: {','.join(ALL_BACKENDS)})",
     )
-    group.addoption(
-        "--server-url",
-        action="store",
-        default=None,
-        metavar="URL",
-        help="run `server`/`real_server` tests against this external loopback or unix-socket "
-        "server (redis://127.0.0.1:PORT/DB or unix:///path?db=N) instead of private ones; "
-        "its selected DB is FLUSHDB'ed after every test",
-    )
+    # --server-url (an external server instead of private ones) is the option of tdstore's pytest
+    # plugin (tdstore/testing/plugin.py); the fixtures here read it
 
 
 _BACKENDS_KEY = pytest.StashKey[tuple[str, ...]]()
@@ -206,6 +198,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     external = config.getoption("--server-url", default=None) is not None
     backends = _selected_backends(config)
+    setting = getattr(metafunc.cls, "server_kind", None)
+    if setting is not None:  # a setting of the conformance suite (tdstore.testing): its one server
+        _parametrize_setting(metafunc, setting, external, backends)
+        return
     secure = [k for k in SECURE_KINDS if k in backends or k.split("-")[0] in backends]
     for argname, universe in (
         ("server", ALL_BACKENDS + SECURE_KINDS),
@@ -221,6 +217,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         # An empty list makes pytest skip the test ("got empty parameter set"),
         # which only happens when --backends excluded every real backend.
         metafunc.parametrize(argname, kinds, indirect=True, ids=kinds, scope="function")
+
+
+def _parametrize_setting(metafunc: pytest.Metafunc, kind: str, external: bool, backends: tuple[str, ...]) -> None:
+    """``server`` (and ``real_server``) of a suite class: its ``server_kind``, when --backends selects it.
+
+    A secured kind or the cluster counts as selected with its base kind (``redis-tls`` with ``redis``).
+    """
+    selected = kind in backends or kind.split("-")[0] in backends or (kind == CLUSTER and "redis" in backends)
+    kinds = [EXTERNAL] if external else ([kind] if selected else [])
+    for argname in ("server", "real_server"):
+        if argname in metafunc.fixturenames and not _directly_parametrized(metafunc, argname):
+            metafunc.parametrize(argname, kinds, indirect=True, ids=kinds, scope="function")
 
 
 # --------------------------------------------------------------------------- #
@@ -578,7 +586,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
     """Prints the violation counts recorded by the race and fault tests."""
-    from _counts import COUNTS, TOTALS
+    from tdstore.testing.counts import COUNTS, TOTALS
 
     lines = config.stash.get(COUNTS, [])
     if lines:

@@ -26,11 +26,11 @@ import pytest
 import redis
 import redis.asyncio
 import torch
-from _counts import add_cases, record
 from tensordict import NonTensorData, TensorDict
 
 import tdstore
 from tdstore import TensorDictStore
+from tdstore.testing.counts import add_cases, record
 
 N = 4
 _MISSING = object()

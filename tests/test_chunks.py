@@ -19,8 +19,6 @@ import _race_workers as w
 import pytest
 import redis
 import torch
-from _counts import record as _record
-from _gen import rand_tensor
 from tensordict import NonTensorStack, TensorDict
 
 import tdstore
@@ -28,6 +26,8 @@ from tdstore import TensorDictStore
 from tdstore._core import chunks as _chunks
 from tdstore._core.chunks import Chunking, chunk_size, pieces
 from tdstore.server import start_server
+from tdstore.testing.counts import record as _record
+from tdstore.testing.strategies import rand_tensor
 
 DTYPES = [torch.bool, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.complex64]
 

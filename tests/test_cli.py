@@ -200,7 +200,7 @@ def test_info_of_a_missing_or_invalid_store(real_server: ServerHandle, monkeypat
 def test_rm_asks_first_and_deletes_only_what_was_confirmed(
     real_server: ServerHandle, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from _wire import wire_snapshot
+    from tdstore.testing.wire import wire_snapshot
 
     password_env(real_server, monkeypatch)
     first, second = make_stores(real_server)

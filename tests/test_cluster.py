@@ -2,11 +2,10 @@
 
 Three parts:
 
-* the conformance suite on the cluster: the tests of ``test_store_core``,
-  ``test_store_differential``, ``test_index_property``, ``test_store_errors`` and
-  ``test_races`` listed below run again with ``server`` (or ``race_server``) being the
-  cluster (``cluster_server`` in conftest: started once per session, flushed on every
-  master after each test);
+* the conformance suite on the cluster: ``TestCluster``, the setting of
+  :class:`tdstore.testing.TensorDictStoreTests` whose ``server`` is the cluster
+  (``cluster_server`` in conftest: started once per session, flushed on every master after
+  each test); the race tests marked ``ALSO_ON_CLUSTER`` in ``test_races`` run on it too;
 * what is particular to a cluster: stores spread over the masters, each store on one
   master; a RedisCluster client or ``cluster_nodes=`` accepted, bad settings refused;
   resharding (MOVED, ASK/TRYAGAIN during a slot migration); scripts reloaded per node;
@@ -18,29 +17,20 @@ Three parts:
 
 from __future__ import annotations
 
-import inspect
 import random
 import threading
 import time
-import types
 import uuid
 
 import pytest
-import test_index_property as index_property
-import test_races as races
-import test_store_core as core
-import test_store_differential as differential
-import test_store_errors as errors
 import torch
-from _counts import record as _record
 from tensordict import TensorDict
-from test_races import pool  # noqa: F401 - fixture of the race tests (spawned worker processes)
-from test_store_core import make  # noqa: F401 - fixture of the core tests
-from test_store_errors import filled  # noqa: F401 - fixture of the error tests
 
 from tdstore import ClientConfigError, ShardedStore, StoreExistsError, StoreNotFoundError, TensorDictStore
 from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
+from tdstore.testing import TensorDictStoreTests
+from tdstore.testing.counts import record as _record
 
 ON_CLUSTER = pytest.mark.parametrize("server", ["cluster"], indirect=True)
 
@@ -49,76 +39,20 @@ ON_CLUSTER = pytest.mark.parametrize("server", ["cluster"], indirect=True)
 # ---------------------------------------------------------------------------------------------
 
 
-def _on_cluster(fn, *, on_server=True, **subsets):
-    """A copy of test function ``fn`` whose ``server`` is the cluster (``on_server``).
+class TestCluster(TensorDictStoreTests):
+    """The conformance suite with ``server`` the cluster (fewer random stores than one server)."""
 
-    ``subsets`` narrows other parametrised arguments: ``seed=range(8)`` keeps those values.
-    """
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__dict__.update(fn.__dict__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    marks = []
-    for mark in getattr(fn, "pytestmark", []):
-        argname = mark.args[0] if mark.name == "parametrize" else None
-        if argname in subsets:
-            keep = list(subsets[argname])
-            mark = pytest.mark.parametrize(argname, [v for v in mark.args[1] if v in keep]).mark
-        marks.append(mark)
-    copy.pytestmark = [*marks, ON_CLUSTER.mark] if on_server else marks
-    return copy
-
-
-#: Core tests that build connection kwargs from host/port (a helper of test_store_core); the
-#: same features (from_store, tensorclass reconnect) are tested on the cluster below.
-_CORE_SKIP = {"test_from_store", "test_tensorclass_round_trip"}
-
-
-def _class_on_cluster(base):
-    namespace = {}
-    for name, fn in vars(base).items():
-        if not name.startswith("test_") or not callable(fn):
-            continue
-        params = inspect.signature(fn).parameters
-        uses_server = "server" in params or "make" in params
-        # None hides the inherited test: those without `server` run elsewhere already
-        namespace[name] = _on_cluster(fn) if uses_server and name not in _CORE_SKIP else None
-    return type(f"{base.__name__}OnCluster", (base,), namespace)
-
-
-TestConstructorOnCluster = _class_on_cluster(core.TestConstructor)
-TestEntriesOnCluster = _class_on_cluster(core.TestEntries)
-TestWholeStoreOnCluster = _class_on_cluster(core.TestWholeStore)
-TestConsistencyOnCluster = _class_on_cluster(core.TestConsistency)
-
-test_differential_whole_entries = _on_cluster(differential.test_differential_whole_entries, seed=range(6))
-test_index_reads_and_writes_match_tensordict = _on_cluster(
-    index_property.test_index_reads_and_writes_match_tensordict, config=range(8)
-)
-test_duplicate_indices_last_write_wins = _on_cluster(index_property.test_duplicate_indices_last_write_wins)
-test_index_write_creates_missing_keys_zero_filled = _on_cluster(
-    index_property.test_index_write_creates_missing_keys_zero_filled
-)
-test_non_tensor_elements_written_at_an_index_match_tensordict = _on_cluster(
-    index_property.test_non_tensor_elements_written_at_an_index_match_tensordict, seed=range(2)
-)
-test_bad_input_leaves_the_server_unchanged = _on_cluster(errors.test_bad_input_leaves_the_server_unchanged)
-test_closed_store = _on_cluster(errors.test_closed_store)
-test_unknown_td_id_and_malformed_td_id = _on_cluster(errors.test_unknown_td_id_and_malformed_td_id)
-test_wrong_batch_size_for_existing_td_id = _on_cluster(errors.test_wrong_batch_size_for_existing_td_id)
-test_corrupt_metadata_is_reported = _on_cluster(errors.test_corrupt_metadata_is_reported)
-
-
-@pytest.fixture
-def race_server(cluster_server):
-    """The race tests' server, here the cluster (their workers reconnect with cluster_nodes=)."""
-    return cluster_server
-
-
-test_disjoint_rows_never_revert = _on_cluster(races.test_disjoint_rows_never_revert, on_server=False, mode=["list"])
-test_overlapping_rows_never_torn = _on_cluster(races.test_overlapping_rows_never_torn, on_server=False)
-test_read_modify_write_loses_no_update = _on_cluster(races.test_read_modify_write_loses_no_update, on_server=False)
-test_concurrent_appends_get_disjoint_rows = _on_cluster(races.test_concurrent_appends_get_disjoint_rows, on_server=False)
-test_fork_dataloader_workers = _on_cluster(races.test_fork_dataloader_workers, on_server=False)
+    server_kind = "cluster"
+    index_configs = 8
+    differential_seeds = 6
+    nontensor_seeds = 2
+    # they take host/port/db/unix_socket_path of one server (a cluster has one db and no socket)
+    test_redis_kwargs_pass_through = None
+    test_db_argument = None
+    test_unix_socket = None
+    # they lower proto-max-bulk-len with CONFIG SET on one node: tests/test_limits.py covers it
+    test_oversize_value_is_refused_before_sending = None
+    test_failed_from_tensordict_leaves_nothing = None
 
 
 # ---------------------------------------------------------------------------------------------

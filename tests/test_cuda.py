@@ -9,11 +9,11 @@ import random
 
 import pytest
 import torch
-from _counts import record
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
 from tdstore._backend import large as _large
+from tdstore.testing.counts import record
 
 pytestmark = pytest.mark.cuda
 

@@ -13,13 +13,13 @@ import time
 
 import pytest
 import torch
-from _counts import record
 from tensordict import TensorDict
 
 import tdstore
 from tdstore import TensorDictStore
 from tdstore._core.indexing import RowSpans, contiguous_rows, select_rows
 from tdstore.server import start_server
+from tdstore.testing.counts import record
 
 ROW = (32, 32)  # 4096 bytes of float32 per row: runs large enough for the armed (SETRANGE) path
 

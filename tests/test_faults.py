@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _counts import record
 from tensordict import TensorDict
 
 import tdstore
 from tdstore import TensorDictStore
 from tdstore.server import start_server
+from tdstore.testing.counts import record
 
 
 @pytest.mark.parametrize("kind", ["redis", "valkey", "redis6"])

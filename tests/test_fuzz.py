@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from _counts import add_cases, record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
+from tdstore.testing.counts import add_cases, record
 
 BATCH = (5, 3)
 #: per backend; TDSTORE_FUZZ_EXAMPLES=2000 for a deeper run outside CI

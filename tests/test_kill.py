@@ -16,7 +16,8 @@ import time
 
 import _kill_workers as kw
 import pytest
-from _counts import record
+
+from tdstore.testing.counts import record
 
 pytestmark = pytest.mark.multiprocess
 

@@ -18,12 +18,12 @@ import time
 
 import pytest
 import torch
-from _counts import record
 
 from tdstore import TensorDictStore
 from tdstore._backend import large as _large
 from tdstore._backend import ops as _backend
 from tdstore._core.codec import DTYPE_BY_NAME
+from tdstore.testing.counts import record
 
 
 @pytest.fixture

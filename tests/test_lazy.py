@@ -19,10 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _counts import add_cases
-from _gen import rand_tensor
 from _lazy_workers import describe
-from _wire import wire_snapshot
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tdstore import (
@@ -34,6 +31,9 @@ from tdstore import (
 )
 from tdstore._core.codec import DTYPE_BY_NAME
 from tdstore.lazy.plan import split_index
+from tdstore.testing.counts import add_cases
+from tdstore.testing.strategies import rand_tensor
+from tdstore.testing.wire import wire_snapshot
 
 DTYPES = list(DTYPE_BY_NAME.values())
 SEEDS = list(range(8))
@@ -564,7 +564,7 @@ def test_concurrent_element_writes_never_torn(real_server, tmp_path: Path, reque
     """
     import time
 
-    from _counts import record
+    from tdstore.testing.counts import record
 
     n, count = 6, 40
     members = [TensorDict({"a": torch.zeros(j + 1, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.long)}, []) for j in range(n)]
@@ -690,7 +690,7 @@ def test_update_and_recreate_after_clear(server) -> None:
 @pytest.mark.multiprocess
 def test_concurrent_inplace_math_loses_no_update(real_server, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Two processes each run ``store.add_(1)`` 15 times on a ragged stack: every increment lands."""
-    from _counts import record
+    from tdstore.testing.counts import record
 
     count = 15
     members = [TensorDict({"a": torch.zeros(j + 1, dtype=torch.long)}, []) for j in range(3)]

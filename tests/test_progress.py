@@ -20,13 +20,13 @@ import time
 
 import pytest
 import torch
-from _counts import record
 from tensordict import TensorDict
 
 import tdstore
 from tdstore import StoreExistsError, TensorDictStore
 from tdstore._backend import transfer as _transfer
 from tdstore._core import progress as _progress
+from tdstore.testing.counts import record
 
 
 class TTY(io.StringIO):

@@ -16,10 +16,10 @@ from concurrent.futures import ProcessPoolExecutor
 import _race_workers as w
 import pytest
 import torch
-from _counts import record as _record
 from tensordict import NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
+from tdstore.testing.counts import record as _record
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,8 +29,15 @@ DURATION = 1.5
 
 @pytest.fixture(params=["redis", "valkey"])
 def race_server(request):
-    """The real servers the race tests run on: redis-server 7 and valkey-server 8."""
+    """The real servers the race tests run on: redis-server 7 and valkey-server 8 (and, for the
+    tests marked ``ALSO_ON_CLUSTER``, a local 3-master Redis Cluster: the workers reconnect with
+    ``cluster_nodes=``)."""
+    if request.param == "cluster":
+        return request.getfixturevalue("cluster_server")
     return request.getfixturevalue(f"{request.param}_server")
+
+
+ALSO_ON_CLUSTER = pytest.mark.parametrize("race_server", ["redis", "valkey", "cluster"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +49,7 @@ def pool():
         yield executor
 
 
+@ALSO_ON_CLUSTER
 @pytest.mark.parametrize("mode", ["int", "slice", "list", "mask"])
 def test_disjoint_rows_never_revert(race_server, pool, request, mode):
     conn = race_server.connection_kwargs()
@@ -59,6 +67,7 @@ def test_disjoint_rows_never_revert(race_server, pool, request, mode):
     store.close()
 
 
+@ALSO_ON_CLUSTER
 def test_overlapping_rows_never_torn(race_server, pool, request):
     conn = race_server.connection_kwargs()
     # 8 KB obs rows take the WATCH-guarded MULTI path, 32 B act rows the Lua path, in one step
@@ -116,6 +125,7 @@ def test_concurrent_new_keys_all_visible(race_server, pool, request):
     store.close()
 
 
+@ALSO_ON_CLUSTER
 def test_read_modify_write_loses_no_update(race_server, pool, request):
     conn = race_server.connection_kwargs()
     store = TensorDictStore(batch_size=[4], **conn)
@@ -149,6 +159,7 @@ def test_lock_stops_every_process(race_server, pool, request):
     store.close()
 
 
+@ALSO_ON_CLUSTER
 def test_concurrent_appends_get_disjoint_rows(race_server, pool, request):
     conn = race_server.connection_kwargs()
     count, rows = 20, 3
@@ -203,6 +214,7 @@ def test_sigkill_mid_write_leaves_all_or_nothing(race_server, request):
     store.close()
 
 
+@ALSO_ON_CLUSTER
 def test_fork_dataloader_workers(race_server, request):
     from torch.utils.data import DataLoader, Dataset
 

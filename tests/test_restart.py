@@ -14,12 +14,12 @@ import time
 
 import pytest
 import torch
-from _counts import record
 from tensordict import TensorDict
 
 import tdstore
 from tdstore import RetryPolicy, TensorDictStore
 from tdstore.server import ServerHandle, start_server
+from tdstore.testing.counts import record
 
 AOF = {"appendonly": "yes", "appendfsync": "always"}
 

@@ -21,7 +21,6 @@ import fakeredis.aioredis
 import pytest
 import redis
 import redis.asyncio
-from _wire import WireSnapshot
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -32,6 +31,7 @@ from tdstore.server import (
     find_server_binary,
     start_server,
 )
+from tdstore.testing.wire import WireSnapshot
 
 REAL = ("redis", "valkey", "redis6")
 ALL = ("fakeredis", *REAL)

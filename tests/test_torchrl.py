@@ -23,11 +23,11 @@ from typing import Any
 import _torchrl_workers as w
 import pytest
 import torch
-from _counts import record as _record
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
 from tdstore.errors import SchemaError
+from tdstore.testing.counts import record as _record
 
 NPROC = 3  # writers; one more process samples
 

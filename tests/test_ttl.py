@@ -12,10 +12,10 @@ import time
 
 import pytest
 import torch
-from _counts import record
 from tensordict import TensorDict
 
 from tdstore import StoreNotFoundError, TensorDictStore
+from tdstore.testing.counts import record
 
 
 @pytest.fixture

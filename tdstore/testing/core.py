@@ -1,7 +1,7 @@
-"""Conformance suite of TensorDictStore: the documented API, on every backend.
+"""The documented API of TensorDictStore: constructors, entries, whole-store methods, consistency.
 
-Every test takes the ``server`` fixture, so it runs on fakeredis, redis-server 7,
-valkey-server 8 and redis-server 6.2. Wire state is checked with a plain client.
+Parts of :class:`tdstore.testing.TensorDictStoreTests`: every test takes the ``server`` fixture of
+the setting that runs the suite. Wire state is checked with a plain client.
 """
 
 from __future__ import annotations
@@ -9,35 +9,16 @@ from __future__ import annotations
 import json
 import pickle
 import warnings
+from typing import Any
 
 import pytest
 import torch
-from _classes import Point
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import tdstore
 from tdstore import TensorDictStore
 from tdstore._core.codec import DTYPE_BY_NAME
-
-
-@pytest.fixture
-def make(server):
-    """Creates stores on the test's server and closes them at the end."""
-    created = []
-
-    def factory(*, cls_method=None, **kwargs):
-        conn = server.connection_kwargs()
-        conn.update(kwargs.pop("conn", {}))
-        if cls_method is None:
-            store = TensorDictStore(**conn, **kwargs)
-        else:
-            store = getattr(TensorDictStore, cls_method)(**conn, **kwargs)
-        created.append(store)
-        return store
-
-    yield factory
-    for store in created:
-        store.close()
+from tdstore.testing.classes import Point
 
 
 def _keys(server):
@@ -64,7 +45,7 @@ def _equal(a, b):
 
 
 # ------------------------------------------------------------------ constructor
-class TestConstructor:
+class ConstructorTests:
     def test_default_batch_size_and_repr(self, make):
         store = make()
         assert store.batch_size == torch.Size([])
@@ -160,7 +141,7 @@ class TestConstructor:
 
 
 # ------------------------------------------------------------------ entries
-class TestEntries:
+class EntryTests:
     @pytest.mark.parametrize("name", sorted(DTYPE_BY_NAME))
     def test_every_dtype_round_trips(self, make, name):
         dtype = DTYPE_BY_NAME[name]
@@ -386,7 +367,7 @@ class TestEntries:
 
 
 # ------------------------------------------------------------------ whole-store
-class TestWholeStore:
+class WholeStoreTests:
     def test_to_tensordict(self, make):
         store = make(batch_size=[3])
         store["a"] = torch.arange(3)
@@ -448,7 +429,7 @@ class TestWholeStore:
     def test_from_schema_zero_fills_on_the_server(self, make, server, monkeypatch):
         from tdstore._backend import ops as _backend
 
-        sent = []
+        sent: list[Any] = []
         original = _backend.commit
 
         async def spy(client, keys, runner, ops, **kwargs):
@@ -497,10 +478,10 @@ class TestWholeStore:
             TensorDictStore.from_schema(schema, batch_size=[3], **server.connection_kwargs())
         assert wire(server) == before
 
-    def test_from_store(self, make):
+    def test_from_store(self, make, server):
         store = make(batch_size=[3], device="cpu")
         store["a"] = torch.arange(3)
-        again = TensorDictStore.from_store(td_id=store.td_id, **_conn(store, make))
+        again = TensorDictStore.from_store(td_id=store.td_id, **_conn(store, server))
         assert again.batch_size == torch.Size([3]) and torch.equal(again["a"], torch.arange(3))
         again.close()
 
@@ -511,15 +492,15 @@ class TestWholeStore:
         assert isinstance(info.value, KeyError)
         assert wire(server) == before
 
-    def test_tensorclass_round_trip(self, make):
-        point = Point(pos=torch.randn(4, 3), mass=torch.ones(4), batch_size=[4])
+    def test_tensorclass_round_trip(self, make, server):
+        point = Point(pos=torch.randn(4, 3), mass=torch.ones(4), batch_size=[4])  # type: ignore[call-arg]
         store = make(cls_method="from_tensordict", td=point)
-        again = TensorDictStore.from_store(td_id=store.td_id, **_conn(store, make))
+        again = TensorDictStore.from_store(td_id=store.td_id, **_conn(store, server))
         assert isinstance(again, Point)
         assert torch.equal(again.pos, point.pos)
-        plain = TensorDictStore.from_store(td_id=store.td_id, tensorclass_cls=None, **_conn(store, make))
+        plain = TensorDictStore.from_store(td_id=store.td_id, tensorclass_cls=None, **_conn(store, server))
         assert isinstance(plain, Point)  # None means "use the stored class"
-        explicit = TensorDictStore.from_store(td_id=store.td_id, tensorclass_cls="_classes.Point", **_conn(store, make))
+        explicit = TensorDictStore.from_store(td_id=store.td_id, tensorclass_cls="tdstore.testing.classes.Point", **_conn(store, server))
         assert isinstance(explicit, Point)
 
     def test_pickle_reconnects(self, make, server):
@@ -599,7 +580,7 @@ class TestWholeStore:
 
 
 # ------------------------------------------------------------------ consistency
-class TestConsistency:
+class ConsistencyTests:
     def test_layout_version_bumps_only_on_layout_changes(self, make, server):
         store = make(batch_size=[2])
         client = server.sync_client()
@@ -667,25 +648,14 @@ class TestConsistency:
         assert torch.equal(other["b"], torch.tensor([5.0, 1.0]))
 
 
-def _conn(store, make):
+def _conn(store, server):
     """Connection kwargs of the server a store lives on (fakeredis: a client on the same server)."""
-    conn = store._conn
-    kw = conn._conn_kwargs
+    kw = store._conn._conn_kwargs
     if "server" in kw:
         import fakeredis.aioredis
 
         return {"client": fakeredis.aioredis.FakeRedis(server=kw["server"])}
-    if "path" in kw:
-        return {"unix_socket_path": kw["path"]}
-    return {"host": kw["host"], "port": kw["port"]}
-
-
-def test_version_and_exports():
-    assert tdstore.__version__
-    for name in ("TensorDictStore", "TDStoreError", "StoreNotFoundError", "StoreClosedError"):
-        assert hasattr(tdstore, name)
-    assert issubclass(tdstore.StoreNotFoundError, KeyError)
-    assert issubclass(tdstore.EntryTooLargeError, __import__("redis").exceptions.ResponseError)
+    return server.connection_kwargs()
 
 
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
-from _gen import rand_tensor
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
+from tdstore.testing.strategies import rand_tensor
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
 ]  # fmt: skip
-SEEDS = range(40)
 
 
 
@@ -79,9 +77,8 @@ def random_op(rng: random.Random, store: TensorDictStore, ref: TensorDict) -> st
         store.del_(key)
         ref.del_(key)
     elif op == "rename":
-        new = rand_key(rng)
-        if isinstance(key, tuple):
-            new = key[:-1] + (new,)
+        name = rand_key(rng)
+        new: str | tuple[str, ...] = key[:-1] + (name,) if isinstance(key, tuple) else name
         if new in ref.keys(True):
             return "rename skipped"
         store.rename_key_(key, new)
@@ -134,30 +131,6 @@ def rand_index(rng: random.Random, batch: tuple[int, ...]):
     return torch.tensor(rng.sample(range(n), rng.randint(1, n)))
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_differential_whole_entries(server, seed):
-    rng = random.Random(seed)
-    batch = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
-    ref = rand_td(rng, batch)
-    if seed % 2:
-        store = TensorDictStore.from_tensordict(ref, **server.connection_kwargs())
-    else:
-        store = TensorDictStore(batch_size=batch, **server.connection_kwargs())
-        for key, value in ref.items():
-            store[key] = value
-    try:
-        assert_same(store, ref)
-        log = []
-        for _ in range(8):
-            log.append(random_op(rng, store, ref))
-            assert_same(store, ref)
-        again = TensorDictStore.from_store(td_id=store.td_id, **_same_server(server, store))
-        assert_same(again, ref)
-        again.close()
-    finally:
-        store.close()
-
-
 def _same_server(server, store):
     kw = store._conn._conn_kwargs
     if "server" in kw:
@@ -165,3 +138,30 @@ def _same_server(server, store):
 
         return {"client": fakeredis.aioredis.FakeRedis(server=kw["server"])}
     return server.connection_kwargs()
+
+
+class DifferentialTests:
+    """Random whole-entry operations on a store and on a TensorDict, compared after every step."""
+
+    def test_differential_whole_entries(self, server, diff_seed):
+        seed = diff_seed  # parametrised by the suite: range(differential_seeds)
+        rng = random.Random(seed)
+        batch = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        ref = rand_td(rng, batch)
+        if seed % 2:
+            store = TensorDictStore.from_tensordict(ref, **server.connection_kwargs())
+        else:
+            store = TensorDictStore(batch_size=batch, **server.connection_kwargs())
+            for key, value in ref.items():
+                store[key] = value
+        try:
+            assert_same(store, ref)
+            log = []
+            for _ in range(8):
+                log.append(random_op(rng, store, ref))
+                assert_same(store, ref)
+            again = TensorDictStore.from_store(td_id=store.td_id, **_same_server(server, store))
+            assert_same(again, ref)
+            again.close()
+        finally:
+            store.close()

@@ -1,4 +1,5 @@
-"""Violation counts of the race and fault tests, printed at the end of the run."""
+"""Violation and case counts of the race, fault and property tests, printed at the end of the run
+(by ``pytest_terminal_summary`` in the repository's ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
