@@ -12,7 +12,7 @@ Test ids:
 * ``test_docstring[<server>-tdstore.store.TensorDictStore]``, ...: one per docstring
   with examples in :mod:`tdstore`, :mod:`tdstore.store` and :mod:`tdstore.store.api`;
 * ``test_api_text[<server>-from_schema]``, ...: one per method of the fixed API text
-  (``shared/api/TensorDictStore.txt``), whose examples import
+  (``tests/data/api/TensorDictStore.txt``, a copy kept in the repository), whose examples import
   ``from tensordict.store import TensorDictStore``; they run with that line replaced by
   ``from tdstore import TensorDictStore``, and nothing else changed.
 
@@ -36,7 +36,7 @@ import tdstore.store.api
 from tdstore.server import ServerHandle
 
 ROOT = Path(__file__).resolve().parents[1]
-API_TEXT = Path(__file__).resolve().parents[2] / "shared" / "api" / "TensorDictStore.txt"
+API_TEXT = ROOT / "tests" / "data" / "api" / "TensorDictStore.txt"
 API_IMPORT = "from tensordict.store import TensorDictStore"
 OUR_IMPORT = "from tdstore import TensorDictStore"
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
