@@ -168,7 +168,7 @@ def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
             "scripts run, but the server does not take script flags (#!lua; Redis 6, KeyDB): tdstore sends its "
             "scripts without them, so read-only scripts cannot run on replicas (EVAL_RO)",
             None if flags else "upgrade to Redis 7+ or Valkey 7+ for script flags"))
-        items.append(_item("lua", "info", lua, lua))
+        items.append(_item("lua", "info", lua, lua or "?"))
 
     # -- eviction and memory
     policy = _config(client, "maxmemory-policy") or info.get("maxmemory_policy")
