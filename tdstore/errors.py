@@ -46,7 +46,6 @@ __all__ = [
     "CliError",
     "LUA_ERRORS",
     "translate_response_error",
-    "clause",
 ]
 
 

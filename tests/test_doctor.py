@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import _selected_backends
 
 from tdstore import TensorDictStore
 from tdstore.cli import main
@@ -89,6 +90,8 @@ def test_doctor_passes_a_well_configured_server(real_server: ServerHandle, monke
 @pytest.fixture(params=["redis", "valkey", "redis6"])
 def bad_server(request: pytest.FixtureRequest) -> Iterator[ServerHandle]:
     """A server that evicts keys and takes strings of 1 MB at most."""
+    if request.param not in _selected_backends(request.config):
+        pytest.skip(f"{request.param} backend excluded by --backends")
     config = {"maxmemory": "256mb", "maxmemory-policy": "allkeys-lru", "proto-max-bulk-len": "1mb"}
     handle = start_server(request.param, config=config)
     try:
