@@ -5,7 +5,7 @@
 Each command runs ``--repeat`` times (after one untimed run) as a fresh subprocess
 (``python -m tdstore ...``, the console script's code) against a private server that this
 script starts with one small store on it; the table gives the median and the minimum wall
-time of each, and whether the process imported torch. ``import tdstore`` alone, and
+time of each, and whether the process imported torch. The interpreter alone (``python -c pass``), ``import tdstore`` alone, and
 ``import tdstore`` plus the first use of ``tdstore.TensorDictStore`` (which imports torch and
 tensordict), are measured the same way for reference.
 
@@ -83,6 +83,7 @@ def main() -> None:
             ("serve --help", ["serve", "--help"]),
             ("doctor", ["doctor", *conn]),
             ("rm --yes (a missing store)", ["rm", "--yes", "no-such-store", *conn]),
+            ("python -c 'pass' (the interpreter alone)", "pass"),
             ("python -c 'import tdstore'", "import tdstore"),
             ("import tdstore; tdstore.TensorDictStore", "import tdstore; tdstore.TensorDictStore"),
         ]
@@ -102,10 +103,10 @@ def main() -> None:
 
     print(f"tdstore command start-up, {args.server} {srv.version}, median of {args.repeat} runs "
           f"(python {sys.version.split()[0]}, load average {os.getloadavg()[0]:.2f})")
-    print(f"{'command':<42} {'median':>8} {'min':>8}  torch  goal<{GOAL_S}s")
+    print(f"{'command':<44} {'median':>8} {'min':>8}  torch  goal<{GOAL_S}s")
     for name, median, low, torch_seen in rows:
         goal = "" if name.startswith(("python", "import")) else ("yes" if median < GOAL_S else "NO")
-        print(f"{name:<42} {median:>7.3f}s {low:>7.3f}s  {'yes' if torch_seen else 'no':<5}  {goal}")
+        print(f"{name:<44} {median:>7.3f}s {low:>7.3f}s  {'yes' if torch_seen else 'no':<5}  {goal}")
 
 
 if __name__ == "__main__":
