@@ -148,3 +148,23 @@ def test_doctor_names_an_unreachable_server(monkeypatch: pytest.MonkeyPatch, cap
     assert main(["doctor", "-h", "127.0.0.1", "-p", str(port), "--timeout", "2"], out=io.StringIO()) == 1
     err = capsys.readouterr().err
     assert f"cannot reach 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_doctor_as_a_user_without_info_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ACL user without ``@dangerous`` (INFO, CONFIG) gets a partial report that says so, not a crash."""
+    handle = start_server("redis", config={"requirepass": "doctor-admin-pw"},
+                          acl_users={"actor": ["on", ">doctor-actor-pw", "~*", "&*", "+@all", "-@dangerous"]})
+    try:
+        monkeypatch.delenv("TDSTORE_URL", raising=False)
+        monkeypatch.setenv("TDSTORE_PASSWORD", "doctor-actor-pw")
+        out = io.StringIO()
+        code = main(["doctor", "--json", "--user", "actor", "-p", str(handle.port), "-h", "127.0.0.1"], out=out)
+        items = _items(out.getvalue())
+        assert items["permissions"]["status"] == "warn" and "INFO is refused" in items["permissions"]["detail"]
+        assert items["eviction"]["status"] == "warn" and items["eviction"]["value"] is None
+        assert items["persistence"]["status"] == "warn" and items["persistence"]["value"] is None
+        assert items["proto-max-bulk-len"]["status"] == "warn" and items["proto-max-bulk-len"]["value"] is None
+        assert items["scripts"]["status"] == "ok"
+        assert code == 0
+    finally:
+        handle.stop()

@@ -127,7 +127,13 @@ def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
 
     items: list[dict[str, Any]] = []
     client.ping()
-    info = client.info()
+    try:
+        info = client.info()
+    except redis.exceptions.ResponseError as err:  # e.g. an ACL user without @dangerous
+        info = {}
+        items.append(_item("permissions", "warn", False, f"INFO is refused to this user ({err}): the items "
+                           "below that depend on it (and on CONFIG GET) are incomplete",
+                           "run tdstore doctor as a user allowed INFO and CONFIG GET (e.g. the server's admin)"))
 
     # -- server and cluster
     name = "valkey" if info.get("server_name") == "valkey" or "valkey_version" in info else "redis"
@@ -216,7 +222,10 @@ def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
     rdb = bool(save and save.strip())
     bad_save = info.get("rdb_last_bgsave_status") not in (None, "ok")
     bad_aof = info.get("aof_last_write_status") not in (None, "ok")
-    if bad_save or bad_aof:
+    if save is None and "aof_enabled" not in info and _config(client, "appendonly") is None:
+        items.append(_item("persistence", "warn", None, "the server does not say (CONFIG GET and INFO refused)",
+                           "check with the server's operator that snapshots or the append-only file are on"))
+    elif bad_save or bad_aof:
         items.append(_item("persistence", "fail", {"save": save, "appendonly": aof},
                            f"the last {'RDB snapshot' if bad_save else 'append-only write'} failed: writes since "
                            "then are not on disk (and the server may refuse writes)",
