@@ -13,9 +13,10 @@ Examples:
 
 from __future__ import annotations
 
-from tdstore._backend.retry import OutcomeUnknownError, RetryPolicy, ServerUnavailableError
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from tdstore._core import moved as _moved
-from tdstore._core.codec import PicklePolicy, set_pickle_policy
 from tdstore._core.progress import set_progress
 from tdstore.errors import (
     ClientConfigError,
@@ -25,12 +26,14 @@ from tdstore.errors import (
     EntryTooLargeError,
     EventLoopError,
     FormatVersionError,
+    OutcomeUnknownError,
     PartialWriteError,
     SchemaError,
     ServerAuthError,
     ServerOutOfMemoryError,
     ServerPermissionError,
     ServerTLSError,
+    ServerUnavailableError,
     StaleLayoutError,
     StoreClosedError,
     StoreExistsError,
@@ -40,9 +43,38 @@ from tdstore.errors import (
     UnsafePayloadError,
     UnsupportedOperationError,
 )
-from tdstore.lazy import LazyStackedTensorDictStore
-from tdstore.sharded import ShardedStore
-from tdstore.store import TensorDictStore
+
+if TYPE_CHECKING:
+    from tdstore._backend.retry import RetryPolicy
+    from tdstore._core.codec import PicklePolicy, set_pickle_policy
+    from tdstore.lazy import LazyStackedTensorDictStore
+    from tdstore.sharded import ShardedStore
+    from tdstore.store import TensorDictStore
+
+#: Names imported on first use (module ``__getattr__``): the stores import torch and tensordict,
+#: which the ``tdstore`` command (``--help``, ``ls``, ``info``, ``rm``, ``serve``) does not need.
+_LAZY: dict[str, str] = {
+    "TensorDictStore": "tdstore.store",
+    "LazyStackedTensorDictStore": "tdstore.lazy",
+    "ShardedStore": "tdstore.sharded",
+    "RetryPolicy": "tdstore._backend.retry",
+    "PicklePolicy": "tdstore._core.codec",
+    "set_pickle_policy": "tdstore._core.codec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tdstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -39,6 +39,11 @@ __all__ = [
     "ServerTLSError",
     "ServerPermissionError",
     "EventLoopError",
+    "ServerUnavailableError",
+    "OutcomeUnknownError",
+    "KeyTypeError",
+    "ServerNotFoundError",
+    "CliError",
     "LUA_ERRORS",
     "translate_response_error",
 ]
@@ -149,6 +154,48 @@ class EventLoopError(TDStoreError, RuntimeError):
     """A blocking store method was called from inside tdstore's own event loop."""
 
 
+class ServerUnavailableError(TDStoreError, redis.exceptions.ConnectionError):
+    """The server could not be reached within the store's retry policy.
+
+    Also a ``redis.exceptions.ConnectionError``, so code that catches redis-py's error keeps
+    working.
+    """
+
+
+class OutcomeUnknownError(ServerUnavailableError):
+    """The connection broke while a non-idempotent write was in flight.
+
+    The server applied all of it or none of it (scripts and MULTI/EXEC are atomic), but the
+    client cannot tell which, so it did not send it again. Read the store to find out.
+    """
+
+
+class KeyTypeError(TDStoreError, TypeError, KeyError):
+    """A key that is neither a str nor a non-empty tuple of str.
+
+    Also a ``KeyError``: that is what an in-memory TensorDict raises for such keys.
+    """
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ServerNotFoundError(TDStoreError, RuntimeError):
+    """No usable server of the requested kind could be found (:mod:`tdstore.server`).
+
+    The message names the kind, every place that was searched (and why each
+    candidate was rejected), and the command that installs the server.
+    """
+
+
+class CliError(TDStoreError):
+    """A failure of the ``tdstore`` command, reported in one line on stderr (exit status ``code``)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 #: Error codes raised by the Lua scripts (``redis.error_reply("TDS_CODE ...")``).
 LUA_ERRORS: dict[str, type[TDStoreError]] = {
     "TDS_STALE": StaleLayoutError,
@@ -185,3 +232,12 @@ def translate_response_error(err: redis.exceptions.ResponseError) -> Exception:
     exc = LUA_ERRORS[match.group(1)](message)
     exc.__cause__ = err
     return exc
+
+
+def clause(err: BaseException | str) -> str:
+    """``err``'s message without its closing period, to embed in a sentence of our own.
+
+    redis-py's messages end in a period (``Error 111 connecting to localhost:6501. Connection
+    refused.``); joined as ``f"{err}. Gave up ..."`` they would end in ``..``.
+    """
+    return str(err).rstrip().rstrip(".")

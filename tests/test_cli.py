@@ -625,3 +625,102 @@ def test_serve_dir_keeps_the_data_across_restarts(tmp_path: Any) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# --------------------------------------------------------------------------- start-up, --version, serve's port
+def _child_env() -> dict[str, str]:
+    env = _env()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def test_version_prints_the_package_version(capsys: Any) -> None:
+    import tdstore
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tdstore {tdstore.__version__}"
+
+
+def test_cli_and_errors_import_without_torch_or_tensordict(real_server: ServerHandle) -> None:
+    """``tdstore --help``, ``ls``, ``info`` and ``rm`` of a missing store never import torch or tensordict."""
+    code = (
+        "import sys, io\n"
+        "import tdstore.cli, tdstore.errors, tdstore\n"
+        "from tdstore.cli import main\n"
+        "assert tdstore.errors.ServerUnavailableError.__name__ and tdstore.TDStoreError\n"
+        "for argv in (['--help'], ['--version'], ['ls', *sys.argv[1:]], ['info', 'nope', *sys.argv[1:]],\n"
+        "             ['rm', '--yes', 'nope', *sys.argv[1:]], ['doctor', *sys.argv[1:]], ['serve', '--help']):\n"
+        "    try:\n"
+        "        main(argv, out=io.StringIO())\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('torch', 'tensordict', 'numpy') if m in sys.modules))\n"
+    )
+    env = _child_env()
+    password = real_server.connection_kwargs().get("password")
+    if password:
+        env["TDSTORE_PASSWORD"] = password
+    done = subprocess.run([sys.executable, "-c", code, *conn_args(real_server)], capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    # the lazy names still resolve, to the classes themselves
+    import tdstore
+    import tdstore.store
+
+    assert tdstore.TensorDictStore is tdstore.store.TensorDictStore
+    for name in tdstore.__all__:
+        assert getattr(tdstore, name) is not None, name
+
+
+def _serve_with_default_port(port: int, tmp_path: Any, *extra: str) -> subprocess.Popen[str]:
+    """``tdstore serve`` in a subprocess whose default port is ``port`` (instead of 6379)."""
+    code = ("import sys; import tdstore.cli.commands as c; c.SERVE_PORT = int(sys.argv[1]); "
+            "sys.exit(c.main(['serve', *sys.argv[2:]]))")
+    return subprocess.Popen([sys.executable, "-c", code, str(port), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_child_env(), cwd=str(tmp_path))
+
+
+def test_serve_picks_a_free_port_when_the_default_is_busy(redis_server: ServerHandle, tmp_path: Any) -> None:
+    busy = redis_server.port
+    proc = _serve_with_default_port(busy, tmp_path, "--json", "--kind", "redis", "--no-socket")
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line, proc.stderr.read() if proc.stderr else ""
+        doc = json.loads(line)
+        assert doc["port"] != busy
+        assert f"port {busy} is in use" in doc["note"] and "--port" in doc["note"]
+        client = ServerHandle.from_url(doc["url"]).sync_client()
+        assert client.ping()
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_serve_on_a_busy_port_names_the_flag(redis_server: ServerHandle, tmp_path: Any) -> None:
+    busy = redis_server.port
+    done = subprocess.run([sys.executable, "-m", "tdstore", "serve", "--port", str(busy), "--kind", "redis"],
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, env=_child_env(),
+                          cwd=str(tmp_path))
+    assert done.returncode == 1
+    assert f"port {busy} on 127.0.0.1 is in use" in done.stderr and "--port 0" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert redis_server.sync_client().ping()  # the server that holds the port is untouched
+
+
+def test_unreachable_server_message_has_no_doubled_period() -> None:
+    from tdstore.errors import ServerUnavailableError
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ServerUnavailableError) as info:
+        TensorDictStore.from_dict({"a": torch.zeros(2)}, batch_size=[2], host="127.0.0.1", port=port, retry=False)
+    text = str(info.value)
+    assert "Connect call failed" in text and "Gave up after" in text, text
+    assert ".." not in text, text

@@ -12,7 +12,7 @@ Test ids:
 * ``test_docstring[<server>-tdstore.store.core.TensorDictStore]``, ...: one per docstring
   with examples in any module of the package (found by walking it, not from a list);
 * ``test_api_text[<server>-from_schema]``, ...: one per method of the fixed API text
-  (``shared/api/TensorDictStore.txt``), whose examples import
+  (``tests/data/api/TensorDictStore.txt``, a copy kept in the repository), whose examples import
   ``from tensordict.store import TensorDictStore``; they run with that line replaced by
   ``from tdstore import TensorDictStore``, and nothing else changed.
 
@@ -37,7 +37,7 @@ import tdstore
 from tdstore.server import ServerHandle
 
 ROOT = Path(__file__).resolve().parents[1]
-API_TEXT = Path(__file__).resolve().parents[2] / "shared" / "api" / "TensorDictStore.txt"
+API_TEXT = ROOT / "tests" / "data" / "api" / "TensorDictStore.txt"
 API_IMPORT = "from tensordict.store import TensorDictStore"
 OUR_IMPORT = "from tdstore import TensorDictStore"
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
@@ -216,3 +216,41 @@ def test_markdown_fences_are_blanked() -> None:
     text = "intro\n\n```python\n>>> 1 + 1\n2\n```\n\nmore\n"
     test = _parse(_FENCE_RE.sub("", text), "t", "t.md")
     assert [ex.want for ex in test.examples] == ["2\n"]
+
+
+def test_every_exported_exception_is_a_tdstore_error_of_tdstore_errors() -> None:
+    """Each exception class that tdstore, tdstore.errors, tdstore.server or tdstore.cli exports is a
+    TDStoreError, defined in (so importable from, and documented with) tdstore.errors."""
+    import importlib
+
+    import redis.exceptions
+
+    import tdstore.errors
+
+    found: dict[str, type[BaseException]] = {}
+    for module_name in ("tdstore", "tdstore.errors", "tdstore.server", "tdstore.cli"):
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", []):
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, BaseException):
+                found[f"{module_name}.{name}"] = value
+    assert len(found) >= 30, sorted(found)
+    for where, cls in found.items():
+        assert issubclass(cls, tdstore.errors.TDStoreError), f"{where} is not a TDStoreError"
+        assert cls.__module__ == "tdstore.errors", f"{where} is defined in {cls.__module__}, not tdstore.errors"
+        assert getattr(tdstore.errors, cls.__name__) is cls and cls.__name__ in tdstore.errors.__all__, where
+    # the moved classes keep their builtin bases (and stay importable where they were)
+    from tdstore._backend.retry import OutcomeUnknownError, ServerUnavailableError
+    from tdstore._core.keys import KeyTypeError
+    from tdstore.cli import CliError
+    from tdstore.server import ServerNotFoundError
+
+    assert ServerUnavailableError is tdstore.errors.ServerUnavailableError
+    assert issubclass(ServerUnavailableError, redis.exceptions.ConnectionError)
+    assert issubclass(OutcomeUnknownError, ServerUnavailableError)
+    assert issubclass(KeyTypeError, TypeError) and issubclass(KeyTypeError, KeyError)
+    assert str(KeyTypeError("a key must be a str")) == "a key must be a str"
+    assert issubclass(ServerNotFoundError, RuntimeError)
+    assert CliError("tdstore: bad", 2).code == 2 and issubclass(CliError, tdstore.errors.TDStoreError)
+    assert {"ServerUnavailableError", "OutcomeUnknownError", "KeyTypeError", "ServerNotFoundError",
+            "CliError"} <= set(tdstore.errors.__all__)

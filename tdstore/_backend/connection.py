@@ -45,6 +45,7 @@ from tdstore.errors import (
     ServerTLSError,
     StoreClosedError,
     TDStoreError,
+    clause,
 )
 
 __all__ = ["Connection", "DEFAULT_MAX_BULK"]
@@ -412,7 +413,7 @@ class Connection:
                 if not sleep_before_retry(policy, attempt, started):
                     raise ServerUnavailableError(
                         f"could not reach the server at {self.describe()} for TensorDictStore("
-                        f"td_id={self.keys.td_id!r}, prefix={self.keys.prefix!r}): {err}. Gave up after "
+                        f"td_id={self.keys.td_id!r}, prefix={self.keys.prefix!r}): {clause(err)}. Gave up after "
                         f"{attempt} tries in {time.monotonic() - started:.1f} s ({policy.describe()}; "
                         "pass retry= to the store or set TDSTORE_RETRY to wait longer)."
                         + (" Nothing of this operation was applied." if kind == "unsent" else "")

@@ -29,12 +29,14 @@ import asyncio
 import contextlib
 import types
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
-import torch
 
 from tdstore._core.keys import StoreKeys
+
+if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
+    import torch
 
 __all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "read_pieces", "empty_buffer"]
 
@@ -62,6 +64,8 @@ def streams(client: Any) -> bool:
 
 def empty_buffer(nbytes: int, device: torch.device | None) -> torch.Tensor:
     """A flat uint8 tensor to read ``nbytes`` into; pinned when ``device`` is CUDA (and CUDA works here)."""
+    import torch
+
     pin = device is not None and device.type == "cuda" and torch.cuda.is_available()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
@@ -162,6 +166,8 @@ async def read_pieces(
     buffers then hold that snapshot's bytes), False when a write came in between or a
     piece came back short (the entry changed or is gone): the caller reads again.
     """
+    import torch
+
     commands: list[tuple[Any, ...]] = []
     targets: list[tuple[torch.Tensor, int, int]] = []
     for path, buf, chunking in entries:

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore.errors import TDStoreError
+from tdstore.errors import OutcomeUnknownError, ServerUnavailableError, TDStoreError
 
 __all__ = [
     "RetryPolicy",
@@ -39,22 +39,6 @@ __all__ = [
     "resolve_policy",
     "classify",
 ]
-
-
-class ServerUnavailableError(TDStoreError, redis.exceptions.ConnectionError):
-    """The server could not be reached within the store's retry policy.
-
-    Also a ``redis.exceptions.ConnectionError``, so code that catches redis-py's error keeps
-    working.
-    """
-
-
-class OutcomeUnknownError(ServerUnavailableError):
-    """The connection broke while a non-idempotent write was in flight.
-
-    The server applied all of it or none of it (scripts and MULTI/EXEC are atomic), but the
-    client cannot tell which, so it did not send it again. Read the store to find out.
-    """
 
 
 @dataclass(frozen=True)

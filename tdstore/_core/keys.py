@@ -22,6 +22,8 @@ import re
 import uuid
 from typing import Any
 
+from tdstore.errors import KeyTypeError  # defined there with the other errors; importable here too
+
 __all__ = ["StoreKeys", "as_path", "encode_path", "decode_path", "validate_prefix", "validate_td_id"]
 
 _TD_ID_RE = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
@@ -33,16 +35,6 @@ def _escape(component: str) -> str:
 
 def _unescape(component: str) -> str:
     return component.replace("%2E", ".").replace("%25", "%")
-
-
-class KeyTypeError(TypeError, KeyError):
-    """A key that is neither a str nor a non-empty tuple of str.
-
-    Also a ``KeyError``: that is what an in-memory TensorDict raises for such keys.
-    """
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 def as_path(key: Any) -> tuple[str, ...]:

