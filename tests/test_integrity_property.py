@@ -324,3 +324,170 @@ def test_random_sequences_keep_every_store_whole(server, request):
 @pytest.mark.slow
 def test_random_sequences_keep_every_store_whole_long(server, request):
     run_sequences(server, request, range(1000, 1000 + SLOW_SEQUENCES))
+
+
+# --------------------------------------------------------------------------- the examples
+
+
+def _store_keys(client: Any, td_id: str) -> set[str]:
+    return {k.decode() for k in client.scan_iter(match=StoreKeys("tensordict", td_id).pattern(), count=1000)}
+
+
+def test_a_new_non_tensor_key_written_at_an_index_is_counted(server):
+    """Issue 15's repro: the write used to leave every handle (and clear_redis) with DataLostError."""
+    kw = server.connection_kwargs()
+    store = TensorDictStore.from_dict({"r": torch.zeros(3)}, batch_size=[3], **kw)
+    ref = TensorDict({"r": torch.zeros(3)}, batch_size=[3])
+    store[1] = TensorDict(r=torch.tensor(1.0), tag="done", batch_size=[])
+    ref[1] = TensorDict(r=torch.tensor(1.0), tag="done", batch_size=[])
+    assert sorted(store.keys()) == ["r", "tag"]
+    assert read_fresh(store, kw, False) == elements(ref, False)  # TensorDict gives every row "done"
+    client = server.sync_client()
+    try:
+        check_bookkeeping(client, store.td_id, "after the write")
+        store.clear_redis()
+        assert _store_keys(client, store.td_id) == set()
+    finally:
+        client.close()
+        store.close()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["dense", "lazy"])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [(("a", "b"), ("a",)), (("a", "c", "d"), ("a", "c")), (("a", "c"), ("a",)), (("a", "c", "d"), ("a",))],
+)
+def test_rename_onto_an_ancestor_keeps_the_moved_entry(server, lazy, old, new):
+    kw = server.connection_kwargs()
+    ref: Any = TensorDict(
+        a=TensorDict(b=torch.arange(3.0), c=TensorDict(d=torch.ones(3, 2), e=torch.zeros(3), batch_size=[3]), batch_size=[3]),
+        x=torch.ones(3),
+        batch_size=[3],
+    )
+    if lazy:
+        ref = LazyStackedTensorDict(*ref.unbind(0), stack_dim=0)
+        store: Any = LazyStackedTensorDictStore.from_lazy_stack(ref, **kw)
+    else:
+        store = TensorDictStore.from_tensordict(ref, **kw)
+    ref.rename_key_(old, new)
+    store.rename_key_(old, new)
+    assert read_fresh(store, kw, lazy) == elements(ref, lazy)
+    client = server.sync_client()
+    try:
+        check_bookkeeping(client, store.td_id, f"after rename {old} -> {new}")
+    finally:
+        client.close()
+        store.close()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["dense", "lazy"])
+def test_rename_under_a_tensor_raises_key_error_and_changes_nothing(server, wire, lazy):
+    kw = server.connection_kwargs()
+    ref: Any = TensorDict(a=torch.ones(3), x=torch.zeros(3), batch_size=[3])
+    with pytest.raises(KeyError):
+        ref.clone().rename_key_("x", ("a", "b"))  # the reference
+    if lazy:
+        store: Any = LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(*ref.unbind(0), stack_dim=0), **kw)
+    else:
+        store = TensorDictStore.from_tensordict(ref, **kw)
+    before = wire(server)
+    with pytest.raises(KeyError, match=r"\('a',\) is not a nested tensordict"):
+        store.rename_key_("x", ("a", "b"))
+    assert wire(server) == before
+    store.close()
+
+
+def test_nested_value_at_an_index_under_a_tensor_is_a_type_error(server, wire):
+    kw = server.connection_kwargs()
+    ref = TensorDict(a=torch.ones(3), x=torch.zeros(3), batch_size=[3])
+    value = TensorDict(a=TensorDict(b=torch.tensor(1.0), batch_size=[]), batch_size=[])
+    with pytest.raises(TypeError):
+        ref.clone()[0] = value  # the reference
+    store = TensorDictStore.from_tensordict(ref, **kw)
+    before = wire(server)
+    with pytest.raises(TypeError, match=r"\('a',\) is a tensor entry, not a nested tensordict"):
+        store[0] = value
+    assert wire(server) == before
+    store.close()
+
+
+DAMAGE = ["count", "registry field", "data key", "meta hash", "registry hash", "bad json", "bad version", "orphan data"]
+
+
+def _damage(client: Any, keys: StoreKeys, how: str) -> None:
+    if how == "count":
+        client.hset(keys.meta, "ne", 99)
+    elif how == "registry field":
+        client.hdel(keys.reg, "x")  # data without a registry entry
+    elif how == "data key":
+        client.delete(keys.plain(("x",)))  # a registry entry without data
+    elif how == "meta hash":
+        client.delete(keys.meta)
+    elif how == "registry hash":
+        client.delete(keys.reg)
+    elif how == "bad json":
+        client.hset(keys.reg, "x", "{not json")
+    elif how == "bad version":
+        client.hset(keys.meta, "lv", "zz")
+    elif how == "orphan data":
+        client.set(keys.plain(("ghost",)), b"xx")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain", "chunked"])
+@pytest.mark.parametrize("how", DAMAGE + [f"evicted-{i}" for i in range(4)])
+def test_clear_redis_deletes_a_damaged_store(server, how, chunked):
+    kw = server.connection_kwargs()
+    ref = TensorDict(a=torch.ones(3, 40), n=TensorDict(b=torch.zeros(3), batch_size=[3]), x=torch.zeros(3), batch_size=[3])
+    ref["t"] = "hi"
+    store = TensorDictStore.from_tensordict(ref, **kw, **({"chunk_bytes": 64} if chunked else {}))
+    other = TensorDictStore.from_tensordict(ref, **kw)  # an unrelated store: left alone
+    keys = StoreKeys("tensordict", store.td_id)
+    client = server.sync_client()
+    try:
+        present = sorted(_store_keys(client, store.td_id))
+        assert len(present) >= 6
+        if how.startswith("evicted"):
+            rng = random.Random(how)
+            client.delete(*rng.sample(present, rng.randint(1, len(present) - 1)))
+        else:
+            _damage(client, keys, how)
+        store.clear_redis()
+        assert _store_keys(client, store.td_id) == set()
+        with pytest.raises(StoreNotFoundError):
+            TensorDictStore.from_store(td_id=store.td_id, **kw)
+        assert read_fresh(other, kw, False) == elements(ref, False)
+        check_bookkeeping(client, other.td_id, "the other store")
+    finally:
+        client.close()
+        store.close()
+        other.close()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["dense", "lazy"])
+def test_a_write_refused_after_clear_redis_recreates_nothing(server, lazy):
+    kw = server.connection_kwargs()
+    ref = TensorDict(a=torch.ones(3), x=torch.zeros(3), batch_size=[3])
+    if lazy:
+        store: Any = LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(*ref.unbind(0), stack_dim=0), **kw)
+    else:
+        store = TensorDictStore.from_tensordict(ref, **kw)
+    store.clear_redis()
+    client = server.sync_client()
+    refused = [
+        lambda: store.__setitem__("bad", torch.ones(4)),  # wrong batch size
+        lambda: store.update_({"a": torch.ones(3)}),  # in place: no such key any more
+        lambda: store.del_("a"),
+        lambda: store.rename_key_("a", "b"),
+    ]
+    try:
+        for i, write in enumerate(refused):
+            with pytest.raises(Exception):  # noqa: B017, PT011 - each write's own error
+                write()
+            assert _store_keys(client, store.td_id) == set(), f"refused write {i} re-created the store"
+            with pytest.raises(StoreNotFoundError):
+                type(store).from_store(td_id=store.td_id, **kw)
+        store["good"] = torch.arange(3.0)  # a valid write still re-creates it
+        assert torch.equal(type(store).from_store(td_id=store.td_id, **kw)["good"], torch.arange(3.0))
+    finally:
+        client.close()
+        store.close()
