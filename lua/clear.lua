@@ -6,8 +6,11 @@ KEYS[2]   registry hash
 KEYS[3..] the store's other keys: its write-version counter, its ring cursor and the
           data key of every entry
 
-ARGV[1]   expected layout version (decimal string; "" skips the check)
-ARGV[2]   the number of registry entries the client knows of (leaves and nested nodes)
+ARGV[1]   expected layout version (decimal string; "" skips the check), or "absent": the
+          meta hash must hold no layout version (a store whose meta hash was evicted or
+          damaged; the client found the leftover keys with SCAN)
+ARGV[2]   the number of registry entries the client knows of (leaves and nested nodes),
+          or "" to skip the check
 ARGV[3]   optional: p, the number of (key, trash key) pairs that end KEYS: each key (a chunk
           of a chunked entry) is renamed to its trash key, which expires in 10 minutes,
           instead of deleted, so that the client can then free the chunks one per command
@@ -22,11 +25,17 @@ Errors:
 ]]
 --@include lib/common.lua
 
-local err = check_layout(KEYS[1], ARGV[1])
-if err then return err end
+if ARGV[1] == 'absent' then
+  if rcall('HGET', KEYS[1], 'lv') then
+    return fail('TDS_STALE', 'a store was created at ' .. KEYS[1] .. ' meanwhile')
+  end
+else
+  local err = check_layout(KEYS[1], ARGV[1])
+  if err then return err end
+end
 -- the client listed the data keys at this layout version, so the list is complete
 local n = rcall('HLEN', KEYS[2])
-if n ~= tonumber(ARGV[2]) then
+if ARGV[2] ~= '' and n ~= tonumber(ARGV[2]) then
   return fail('TDS_STALE', 'registry has ' .. n .. ' entries, client knows of ' .. ARGV[2])
 end
 local pairs_n = tonumber(ARGV[3] or '0')

@@ -600,6 +600,7 @@ async def write_runs_watched(
             raise StoreLockedError(f"the store at {keys.meta} is locked")
         nt_writes = []
         layout_changed = bool(creates)
+        new_fields = len(creates)  # registry fields this step adds (the meta field "ne")
         if nontensor:
             fields = [encode_path(path) for path, _ in nontensor]
             metas = await pipe.hmget(keys.reg, fields)
@@ -608,6 +609,8 @@ async def write_runs_watched(
                 old = await pipe.get(key) if old_meta is not None else None
                 new_meta, payload = update(old_meta, old)
                 nt_writes.append((key, field, new_meta, payload))
+                if old_meta is None:
+                    new_fields += 1
                 if new_meta != old_meta:
                     layout_changed = True
         if small_via_script:
@@ -650,8 +653,8 @@ async def write_runs_watched(
             if creates or nt_writes:
                 pipe.pexpireat(keys.reg, int(exp_ms))
             pipe.pexpireat(keys.wv, int(exp_ms))
-        if creates and count is not None:
-            pipe.hincrby(keys.meta, "ne", len(creates))  # the registry's field count (commit.lua)
+        if new_fields and count is not None:
+            pipe.hincrby(keys.meta, "ne", new_fields)  # the registry's field count (commit.lua)
         if layout_changed:
             pipe.hincrby(keys.meta, "lv", 1)
         try:
@@ -706,6 +709,47 @@ async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layo
     )
     for key in trash:
         await client.delete(key)  # one chunk freed per server step
+    return deleted
+
+
+async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner) -> int:
+    """Deletes every key of the store whatever its bookkeeping says, in one step.
+
+    Works on a store whose bookkeeping is damaged (a registry or meta hash evicted or edited
+    by hand, data keys without a registry entry): the keys are found with SCAN (one pass over
+    the database's keyspace, ~1000 keys per round trip), after the layout
+    version and registry size were read, and the clear script deletes them only if neither
+    changed since (any new entry changes both), so that nothing written meanwhile is lost
+    unseen. In-flight tmp keys are left alone (they expire). The data keys go through
+    short-lived trash keys, freed one per command, as in :func:`clear`.
+    """
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hget(keys.meta, "lv")
+        pipe.hlen(keys.reg)
+        lv, n = await pipe.execute()
+    lv = _s(lv)
+    own = {keys.meta, keys.reg, keys.wv, keys.ring}
+    tmp_prefix = f"{keys.base}:tmp:"
+    found = []
+    async for key in client.scan_iter(match=keys.pattern(), count=1000):
+        text = _s(key) or ""
+        if text not in own and not text.startswith(tmp_prefix):
+            found.append(text)
+    chunk_prefix = f"{keys.base}:c:"
+    chunked = sorted({key for key in found if key.startswith(chunk_prefix)})
+    plain = sorted(set(found) - set(chunked))
+    trash = [keys.tmp() for _ in chunked]
+    pairs = [key for pair in zip(chunked, trash, strict=True) for key in pair]
+    deleted = int(
+        await runner.call(
+            client,
+            "clear",
+            [keys.meta, keys.reg, keys.wv, keys.ring, *plain, *pairs],
+            ["absent" if lv is None else lv if lv.isdigit() else "", str(n), str(len(chunked))],
+        )
+    )
+    for key in trash:
+        await client.delete(key)
     return deleted
 
 

@@ -186,3 +186,42 @@ class WritePlanner:
 
     def check_size(self, path: tuple[str, ...], nbytes: int, chunk: int | None = None) -> None:
         self.store._conn.check_entry_size(path, nbytes, self.where, chunk=chunk)
+
+
+def rename_ops(
+    entries: dict[tuple[str, ...], dict[str, Any]], old: tuple[str, ...], new: tuple[str, ...], where: str
+) -> list[_backend.Op]:
+    """The commit ops of renaming the entry ``old`` (with all its content) to ``new``.
+
+    What was at ``new`` is replaced, as ``TensorDict.rename_key_`` replaces it; when ``new`` is
+    an ancestor of ``old`` (``("a", "b") -> "a"``), the entries being moved are not part of what
+    is replaced. Raises ``KeyError`` (as TensorDict does) when a parent of ``new`` is missing or
+    is not a nested tensordict, and ``ValueError`` for a rename into ``old``'s own sub-key.
+    """
+    if new[: len(old)] == old:
+        raise ValueError(f"cannot rename {old!r} into its own sub-key {new!r}")
+    for i in range(1, len(new)):
+        parent = entries.get(new[:i])
+        if parent is None:
+            raise KeyError(f"cannot rename {old!r} to {new!r} in {where}: {new[:i]!r} does not exist")
+        if parent["k"] != "td":
+            raise KeyError(
+                f"cannot rename {old!r} to {new!r} in {where}: {new[:i]!r} is not a nested tensordict"
+            )
+    moved = {p for p in entries if p[: len(old)] == old}
+    ops = [
+        _backend.Op("del", p, has_data=m["k"] != "td")
+        for p, m in entries.items()
+        if p[: len(new)] == new and p not in moved
+    ]
+    # shortest first: a source that is also a later target (("a", "b", "b") -> ("a", "b")) has
+    # been moved away before it is overwritten
+    for p in sorted(moved, key=len):
+        m = entries[p]
+        target = new + p[len(old) :]
+        if m["k"] == "td":
+            ops.append(_backend.Op("del", p, has_data=False))
+            ops.append(_backend.Op("node", target, m))
+        else:
+            ops.append(_backend.Op("move", p, m, new_path=target))
+    return ops

@@ -20,6 +20,7 @@ from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
+from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import SchemaError, StaleLayoutError, UnsupportedOperationError
 from tdstore.lazy import plan
@@ -171,30 +172,21 @@ class LazyWrites(LazyBase):
         def ops(layout: _backend.Layout) -> list[_backend.Op]:
             if old not in layout.entries:
                 raise self._key_error(old)
-            if new[: len(old)] == old:
-                raise ValueError(f"cannot rename {old!r} into its own sub-key {new!r}")
             if new in layout.entries and safe:
                 raise KeyError(f"key {new!r} already present in {self._where()}")
-            if len(new) > 1 and new[:-1] not in layout.entries:
-                raise KeyError(f"cannot rename to {new!r}: {new[:-1]!r} does not exist in {self._where()}")
-            if self._elem_bs(layout, old[:-1]) != self._elem_bs(layout, new[:-1]):
-                raise SchemaError(f"cannot rename {old!r} to {new!r} in {self._where()}: their parents' batch sizes differ")
-            out = [_backend.Op("del", p, has_data=m["k"] != "td") for p, m in layout.entries.items() if p[: len(new)] == new]
-            for p, m in sorted(layout.entries.items(), key=lambda item: len(item[0])):
-                if p[: len(old)] != old:
-                    continue
-                target = new + p[len(old) :]
-                if m["k"] == "td":
-                    out.append(_backend.Op("del", p, has_data=False))
-                    out.append(_backend.Op("node", target, m))
-                else:
-                    out.append(_backend.Op("move", p, m, new_path=target))
-            return out
+            onto_ancestor = old[: len(new)] == new  # what old holds keeps its (longer) batch dims
+            if not onto_ancestor and new[: len(old)] != old and all(
+                layout.entries.get(new[:i], {}).get("k") == "td" for i in range(1, len(new))
+            ):
+                if self._elem_bs(layout, old[:-1]) != self._elem_bs(layout, new[:-1]):
+                    raise SchemaError(f"cannot rename {old!r} to {new!r} in {self._where()}: their parents' batch sizes differ")
+            return _rename_ops(layout.entries, old, new, self._where())
 
         self._commit_ops(ops)
         return self
 
     def _commit_ops(self, build: Callable[[_backend.Layout], list[_backend.Op]]) -> None:
+        self._check_on_cleared(build)
         self._ensure_exists()
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
@@ -223,6 +215,7 @@ class LazyWrites(LazyBase):
     def _write_index(self, index: Any, value: Any) -> None:
         from tdstore.lazy.index_plan import plan_index_write
 
+        self._check_on_cleared(lambda layout: plan_index_write(self, layout, index, value))  # type: ignore[arg-type]
         self._ensure_exists()
         conn = self._conn
         for attempt in range(_MAX_RETRIES):

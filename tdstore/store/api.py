@@ -24,6 +24,7 @@ from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.keys import new_td_id
+from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import is_no_default
 from tdstore.errors import (
     SchemaError,
@@ -388,26 +389,9 @@ class StoreAPI(DenseBase):
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], None]:
             if old not in layout.entries:
                 raise self._key_error(old)
-            if new[: len(old)] == old:
-                raise ValueError(f"cannot rename {old!r} into its own sub-key {new!r}")
             if new in layout.entries and safe:
                 raise KeyError(f"key {new!r} already present in {self._where()}")
-            if len(new) > 1 and new[:-1] not in layout.entries:
-                raise KeyError(f"cannot rename to {new!r}: {new[:-1]!r} does not exist in {self._where()}")
-            ops = [
-                _backend.Op("del", p, has_data=m["k"] != "td")
-                for p, m in layout.entries.items()
-                if p[: len(new)] == new
-            ]
-            for p, m in sorted(layout.entries.items(), key=lambda item: len(item[0])):
-                if p[: len(old)] != old:
-                    continue
-                target = new + p[len(old) :]
-                if m["k"] == "td":
-                    ops.append(_backend.Op("del", p, has_data=False))
-                    ops.append(_backend.Op("node", target, m))
-                else:
-                    ops.append(_backend.Op("move", p, m, new_path=target))
+            ops = _rename_ops(layout.entries, old, new, self._where())
             return ops, None
 
         self._commit_planned(plan, check_lock=True)

@@ -579,6 +579,13 @@ class TensorDictStore(
     def _write(self, items: Mapping[tuple[str, ...], Any], *, inplace: bool, ignore_lock: bool = False) -> None:
         """Writes whole entries (tensors, nested tensordicts, non-tensors) in one atomic step."""
         prepared = {path: self._prepare_value(path, value) for path, value in items.items()}
+
+        def check(layout: _backend.Layout) -> None:
+            planner = WritePlanner(self, layout, inplace=inplace)
+            for path, value in prepared.items():
+                planner.add(path, value)
+
+        self._check_on_cleared(check)
         self._ensure_exists()
 
         conn = self._conn

@@ -79,6 +79,8 @@ def write_index(
         seq = 0
         for path, value in targets.items():
             meta = layout.entries.get(path)
+            if meta is None:
+                _check_parents(layout, path, where)
             if isinstance(value, (NonTensorData, NonTensorStack)):
                 if meta is not None and meta["k"] != "nt":
                     raise UnsupportedOperationError(
@@ -145,6 +147,17 @@ def write_index(
             continue
         return
     raise StaleLayoutError(f"the layout of {where} kept changing during an indexed write")
+
+
+def _check_parents(layout: _backend.Layout, path: tuple[str, ...], where: str) -> None:
+    """A new key under an entry that is not a nested tensordict: the TypeError TensorDict raises."""
+    for i in range(1, len(path)):
+        parent = layout.entries.get(path[:i])
+        if parent is not None and parent["k"] != "td":
+            raise TypeError(
+                f"cannot write {path!r} in {where} at an index: {path[:i]!r} is a "
+                f"{'tensor' if parent['k'] == 't' else 'non-tensor'} entry, not a nested tensordict"
+            )
 
 
 def _nontensor_update(

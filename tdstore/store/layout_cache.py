@@ -14,7 +14,7 @@ from typing import Any
 
 from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
-from tdstore.errors import DataLostError, FormatVersionError, StaleLayoutError, StoreNotFoundError
+from tdstore.errors import DataLostError, FormatVersionError, StaleLayoutError
 from tdstore.store.host import SharedBase
 
 __all__ = ["LayoutCache"]
@@ -23,6 +23,8 @@ __all__ = ["LayoutCache"]
 class LayoutCache(SharedBase):
     """Mixin: the store's identity and layout cache (needs ``_conn``, ``_path``,
     ``_cache_metadata``, ``_not_found()`` and ``_check_layout()`` on the host class)."""
+
+    _cleared_meta: dict[str, str] | None
 
     @property
     def td_id(self) -> str:
@@ -76,23 +78,43 @@ class LayoutCache(SharedBase):
                 f"or deleted by hand): it held {layout.meta['ne']} entries, {len(layout.entries)} remain"
             )
 
+    def _check_on_cleared(self, check: Any) -> None:
+        """After clear_redis() on this handle: runs ``check(layout)`` (a write's planning) against
+        the empty store that the write would re-create, so that a write that fails validation
+        raises before the store is re-created (nothing is sent). When another handle has
+        re-created the store meanwhile, the write plans against that one instead."""
+        meta = self._cleared_meta
+        if meta is None or self._path:
+            return
+        try:
+            check(_backend.Layout(0, dict(meta), {}))
+        except Exception:
+            conn = self._conn
+            if conn.run(lambda c: _backend.read_layout_version(c, conn.keys)) is None:
+                raise
+            self._cleared_meta = None
+
     def _clear_store(self) -> dict[str, Any] | None:
         """Deletes every key of the store in one step (the clear script, retried while the
         layout changes under it); returns the meta hash it deleted, or None when there was
-        no store."""
+        no store.
+
+        It works on a store whose bookkeeping is damaged too (evicted or edited by hand; no
+        format check either): the store's keys are found with SCAN
+        (:func:`tdstore._backend.ops.wipe`), so that users can always clean up."""
         conn = self._conn
         for attempt in range(_io.MAX_RETRIES):
             try:
-                layout = self._layout(refresh=True)
-            except StoreNotFoundError:
-                return None
+                layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
+            except (ValueError, TypeError, KeyError, AttributeError):  # metadata that does not parse
+                layout = None
             try:
-                conn.run(lambda c, layout=layout: _backend.clear(c, conn.keys, conn.runner, layout))
+                deleted = conn.run(lambda c: _backend.wipe(c, conn.keys, conn.runner))
             except StaleLayoutError:
                 _io.backoff(attempt)
                 continue
-            except StoreNotFoundError:
-                return None
             conn.layout = None
+            if layout is None or "lv" not in layout.meta or not deleted:
+                return None
             return dict(layout.meta)
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")

@@ -1612,6 +1612,25 @@ class TestClear:
         exc = expect_error(r, "TDS_NOSTORE", "clear", [META, REG, WV, RING, D("a")], [expected, "1"], lua_version)
         assert exc.message == "TDS_NOSTORE no store at td:{s}:meta"
 
+    def test_absent_deletes_the_leftovers_of_a_store_without_meta(self, r: LuaRedis, lua_version: str) -> None:
+        """ARGV[1] "absent": a store whose meta hash is gone (evicted, deleted by hand) is cleaned up."""
+        r.data[REG] = {b"a": b"{}", b"b": b"{}"}
+        r.data[WV] = b"4"
+        r.data[D("a")] = b"orphan"
+        assert r.run("clear", [META, REG, WV, RING, D("a")], ["absent", ""], lua_version) == 3
+        assert state(r) == {}
+
+    def test_absent_refuses_when_a_store_exists(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"aaa"})
+        exc = expect_error(r, "TDS_STALE", "clear", [META, REG, D("a")], ["absent", ""], lua_version)
+        assert exc.message == "TDS_STALE a store was created at td:{s}:meta meanwhile"
+        assert r.commands("DEL") == []
+
+    def test_empty_count_skips_the_registry_check(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"aaa", "b": b"bbb"})
+        assert r.run("clear", [META, REG, D("a"), D("b")], ["2", ""], lua_version) == 4
+        assert state(r) == {}
+
     @pytest.mark.parametrize("entries,batches", [(996, [1000]), (997, [1000, 1]), (2500, [1000, 1000, 504])])
     def test_deletes_in_batches(self, r: LuaRedis, lua_version: str, entries: int, batches: list[int]) -> None:
         paths = [f"e{i}" for i in range(entries)]
