@@ -18,7 +18,7 @@ import torch
 
 __all__ = [
     "normalize_index", "select_rows", "contiguous_rows", "row_runs", "RowSpans", "is_full_index", "consumed_dims",
-    "leaf_dims", "check_index_dtype",
+    "leaf_dims", "check_index_dtype", "expand_ellipsis",
 ]
 
 
@@ -75,6 +75,22 @@ def leaf_dims(index: Any, nb: int, ndim: int) -> int:
     if any(i is Ellipsis for i in items):
         return ndim
     return max(nb, min(consumed_dims(items, ndim), ndim))
+
+
+def expand_ellipsis(index: Any, nb: int) -> Any:
+    """``index`` over ``nb`` batch dims with its ``...`` spelled out as slices, so that it selects the
+    same leading dims of a tensor with more dims (a nested tensordict's)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not any(i is Ellipsis for i in items):
+        return index
+    rest = tuple(i for i in items if i is not Ellipsis)
+    out: list[Any] = []
+    for item in items:
+        if item is Ellipsis:
+            out.extend([slice(None)] * max(nb - consumed_dims(rest, nb), 0))
+        else:
+            out.append(item)
+    return tuple(out)
 
 
 def check_index_dtype(index: Any, value: Any, dtype: torch.dtype | None, key: Any, where: str) -> None:

@@ -30,6 +30,7 @@ from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
+from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
@@ -714,7 +715,14 @@ class TensorDictStore(
         if meta is None:  # set_at_ is in place: it never creates an entry
             raise self._key_error(path)
         if meta["k"] == "nt" and not isinstance(value, (NonTensorData, NonTensorStack)):
-            value = NonTensorData(data=value, batch_size=[])  # a plain value, as TensorDict takes it
+            # a plain value, as TensorDict takes it (and refuses for an index that selects nothing)
+            owner_bs = self._owner_batch_size(self._layout(), path)
+            if len(owner_bs) and select_rows(normalize_index(idx), owner_bs).numel() == 0:
+                raise RuntimeError(
+                    f"cannot write a value into non-tensor entry {key!r} of {self._where()} at {idx!r}: "
+                    "the index selects no element (indexed destination batch size has 0 elements)"
+                )
+            value = NonTensorData(data=value, batch_size=[])
         from tdstore.store.index_write import write_index
 
         write_index(self, idx, {path: value}, leaf=True)

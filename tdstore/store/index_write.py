@@ -19,7 +19,15 @@ from tdstore._backend import ops as _backend
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
-from tdstore._core.indexing import RowSpans, check_index_dtype, contiguous_rows, leaf_dims, normalize_index, select_rows
+from tdstore._core.indexing import (
+    RowSpans,
+    check_index_dtype,
+    contiguous_rows,
+    expand_ellipsis,
+    leaf_dims,
+    normalize_index,
+    select_rows,
+)
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -73,6 +81,11 @@ def write_index(
                 # as TensorDict.set_at_: the index reaches the entry's feature dims, `...` all of them
                 batch_size = torch.Size(meta["shape"][: leaf_dims(index, nb, len(meta["shape"]))])
                 nb = len(batch_size)
+        for path, value in targets.items():
+            # torch checks the dtypes before the index's range: the same error comes first
+            meta = layout.entries.get(path)
+            if meta is not None and meta["k"] == "t":
+                check_index_dtype(index, value, _codec.dtype_from_name(meta["dtype"]), path, where)
         block = contiguous_rows(index, batch_size)
         if block is not None:
             # an int or a slice over dim 0: one run of rows, no tensor index math
@@ -102,7 +115,7 @@ def write_index(
                 seq += 1
                 if owner_bs != batch_size:
                     # in a nested tensordict with more batch dims: the index selects its leading dims
-                    owner_rows = select_rows(index, owner_bs)
+                    owner_rows = select_rows(expand_ellipsis(index, nb), owner_bs)
                 else:
                     if rows is None:
                         rows = select_rows(index, batch_size)
