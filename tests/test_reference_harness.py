@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tdstore import TensorDictStore
 
 MIN_CASES = 3000
+#: the share of each batch's cases that runs (all of them would be ~4,000 per server)
+KEEP = 0.8
 SEED = 20261201
 
 # --------------------------------------------------------------------------- the table
@@ -368,7 +369,8 @@ class Trio:
                     f"NEW DISAGREEMENT {case.label}: incumbent state after the case differs (incumbent vs oracle): "
                     f"{diff(their_state, ref_state)}; {_leaf_diff(their_state, ref_state)}"
                 )
-            self._sync_theirs()
+            if family != "nested batch size read back":  # its leaves are right: nothing to repair
+                self._sync_theirs()
         elif not agree(theirs, want):
             self._sync_theirs()
 
@@ -493,25 +495,33 @@ def dense_cases(rng: random.Random, td: TensorDict, *, numbers: bool = True) -> 
             other = torch.float64 if leaf.dtype != torch.float64 else torch.int32
             value = _rand(rng, tuple(sub.shape), other)
             cases.append(Case(f"set_at_ other dtype: {key} {name} {_show(idx)}", lambda t, key=key, idx=idx, v=value: t.set_at_(key, v, idx), write=True))
-            cases.append(Case(f"update_at_: {key} {name} {_show(idx)}", lambda t, key=key, idx=idx, v=_like(rng, sub): t.update_at_({key: v}, idx), write=True))
+            v = _like(rng, sub)
+            cases.append(Case(f"update_at_: {key} {name} {_show(idx)}", lambda t, key=key, idx=idx, v=v: t.update_at_({key: v}, idx), write=True))
         feat = leaf.dim() - len(batch)
         if feat:
             for fidx in [(0,) * (len(batch) + 1), (..., 0), (..., -1), (slice(None),) * len(batch) + (1 % leaf.shape[len(batch)],),
                          (0,) * len(batch) + (slice(0, 1),), (..., [0])]:
                 want = leaf[fidx]
                 cases.append(Case(f"get_at feature: {key} {fidx!r}", lambda t, key=key, i=fidx: t.get_at(key, i)))
-                cases.append(Case(f"set_at_ feature: {key} {fidx!r}", lambda t, key=key, i=fidx, v=_like(rng, want): t.set_at_(key, v, i), write=True))
+                v = _like(rng, want)
+                cases.append(Case(f"set_at_ feature: {key} {fidx!r}", lambda t, key=key, i=fidx, v=v: t.set_at_(key, v, i), write=True))
                 cases.append(Case(f"set_at_ feature scalar: {key} {fidx!r}", lambda t, key=key, i=fidx: t.set_at_(key, torch.tensor(1, dtype=leaf.dtype), i), write=True))
-        cases.append(Case(f"set_: {key}", lambda t, key=key, v=_like(rng, leaf): t.set_(key, v), write=True))
-        cases.append(Case(f"set_ wrong feature shape: {key}", lambda t, key=key, v=_rand(rng, batch + (7,), leaf.dtype): t.set_(key, v), write=True))
-        cases.append(Case(f"update_: {key}", lambda t, key=key, v=_like(rng, leaf): t.update_({key: v}), write=True))
-        cases.append(Case(f"set: {key}", lambda t, key=key, v=_like(rng, leaf): t.set(key, v), write=True))
-        cases.append(Case(f"set wrong batch: {key}", lambda t, key=key, v=_rand(rng, (batch[0] + 1,), leaf.dtype): t.set(key, v), write=True))
+        v = _like(rng, leaf)
+        cases.append(Case(f"set_: {key}", lambda t, key=key, v=v: t.set_(key, v), write=True))
+        v = _rand(rng, batch + (7,), leaf.dtype)
+        cases.append(Case(f"set_ wrong feature shape: {key}", lambda t, key=key, v=v: t.set_(key, v), write=True))
+        v = _like(rng, leaf)
+        cases.append(Case(f"update_: {key}", lambda t, key=key, v=v: t.update_({key: v}), write=True))
+        v = _like(rng, leaf)
+        cases.append(Case(f"set: {key}", lambda t, key=key, v=v: t.set(key, v), write=True))
+        v = _rand(rng, (batch[0] + 1,), leaf.dtype)
+        cases.append(Case(f"set wrong batch: {key}", lambda t, key=key, v=v: t.set(key, v), write=True))
     for name, idx in forms:
         sub = td[idx]
         value = _like(rng, sub.exclude(*[k for k in sub.keys(True, True) if not isinstance(sub.get(k), torch.Tensor)]))
         cases.append(Case(f"setitem index td: {name} {_show(idx)}", lambda t, idx=idx, v=value: t.__setitem__(idx, v), write=True))
-        cases.append(Case(f"setitem index td other dtype: {name} {_show(idx)}", lambda t, idx=idx, v=_like(rng, value, torch.float64): t.__setitem__(idx, v), write=True))
+        v = _like(rng, value, torch.float64)
+        cases.append(Case(f"setitem index td other dtype: {name} {_show(idx)}", lambda t, idx=idx, v=v: t.__setitem__(idx, v), write=True))
         if numbers:
             # tdstore leaves non-tensor entries unchanged here, TensorDict writes the number into them
             # (docs/migrating.md): cases on stores without non-tensor entries only
@@ -526,7 +536,8 @@ def dense_cases(rng: random.Random, td: TensorDict, *, numbers: bool = True) -> 
     if len(batch) == 1:
         cases.append(Case("setitem index extra size-1 dims: int", lambda t: t.__setitem__(i, TensorDict(r=torch.tensor([3.0]))), write=True))
     for j in range(3):
-        cases.append(Case(f"set new key: new{j}", lambda t, j=j, v=_rand(rng, batch + (j,), torch.float32): t.set(f"new{j}", v), write=True))
+        v = _rand(rng, batch + (j,), torch.float32)
+        cases.append(Case(f"set new key: new{j}", lambda t, j=j, v=v: t.set(f"new{j}", v), write=True))
     rng.shuffle(cases)
     # structure changes last: the cases above were made for the initial keys
     cases.append(Case("rename_key_: act", lambda t: t.rename_key_("act", "act2"), write=True))
@@ -579,7 +590,8 @@ def lazy_cases(rng: random.Random, stack: LazyStackedTensorDict) -> list[Case]:
         cases.append(Case(f"lazy getitem key: {key}", lambda t, key=key: t[key]))
         for name, idx in forms:
             cases.append(Case(f"lazy get_at: {key} {name} {_show(idx)}", lambda t, key=key, idx=idx: t.get_at(key, idx)))
-            cases.append(Case(f"lazy set_at_: {key} {name} {_show(idx)}", lambda t, key=key, idx=idx, v=_like(rng, leaf[idx]): t.set_at_(key, v, idx), write=True))
+            v = _like(rng, leaf[idx])
+            cases.append(Case(f"lazy set_at_: {key} {name} {_show(idx)}", lambda t, key=key, idx=idx, v=v: t.set_at_(key, v, idx), write=True))
         for fidx in [(..., 0), (..., -1), (0, ..., 1), (slice(None), 0)] if leaf.dim() > 1 else [(..., 0)]:
             cases.append(Case(f"lazy get_at feature: {key} {fidx!r}", lambda t, key=key, i=fidx: t.get_at(key, i)))
             v = _like(rng, leaf[fidx])
@@ -590,7 +602,8 @@ def lazy_cases(rng: random.Random, stack: LazyStackedTensorDict) -> list[Case]:
     for name, idx in forms:
         cases.append(Case(f"lazy getitem index: {name} {_show(idx)}", lambda t, idx=idx: t[idx]))
         sub = stack[idx]
-        cases.append(Case(f"lazy setitem index td: {name} {_show(idx)}", lambda t, idx=idx, v=_like(rng, sub): t.__setitem__(idx, v), write=True))
+        v = _like(rng, sub)
+        cases.append(Case(f"lazy setitem index td: {name} {_show(idx)}", lambda t, idx=idx, v=v: t.__setitem__(idx, v), write=True))
     j = rng.randrange(n)
     extra = TensorDict(r=torch.tensor([3.0]), m=torch.ones(1, 3, 2), k=torch.ones(2, dtype=torch.int64))
     cases.append(Case(
@@ -639,6 +652,8 @@ def test_reference_harness(server, request) -> None:
             trio = Trio(server, oracle, tally, **options)
             try:
                 for case in cases_of(oracle):
+                    if rng.random() >= KEEP:
+                        continue
                     trio.run(case)
             finally:
                 trio.close()
