@@ -95,6 +95,26 @@ class SchemaError(TDStoreError, ValueError):
     """A schema, shape, dtype or batch size is invalid; nothing was written."""
 
 
+try:  # tensordict's class for a value that does not fit an in-place write (private in 0.15)
+    from tensordict.base import _InplaceWriteError as _TDInplaceWriteError
+except ImportError:  # pragma: no cover - other tensordict versions
+
+    class _TDInplaceWriteError(ValueError, RuntimeError):  # type: ignore[no-redef]
+        pass
+
+
+class InplaceWriteError(TDStoreError, _TDInplaceWriteError):
+    """A value does not fit the entry it is written into in place (``set_``, ``update_``); nothing was written.
+
+    Also an instance of the class TensorDict raises for the same write (so a ``ValueError``
+    and a ``RuntimeError``).
+    """
+
+
+class ElementShapeError(SchemaError, InplaceWriteError):
+    """A value written at an index of a lazy store does not fit the element's shape; nothing was written."""
+
+
 class StaleLayoutError(TDStoreError, RuntimeError):
     """The layout changed on the server since this client read it.
 
@@ -126,8 +146,12 @@ class UnsafePayloadError(TDStoreError, ValueError):
     """A pickled value was refused: pickle is switched off, or its signature does not verify."""
 
 
-class UnsupportedOperationError(TDStoreError, RuntimeError):
-    """The method cannot work on data that lives on a server; the message names the alternative."""
+class UnsupportedOperationError(TDStoreError, NotImplementedError):
+    """The method cannot work on data that lives on a server; the message names the alternative.
+
+    Also a :class:`NotImplementedError` (itself a :class:`RuntimeError`), as TensorDict raises for
+    methods a class does not implement.
+    """
 
 
 class ClientConfigError(TDStoreError, ValueError):

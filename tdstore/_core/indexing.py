@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "normalize_index", "select_rows", "contiguous_rows", "row_runs", "RowSpans", "is_full_index", "consumed_dims",
+    "leaf_dims", "check_index_dtype", "expand_ellipsis",
 ]
 
 
@@ -59,6 +60,57 @@ def consumed_dims(index: Any, ndim: int) -> int:
         else:
             count += 1
     return count
+
+
+def leaf_dims(index: Any, nb: int, ndim: int) -> int:
+    """How many leading dims of a leaf with ``ndim`` dims (``nb`` of them batch dims) an index reaches.
+
+    ``nb`` when it stays in the batch dims; more when it indexes the leaf's own feature dims,
+    as ``TensorDict.get_at`` / ``set_at_`` do: an ``Ellipsis`` that is not the last item
+    expands over all the leaf's dims (``(..., 0)`` is the leaf's last dim), a trailing one adds nothing.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    while items and items[-1] is Ellipsis:
+        items = items[:-1]
+    if any(i is Ellipsis for i in items):
+        return ndim
+    return max(nb, min(consumed_dims(items, ndim), ndim))
+
+
+def expand_ellipsis(index: Any, nb: int) -> Any:
+    """``index`` over ``nb`` batch dims with its ``...`` spelled out as slices, so that it selects the
+    same leading dims of a tensor with more dims (a nested tensordict's)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not any(i is Ellipsis for i in items):
+        return index
+    rest = tuple(i for i in items if i is not Ellipsis)
+    out: list[Any] = []
+    for item in items:
+        if item is Ellipsis:
+            out.extend([slice(None)] * max(nb - consumed_dims(rest, nb), 0))
+        else:
+            out.append(item)
+    return tuple(out)
+
+
+def check_index_dtype(index: Any, value: Any, dtype: torch.dtype | None, key: Any, where: str) -> None:
+    """Raises what torch raises for ``leaf[index] = value`` when ``index`` holds a list, a tensor or a
+    mask and ``value`` is a tensor of another dtype (torch casts only for ints, slices and ``...``,
+    and a 0-dim value under a lone mask, which is a fill)."""
+    if dtype is None or not isinstance(value, torch.Tensor) or value.dtype == dtype:
+        return
+    index = normalize_index(index)
+    items = index if isinstance(index, tuple) else (index,)
+    tensors = [i for i in items if isinstance(i, torch.Tensor)]
+    if not tensors:
+        return
+    if value.dim() == 0 and len(items) == 1 and tensors[0].dtype == torch.bool:
+        return
+    raise RuntimeError(
+        f"Index put requires the source and destination dtypes match, got {dtype} for the destination "
+        f"and {value.dtype} for the source: entry {key!r} of {where} was not written (with a list, tensor "
+        "or mask index, TensorDict and torch do not cast; cast the value first)"
+    )
 
 
 def is_full_index(index: Any, ndim: int) -> bool:

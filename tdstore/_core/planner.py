@@ -18,7 +18,7 @@ from tdstore._backend import ops as _backend
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
-from tdstore.errors import EntryNotFoundError
+from tdstore.errors import EntryNotFoundError, InplaceWriteError
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -138,7 +138,7 @@ class WritePlanner:
                 try:
                     value = value.expand(shape)
                 except RuntimeError:
-                    raise RuntimeError(
+                    raise InplaceWriteError(
                         f"Failed to update {path!r} in {self.where}: the value of shape {value.shape} "
                         f"does not fit the entry of shape {shape}"
                     ) from None

@@ -20,7 +20,14 @@ from tensordict.utils import is_tensorclass
 
 from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
-from tdstore.errors import CorruptMetadataError, EntryNotFoundError, SchemaError, UnsupportedOperationError
+from tdstore._core.indexing import leaf_dims, normalize_index
+from tdstore.errors import (
+    CorruptMetadataError,
+    ElementShapeError,
+    EntryNotFoundError,
+    SchemaError,
+    UnsupportedOperationError,
+)
 from tdstore.lazy import plan
 
 if TYPE_CHECKING:
@@ -52,6 +59,12 @@ def plan_index_write(
     base = store._path
     elem_bs = store._elem_bs(layout)
     full = store._full_bs(elem_bs, layout)
+    if isinstance(value, OneLeaf):
+        meta = layout.entries.get(base + value.rel)
+        if meta is not None and meta["k"] == "lt" and "shape" in meta:
+            if leaf_dims(normalize_index(index), len(full), 1 + len(meta["shape"])) > len(full):
+                # the index reaches the leaf's own dims, as LazyStackedTensorDict.set_at_ does
+                return _leaf_write(store, layout, base + value.rel, value, index, elem_bs, s, n), []
     members, remapped, pick = plan.split_index(index, len(full), s, n)
     where = store._where()
 
@@ -115,6 +128,31 @@ def plan_index_write(
     for path in nontensor_targets:
         nontensor.append((path, _nontensor_update(store, path, source, pick, s, where)))
     return groups, nontensor
+
+
+def _leaf_write(
+    store: Any, layout: _backend.Layout, path: tuple[str, ...], leaf: OneLeaf, index: Any, elem_bs: torch.Size, s: int,
+    n: int,
+) -> list[tuple[tuple[str, ...], list[tuple[int, int]], Any]]:
+    """The runs of ``set_at_(key, value, index)`` where ``index`` reaches past the batch dims."""
+    meta = layout.entries[path]
+    dtype = _codec.dtype_from_name(meta["dtype"])
+    members = list(range(n))
+    positions = _position_stack(store, layout, [path], members, elem_bs, s, None, (slice(None),))
+    rel = path[len(store._path) :]
+    pos = positions.get_at(rel[0] if len(rel) == 1 else rel, index)
+    value = torch.as_tensor(leaf.value)
+    while value.dim() > pos.dim() and value.shape[0] == 1:
+        value = value[0]
+    try:
+        value = value.broadcast_to(pos.shape)
+    except RuntimeError:
+        raise ElementShapeError(
+            f"cannot write a value of shape {list(value.shape)} into key {path!r} of {store._where()} at "
+            f"{index!r}, which selects shape {list(pos.shape)}"
+        ) from None
+    group = _runs(path, [(pos.reshape(-1), value.reshape(-1))], dtype, dtype.itemsize)
+    return [group] if group is not None else []
 
 
 class _Ctx:
@@ -191,6 +229,8 @@ def _collect(
     else:
         value = source
     value = torch.as_tensor(value)
+    while value.dim() > pos.dim() and value.shape[0] == 1:
+        value = value[0]  # extra leading size-1 dims, as torch's setitem accepts them
     if value.shape != pos.shape:
         try:
             value = value.broadcast_to(pos.shape)
@@ -202,7 +242,7 @@ def _collect(
 def _shape_error(ctx: _Ctx, pos: torch.Tensor, what: str, elem: int | None) -> SchemaError:
     j = str(elem) if elem is not None else ctx.element_of(pos)
     old = ctx.shapes[int(j)] if j != "?" else None
-    return SchemaError(
+    return ElementShapeError(
         f"cannot write {what} into key {ctx.path!r} at element {j} of {ctx.where}: the target has shape "
         f"{list(pos.shape)} (element {j} has shape {old}). Elements of a lazy store keep their shapes; to "
         "change them, set the whole key (store[key] = new_lazy_stack) or upload a new stack"

@@ -8,6 +8,7 @@ planned with; otherwise the layout is refreshed and the read planned again.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
 from tdstore._core import codec as _codec
+from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import DataLostError, StaleLayoutError, UnsupportedOperationError
@@ -209,12 +211,26 @@ class LazyReads(LazyBase):
             return LazyStackedTensorDict(*tds, stack_dim=s), layout, snap.wv
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
 
-    def to_tensordict(self, *, retain_none: bool | None = None) -> LazyStackedTensorDict:
-        """Reads the whole stack into memory (one consistent snapshot), ragged leaves included."""
-        tds, s = self._memory_stack(None, None)
-        return LazyStackedTensorDict(*tds, stack_dim=s)
+    def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
+        """Reads the whole stack into memory (one consistent snapshot).
 
-    def to_local(self) -> LazyStackedTensorDict:
+        Returns what ``LazyStackedTensorDict.to_tensordict()`` returns (a dense ``TensorDict``)
+        when every element has the same shapes; a ragged stack stays a ``LazyStackedTensorDict``
+        (a dense TensorDict cannot hold it).
+        """
+        tds, s = self._memory_stack(None, None)
+        stack = LazyStackedTensorDict(*tds, stack_dim=s)
+        if any(m["k"] == "lt" and "shape" not in m for _, m in self._descendants(self._layout())):
+            return stack  # ragged
+        try:
+            return stack.to_tensordict(retain_none=retain_none)
+        except RuntimeError:
+            return stack  # shapes that a dense TensorDict cannot hold
+
+    def to_local(self) -> TensorDictBase:
+        warnings.warn(
+            "LazyStackedTensorDictStore.to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2
+        )
         return self.to_tensordict()
 
     def contiguous(self) -> TensorDictBase:
@@ -321,6 +337,19 @@ class LazyReads(LazyBase):
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
 
     def _get_at_str(self, key: Any, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        path = self._path + _as_path(key)
+        meta = self._entry(path)
+        if meta is None:
+            if is_no_default(default):
+                raise self._key_error(path)
+            return default
+        if meta["k"] == "lt" and "shape" in meta:
+            nb = self.batch_dims
+            if leaf_dims(normalize_index(idx), nb, 1 + len(meta["shape"])) > nb:
+                # the index reaches the leaf's own dims (`...` expands over all of them), as
+                # LazyStackedTensorDict.get_at does: index the leaf, not the stack
+                tds, s = self._memory_stack([path], None)
+                return LazyStackedTensorDict(*tds, stack_dim=s).get_at(path[len(self._path) :], idx)
         return self._read_index(idx)[key]
 
     _get_at_tuple = _get_at_str

@@ -30,6 +30,7 @@ from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
+from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
@@ -363,10 +364,12 @@ class TensorDictStore(
             names = None
 
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
+            # as TensorDict does: the leading names of every nested tensordict follow
+            ops = _nested_names_ops(self._descendants(layout, self._path), names, len(self._node(layout)["batch_size"]))
             if not self._path:
-                return [], {"names": json.dumps(names)}
+                return ops, {"names": json.dumps(names)}
             meta = dict(layout.entries[self._path], names=names)
-            return [_backend.Op("node", self._path, meta)], None
+            return [_backend.Op("node", self._path, meta), *ops], None
 
         self._commit_planned(plan, check_lock=False)
 
@@ -715,9 +718,21 @@ class TensorDictStore(
 
     def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> TensorDictStore:
         path = self._path + _as_path(key)
-        if self._entry(path) is None:  # set_at_ is in place: it never creates an entry
+        meta = self._entry(path)
+        if meta is None:  # set_at_ is in place: it never creates an entry
             raise self._key_error(path)
-        self._write_index(idx, {path: value})
+        if meta["k"] == "nt" and not isinstance(value, (NonTensorData, NonTensorStack)):
+            # a plain value, as TensorDict takes it (and refuses for an index that selects nothing)
+            owner_bs = self._owner_batch_size(self._layout(), path)
+            if len(owner_bs) and select_rows(normalize_index(idx), owner_bs).numel() == 0:
+                raise RuntimeError(
+                    f"cannot write a value into non-tensor entry {key!r} of {self._where()} at {idx!r}: "
+                    "the index selects no element (indexed destination batch size has 0 elements)"
+                )
+            value = NonTensorData(data=value, batch_size=[])
+        from tdstore.store.index_write import write_index
+
+        write_index(self, idx, {path: value}, leaf=True)
         return self
 
     _set_at_tuple = _set_at_str
@@ -755,6 +770,24 @@ class TensorDictStore(
         from tdstore.store.index_write import write_index
 
         write_index(self, index, targets, check_batch)
+
+
+def _nested_names_ops(
+    descendants: Sequence[tuple[tuple[str, ...], dict[str, Any]]], names: list[str | None] | None, n: int
+) -> list[_backend.Op]:
+    """``node`` ops giving every nested tensordict the leading ``names`` (None: unnamed) of its parent."""
+    lead: list[str | None] = list(names) if names is not None else [None] * n
+    ops = []
+    for path, meta in descendants:
+        if meta["k"] != "td":
+            continue
+        old = meta.get("names") or [None] * len(meta["batch_size"])
+        new: list[str | None] | None = lead + list(old[n:])
+        if new is not None and all(x is None for x in new):
+            new = None
+        if new != meta.get("names"):
+            ops.append(_backend.Op("node", path, dict(meta, names=new)))
+    return ops
 
 
 def _batch_check(value: TensorDictBase, where: str) -> Callable[[torch.Size], None]:

@@ -19,7 +19,15 @@ from tdstore._backend import ops as _backend
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
-from tdstore._core.indexing import RowSpans, contiguous_rows, normalize_index, select_rows
+from tdstore._core.indexing import (
+    RowSpans,
+    check_index_dtype,
+    contiguous_rows,
+    expand_ellipsis,
+    leaf_dims,
+    normalize_index,
+    select_rows,
+)
 from tdstore.errors import StaleLayoutError, UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -28,14 +36,19 @@ if TYPE_CHECKING:
 _MAX_RETRIES = _io.MAX_RETRIES
 
 
-def _row_payload(value: Any, dtype: torch.dtype, shape: tuple[int, ...], key: tuple[str, ...], where: str) -> torch.Tensor:
+def _row_payload(
+    value: Any, dtype: torch.dtype, shape: tuple[int, ...], key: tuple[str, ...], where: str, index: Any = None
+) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         from tdstore._core.planner import check_tensor  # sparse, nested and meta tensors: a clear TypeError
 
         check_tensor(value, key, where)
+        check_index_dtype(index, value, dtype, key, where)
     tensor = torch.as_tensor(value)
     if tensor.dtype != dtype:
         tensor = tensor.to(dtype)
+    while tensor.dim() > len(shape) and tensor.shape[0] == 1:
+        tensor = tensor[0]  # extra leading size-1 dims, as torch's setitem accepts them
     try:
         tensor = tensor.expand(shape) if tensor.shape != torch.Size(shape) else tensor
     except RuntimeError:
@@ -51,7 +64,9 @@ def write_index(
     index: Any,
     targets: Mapping[tuple[str, ...], Any],
     check_batch: Callable[[torch.Size], None] | None = None,
+    leaf: bool = False,
 ) -> None:
+    """``leaf``: ``set_at_`` of the one target, whose index may reach the entry's own dims."""
     conn = store._conn
     index = normalize_index(index)
     where = store._where()
@@ -60,6 +75,17 @@ def write_index(
         node = store._node(layout)
         batch_size = torch.Size(node["batch_size"])
         nb = len(batch_size)
+        if leaf:
+            meta = layout.entries.get(next(iter(targets)))
+            if meta is not None and meta["k"] == "t":
+                # as TensorDict.set_at_: the index reaches the entry's feature dims, `...` all of them
+                batch_size = torch.Size(meta["shape"][: leaf_dims(index, nb, len(meta["shape"]))])
+                nb = len(batch_size)
+        for path, value in targets.items():
+            # torch checks the dtypes before the index's range: the same error comes first
+            meta = layout.entries.get(path)
+            if meta is not None and meta["k"] == "t":
+                check_index_dtype(index, value, _codec.dtype_from_name(meta["dtype"]), path, where)
         block = contiguous_rows(index, batch_size)
         if block is not None:
             # an int or a slice over dim 0: one run of rows, no tensor index math
@@ -87,15 +113,16 @@ def write_index(
                         f"cannot write a non-tensor value into the {'tensor' if meta['k'] == 't' else 'nested'} "
                         f"entry {path!r} of {where} at an index"
                     )
-                if store._owner_batch_size(layout, path) != batch_size:
-                    raise UnsupportedOperationError(
-                        f"non-tensor entry {path!r} of {where} lives in a nested tensordict with more batch "
-                        "dims; write it through that nested store"
-                    )
+                owner_bs = store._owner_batch_size(layout, path)
                 seq += 1
-                if rows is None:
-                    rows = select_rows(index, batch_size)
-                nontensor.append((path, _nontensor_update(path, value, rows, batch_size, [layout.lv + 1, seq], where, conn.pickle_policy)))
+                if owner_bs != batch_size:
+                    # in a nested tensordict with more batch dims: the index selects its leading dims
+                    owner_rows = select_rows(expand_ellipsis(index, nb), owner_bs)
+                else:
+                    if rows is None:
+                        rows = select_rows(index, batch_size)
+                    owner_rows = rows
+                nontensor.append((path, _nontensor_update(path, value, owner_rows, owner_bs, [layout.lv + 1, seq], where, conn.pickle_policy)))
                 continue
             if meta is None:
                 # a new key written through an index: created zero-filled in the same step
@@ -120,7 +147,7 @@ def write_index(
                 )
             dtype = _codec.dtype_from_name(meta["dtype"])
             feat_shape = tuple(meta["shape"][nb:])
-            payload = _row_payload(value, dtype, tuple(new_bs) + feat_shape, path, where)
+            payload = _row_payload(value, dtype, tuple(new_bs) + feat_shape, path, where, index)
             row_bytes = _codec.tensor_nbytes(feat_shape, dtype)
             flat, view = _codec.tensor_view(payload)
             keep.append(flat)
