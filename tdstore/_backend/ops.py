@@ -23,6 +23,7 @@ import redis.exceptions
 
 from tdstore._backend import large as _large
 from tdstore._backend import loop as _io
+from tdstore._backend import memory as _memory
 from tdstore._backend.scripts import ScriptRunner, get_script
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, decode_path, encode_path
@@ -464,6 +465,7 @@ async def commit(
         keys, ops, expected=expected, bump=bump, check_lock=check_lock, meta_updates=meta_updates,
         expected_wv=expected_wv, ttl_ms=ttl_ms,
     )
+    await _memory.check_ops(client, keys, ops)  # refuses what would take the server past maxmemory
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
     if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
@@ -617,6 +619,8 @@ async def write_runs_watched(
                 from tdstore.errors import DataLostError
 
                 raise DataLostError(f"an entry written at {keys.base} is registered but its bytes are gone from the server")
+        if creates:  # zero-filled entries allocate on the server: refuse what would pass maxmemory
+            await _memory.check_ops(client, keys, creates, via=pipe)
         small = [g for g in groups if not large(g[1])]
         if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
             await pipe.script_load(get_script("write_runs").text(runner.shebang))
