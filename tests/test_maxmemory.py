@@ -224,3 +224,26 @@ def test_estimate_counts_allocator_classes_and_bytes_in_flight():
     assert needed == 20 * MIB + _memory.alloc_size(16 * MIB + _memory.KEY_OVERHEAD)  # one step in flight
     written, needed = _memory.estimate([Op("zero", ("x",), {"k": "t"}, nbytes=16 * MIB), Op("del", ("y",))])
     assert (written, needed) == (16 * MIB, 20 * MIB)
+
+
+def test_a_user_without_info_writes_unguarded(request):
+    """An ACL user without +info (as on managed services): the guard finds out at setup and stays
+    out of the way; large writes go through, and the server's own refusal is what is left."""
+    if not _selected(request.config, "redis"):
+        pytest.skip("redis backend excluded by --backends")
+    rules = ["on", ">job-pass", f"~{PREFIX}:*", "+@all", "-@dangerous"]  # no INFO, no CONFIG
+    with start_server(
+        "redis", config={"maxmemory": str(LIMIT), "maxmemory-policy": "noeviction"}, acl_users={"job": rules}
+    ) as srv:
+        kw = srv.as_user("job", "job-pass").connection_kwargs()
+        store = TensorDictStore.from_schema({"x": ([MIB // 4], torch.float32)}, batch_size=[4], prefix=PREFIX, **kw)
+        store.update({"y": torch.ones(4, MIB // 4)})
+        assert store[1:3]["y"].sum() == 2 * (MIB // 4)
+        assert store._conn._client in _memory._NO_INFO
+        admin = srv.sync_client()
+        admin.config_resetstat()
+        store.update({"z": torch.ones(4, MIB // 4)})
+        assert "cmdstat_info" not in admin.info("commandstats")  # not asked again
+        store.clear_redis()
+        store.close()
+        admin.close()
