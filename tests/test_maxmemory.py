@@ -130,6 +130,19 @@ def test_a_write_past_maxmemory_is_refused_and_leaves_nothing(limited, client, n
     store.close()
 
 
+def test_an_overwrite_in_place_is_checked_for_its_bytes_in_flight(limited, client):
+    """Same shape and dtype: written in place (no new string), but its 16 MiB travel."""
+    kw = limited.connection_kwargs()
+    store = TensorDictStore.from_schema({"x": ([MIB], torch.float32)}, batch_size=[4], prefix=PREFIX, **kw)
+    before = {key: client.dump(key) for key in _store_keys(client)}
+    _leave_free(client, MIB)
+    with pytest.raises(WouldExceedMaxmemoryError, match=r"writing 'x' to TensorDictStore.*writes 16,777,216 bytes"):
+        store["x"] = torch.ones(4, MIB)
+    assert {key: client.dump(key) for key in _store_keys(client)} == before
+    _check_memory(client)
+    store.close()
+
+
 def test_the_message_names_the_store_and_the_entries(limited, client):
     kw = limited.connection_kwargs()
     store = _existing(kw)

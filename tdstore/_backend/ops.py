@@ -621,6 +621,14 @@ async def write_runs_watched(
                 raise DataLostError(f"an entry written at {keys.base} is registered but its bytes are gone from the server")
         if creates:  # zero-filled entries allocate on the server: refuse what would pass maxmemory
             await _memory.check_ops(client, keys, creates, via=pipe)
+        elif not small_via_script:
+            # a whole-entry write in place (its only caller): no new string, but its bytes sit in
+            # the server's query buffer until EXEC; row writes (small_via_script) are not checked
+            sent = sum(_nbytes(p) for _, _, p in groups)
+            await _memory.check(
+                client, keys, sent, _memory.alloc_size(sent + _memory.KEY_OVERHEAD),
+                "writing " + ", ".join(repr(g[0][0] if len(g[0]) == 1 else g[0]) for g in groups[:3]), via=pipe,
+            )
         small = [g for g in groups if not large(g[1])]
         if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
             await pipe.script_load(get_script("write_runs").text(runner.shebang))
