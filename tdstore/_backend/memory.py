@@ -2,18 +2,20 @@
 
 Redis and Valkey refuse a write only while they are *already* over their ``maxmemory``: a
 single large ``SETRANGE`` (a zero-filled entry), a script, or a ``SET`` whose bytes sit in
-the query buffer once read, takes a server that is just under its limit far over it (a
-16 MiB ``from_schema`` with 1 MiB free ended at 18.4 MB used against a 2.6 MB limit). On a
+the query buffer once read, takes a server that is just under its limit far over it (without
+this guard, a 16 MiB ``from_schema`` with 1 MiB free ended at 24 MB used against a 4 MiB
+limit on Redis 7; a refused 16 MiB ``from_tensordict`` peaked at 45 MB). On a
 machine without that much memory, that is how a server is OOM-killed, with every store on it.
 
-So before a write that adds at least :data:`GUARD_MIN` bytes (``from_schema``, whole-entry
-writes, ``from_tensordict``, ``update``, chunked allocation, entries created by an indexed
-write), the write's functions here read ``INFO memory`` (``used_memory``, ``maxmemory``,
-``maxmemory_policy``: one command, about 0.15-0.2 ms on loopback, measured against ~3 ms for a
-1 MiB ``SET``) and refuse the write with :class:`~tdstore.errors.WouldExceedMaxmemoryError`
-when ``used_memory`` plus :func:`estimate` of the write would pass ``maxmemory``. Smaller
-writes (row writes, ``extend``) and reads send nothing more: the server's own refusal covers
-them (it refuses every write once over the limit, and a small write overshoots by little).
+So before a write that carries or allocates at least :data:`GUARD_MIN` bytes
+(``from_schema``, whole-entry writes, in place or not, ``from_tensordict``, ``update``,
+chunked allocation, entries created by an indexed write), the functions here read
+``INFO memory`` (``used_memory``, ``maxmemory``, ``maxmemory_policy``: one command, about
+0.15-0.3 ms on loopback, against ~3 ms for a 1 MiB ``SET``) and refuse the write with
+:class:`~tdstore.errors.WouldExceedMaxmemoryError` when ``used_memory`` plus :func:`estimate`
+of the write would pass ``maxmemory``. Row writes, ``extend``, smaller writes and reads send
+nothing more: the server's own refusal covers them (it refuses every write once over the
+limit; an indexed write briefly holds up to ~3x its bytes, see docs/deployment.md).
 
 It is a best-effort pre-check: another client writing at the same moment can still take the
 server over (the server then refuses the next write), and under an evicting policy the
