@@ -42,6 +42,7 @@ from tdstore.errors import (
     TDStoreError,
     UnsafePayloadError,
     UnsupportedOperationError,
+    WouldExceedMaxmemoryError,
 )
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ __all__ = [
     "SchemaError",
     "ServerAuthError",
     "ServerOutOfMemoryError",
+    "WouldExceedMaxmemoryError",
     "ServerPermissionError",
     "ServerTLSError",
     "DataLostError",

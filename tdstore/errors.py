@@ -26,6 +26,7 @@ __all__ = [
     "EntryTooLargeError",
     "SchemaError",
     "ServerOutOfMemoryError",
+    "WouldExceedMaxmemoryError",
     "DataLostError",
     "StaleLayoutError",
     "PartialWriteError",
@@ -256,6 +257,15 @@ def translate_response_error(err: redis.exceptions.ResponseError) -> Exception:
     exc = LUA_ERRORS[match.group(1)](message)
     exc.__cause__ = err
     return exc
+
+
+class WouldExceedMaxmemoryError(ServerOutOfMemoryError):
+    """tdstore refused, before sending anything, a write that would take the server past its ``maxmemory``.
+
+    A :class:`ServerOutOfMemoryError` (so a ``redis.exceptions.OutOfMemoryError``): code that
+    catches the server's own refusal catches this one too. The message names the limit, the
+    size asked for and the fix; see ``tdstore/_backend/memory.py`` and docs/deployment.md.
+    """
 
 
 def clause(err: BaseException | str) -> str:

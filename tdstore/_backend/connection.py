@@ -23,6 +23,7 @@ from redis.backoff import NoBackoff
 from tdstore._backend import cluster as _cluster
 from tdstore._backend import credentials as _credentials
 from tdstore._backend import loop as _io
+from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
 from tdstore._backend.retry import (
@@ -45,6 +46,7 @@ from tdstore.errors import (
     ServerTLSError,
     StoreClosedError,
     TDStoreError,
+    WouldExceedMaxmemoryError,
     clause,
 )
 
@@ -549,6 +551,8 @@ class Connection:
             if not self._over_maxmemory(client):
                 raise
             raise self._out_of_memory(client) from err
+        except WouldExceedMaxmemoryError:
+            raise  # refused by the memory guard before anything was sent; its message says why
         except redis.exceptions.OutOfMemoryError as err:
             raise self._out_of_memory(client) from err
         except redis.exceptions.NoPermissionError as err:
@@ -659,13 +663,15 @@ class Connection:
             if not _is_tls_failure(err):
                 raise
             raise self._tls_error(err) from err
-        # the two limits of one command's size, in one round trip
+        # the two limits of one command's size, and whether INFO answers (the memory guard), in one round trip
         async with client.pipeline(transaction=False) as pipe:
             pipe.config_get("proto-max-bulk-len")
             pipe.config_get("client-query-buffer-limit")
+            pipe.info("memory")
             replies = await pipe.execute(raise_on_error=False)
         self.max_bulk = _config_int(replies[0], "proto-max-bulk-len", DEFAULT_MAX_BULK)
         self.max_query = _config_int(replies[1], "client-query-buffer-limit", DEFAULT_MAX_QUERY)
+        _memory.note_setup(client, replies[2])
         runner = ScriptRunner(shebang)
         await runner.load_all(client)
         self._runner = runner

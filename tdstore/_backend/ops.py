@@ -23,6 +23,7 @@ import redis.exceptions
 
 from tdstore._backend import large as _large
 from tdstore._backend import loop as _io
+from tdstore._backend import memory as _memory
 from tdstore._backend.scripts import ScriptRunner, get_script
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, decode_path, encode_path
@@ -464,6 +465,7 @@ async def commit(
         keys, ops, expected=expected, bump=bump, check_lock=check_lock, meta_updates=meta_updates,
         expected_wv=expected_wv, ttl_ms=ttl_ms,
     )
+    await _memory.check_ops(client, keys, ops)  # refuses what would take the server past maxmemory
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
     if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
@@ -620,6 +622,16 @@ async def write_runs_watched(
                 from tdstore.errors import DataLostError
 
                 raise DataLostError(f"an entry written at {keys.base} is registered but its bytes are gone from the server")
+        if creates:  # zero-filled entries allocate on the server: refuse what would pass maxmemory
+            await _memory.check_ops(client, keys, creates, via=pipe)
+        elif not small_via_script:
+            # a whole-entry write in place (its only caller): no new string, but its bytes sit in
+            # the server's query buffer until EXEC; row writes (small_via_script) are not checked
+            sent = sum(_nbytes(p) for _, _, p in groups)
+            await _memory.check(
+                client, keys, sent, _memory.alloc_size(sent + _memory.KEY_OVERHEAD),
+                "writing " + ", ".join(repr(g[0][0] if len(g[0]) == 1 else g[0]) for g in groups[:3]), via=pipe,
+            )
         small = [g for g in groups if not large(g[1])]
         if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
             await pipe.script_load(get_script("write_runs").text(runner.shebang))

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend.ops import Layout, Op, ZeroBytes, byte_view, parse_layout
 from tdstore._backend.scripts import ScriptRunner
@@ -174,6 +175,8 @@ async def commit_staged(
         for op in ops
     ]
     key_list, args, tmp_payloads = _backend.commit_args(keys, staged, **commit_kwargs)
+    # refuses what would take the server past maxmemory, before the first step
+    await _memory.check_ops(client, keys, staged, staged=True)
     sent: list[str] = []
     try:
         refreshed = time.monotonic()
