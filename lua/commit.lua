@@ -33,6 +33,12 @@ ARGV[8]   the first layout version of a new store (decimal string; default "0").
 ARGV[9]   optional: the lifetime of a new store in ms (a positive decimal of at most 15
           digits), or "" for none; only read when ARGV[1] is "new". Every key of the store
           then expires at that time (see expire.lua; meta fields "exp" and "ttl").
+ARGV[10]  optional: a compare-and-set that appends to other entries do not disturb, in
+          place of ARGV[7] (send "" there): a JSON object {"w": the write version less
+          the meta field "ac" (the number of appends, see extend.lua), "f": {meta field:
+          value ("" for absent)}}, checked like ARGV[7]; "f" names the append counters
+          ("a:" .. sub-store path) of every sub-store whose appends write entries the
+          client read. Not checked when ARGV[1] is "new".
 
 The meta field "ne" counts the registry's fields, so that a reader can tell a registry
 that was evicted (or deleted by hand) from a store with no entries. A store created before
@@ -162,6 +168,18 @@ else
   if (ARGV[7] or '') ~= '' and (rcall('GET', wv_key) or '0') ~= ARGV[7] then
     drop_tmps()
     return fail('TDS_CONFLICT', 'the store was written since the client read it')
+  end
+  if (ARGV[10] or '') ~= '' then
+    local cas = cjson.decode(ARGV[10])
+    local writes = tonumber(rcall('GET', wv_key) or '0') - tonumber(rcall('HGET', meta_key, 'ac') or '0')
+    local same = writes == tonumber(cas.w)
+    for field, value in pairs(cas.f or {}) do
+      if (rcall('HGET', meta_key, field) or '') ~= value then same = false end
+    end
+    if not same then
+      drop_tmps()
+      return fail('TDS_CONFLICT', 'the entries read were written since the client read them')
+    end
   end
   if check_lock == '1' and rcall('HGET', meta_key, 'lock') == '1' then
     drop_tmps()

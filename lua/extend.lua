@@ -4,7 +4,10 @@ writes every entry's rows in the same script, so concurrent appenders never get 
 rows and a reader never sees a reserved but unwritten row.
 
 KEYS[1]   meta hash of the store
-KEYS[2]   write-version counter of the store (bumped once)
+KEYS[2]   write-version counter of the store (bumped once; the meta hash also counts the
+          appends in field "ac", and those into each sub-store in field "a:" .. its path
+          (see ARGV[last]), so that a compare-and-set can tell the appends that wrote its
+          entries from those that did not: see ARGV[10] of commit.lua)
 KEYS[3]   ring cursor of the store: rows ever appended (a string key)
 KEYS[4..] the data keys of each entry written, in the order of the ARGV groups: its one
           key, or its chunks in order (a chunked entry, see tdstore/_chunks.py)
@@ -16,6 +19,10 @@ ARGV[4..] one group per entry: the bytes of one row, the bytes of one chunk ("0"
           entry kept in one key), then the payload of n rows. A chunked entry of
           capacity * row bytes has ceil(that / chunk bytes) keys, each a full chunk but
           the last.
+ARGV[last] optional, after the groups: "a:" .. the path of the sub-store appended to, as
+          a registry field ("a:" for the root). With it, the append is counted in the
+          meta fields "ac" and ARGV[last]; without it, the write version alone tells, and
+          every compare-and-set conflicts with the append
 
 A store with an expiry (meta field "exp", see expire.lua) gives the cursor and the counter
 that same expiry (SET drops a key's TTL).
@@ -42,8 +49,14 @@ if n == nil or capacity == nil or n ~= n or capacity ~= capacity or capacity > 9
     or n < 1 or n ~= math.floor(n) or capacity ~= math.floor(capacity) or n > capacity then
   return fail('TDS_BADARG', 'need 1 <= rows <= capacity, got ' .. tostring(ARGV[2]) .. ' and ' .. tostring(ARGV[3]))
 end
-if (#ARGV - 3) % 3 ~= 0 then
-  return fail('TDS_BADARG', 'expected groups of (row bytes, chunk bytes, payload), got ' .. (#ARGV - 3) .. ' values')
+local nargs = #ARGV
+local counter = false
+if (nargs - 3) % 3 == 1 and string.sub(ARGV[nargs], 1, 2) == 'a:' then
+  counter = ARGV[nargs]
+  nargs = nargs - 1
+end
+if (nargs - 3) % 3 ~= 0 then
+  return fail('TDS_BADARG', 'expected groups of (row bytes, chunk bytes, payload), got ' .. (nargs - 3) .. ' values')
 end
 
 local function count(value)
@@ -56,7 +69,7 @@ end
 -- first key, number of keys}. First the arguments alone, then the keys.
 local groups = {}
 local next_key = 4
-for g = 1, (#ARGV - 3) / 3 do
+for g = 1, (nargs - 3) / 3 do
   local row_bytes, chunk, payload = count(ARGV[3 * g + 1]), count(ARGV[3 * g + 2]), ARGV[3 * g + 3]
   if next_key > #KEYS then
     return fail('TDS_BADARG', 'group ' .. g .. ' has no key left in KEYS')
@@ -135,6 +148,10 @@ for _, group in ipairs(groups) do
 end
 rcall('SET', KEYS[3], int_str(cursor + n))
 rcall('INCR', KEYS[2])
+if counter then
+  rcall('HINCRBY', KEYS[1], 'ac', 1)
+  rcall('HINCRBY', KEYS[1], counter, 1)
+end
 local exp = rcall('HGET', KEYS[1], 'exp')
 if exp and exp ~= '' then
   rcall('PEXPIREAT', KEYS[3], exp)

@@ -339,6 +339,7 @@ def commit_args(
     meta_updates: dict[str, str] | None = None,
     expected_wv: str = "",
     ttl_ms: int | None = None,
+    expected_cas: str = "",
 ) -> tuple[list[str], list[str], list[tuple[str, Any]]]:
     """KEYS and ARGV of the commit script for ``ops``, and the ``(tmp key, bytes)`` of its "put" ops."""
     key_list: list[str] = [keys.meta, keys.reg, keys.wv]
@@ -438,6 +439,9 @@ def commit_args(
     ]
     if ttl_ms is not None and expected == "new":
         args.append(str(int(ttl_ms)))  # ARGV[9], sent only when set: older callers send 8
+    if expected_cas:
+        # ARGV[10]: a compare-and-set that appends to other sub-stores leave alone (lua/commit.lua)
+        args.extend([""] * (9 - len(args)) + [expected_cas])
     return key_list, args, tmp_payloads
 
 
@@ -453,6 +457,7 @@ async def commit(
     meta_updates: dict[str, str] | None = None,
     expected_wv: str = "",
     ttl_ms: int | None = None,
+    expected_cas: str = "",
 ) -> int:
     """Applies ``ops`` in one atomic step; returns the new layout version.
 
@@ -463,7 +468,7 @@ async def commit(
     """
     key_list, args, tmp_payloads = commit_args(
         keys, ops, expected=expected, bump=bump, check_lock=check_lock, meta_updates=meta_updates,
-        expected_wv=expected_wv, ttl_ms=ttl_ms,
+        expected_wv=expected_wv, ttl_ms=ttl_ms, expected_cas=expected_cas,
     )
     await _memory.check_ops(client, keys, ops)  # refuses what would take the server past maxmemory
     if not tmp_payloads:

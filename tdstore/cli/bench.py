@@ -2,7 +2,10 @@
 
 Each case times a tdstore operation and the fastest plain ``redis.asyncio`` code for the
 same work (the same bytes, the same server, the same IO loop thread), and reports the
-medians, the rate and the ratio tdstore / raw (lower is better; 1.00x is parity). The
+medians, the rate and the ratio tdstore / raw (lower is better; 1.00x is parity), and
+beside them the server's main-thread CPU µs per operation of each (``INFO cpu``): the
+server runs commands on one thread, so that figure caps the operations per second of all
+its clients together (1e6 / µs per op), whatever their number. The
 thorough benchmarks, with their goals, are in ``benchmarks/``; this one takes seconds and
 says what a given deployment (host, socket, TLS, server kind) delivers.
 
@@ -33,6 +36,19 @@ def _median_s(fn: Callable[[], Any], repeat: int, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _server_cpu_s(info: dict[str, Any]) -> float:
+    """Seconds of CPU the server's main thread used so far, from INFO cpu (summed over the
+    nodes of a cluster); all threads where a server lacks the main-thread fields."""
+    nodes = list(info.values()) if info and all(isinstance(v, dict) for v in info.values()) else [info]
+    total = 0.0
+    for node in nodes:
+        if "used_cpu_user_main_thread" in node:
+            total += float(node["used_cpu_user_main_thread"]) + float(node["used_cpu_sys_main_thread"])
+        else:
+            total += float(node.get("used_cpu_user", 0.0)) + float(node.get("used_cpu_sys", 0.0))
+    return total
 
 
 class _Raw:
@@ -73,7 +89,17 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
     gen = torch.Generator().manual_seed(0)
     results: list[dict[str, Any]] = []
 
-    def record(case: str, t_store: float, t_raw: float, nbytes: int, rows: int | None, raw_desc: str) -> None:
+    def cpu() -> float:
+        return _server_cpu_s(raw.run(lambda c: c.info("cpu")))
+
+    def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
+        """Median seconds of ``fn`` and the server's CPU µs per call (the warm-up call included)."""
+        before = cpu()
+        t = _median_s(fn, repeat)
+        return t, (cpu() - before) / (repeat + 1) * 1e6
+
+    def record(case: str, t_store: Any, t_raw: Any, nbytes: int, rows: int | None, raw_desc: str) -> None:
+        (t_store, us_store), (t_raw, us_raw) = t_store, t_raw
         results.append(
             {
                 "case": case,
@@ -83,6 +109,8 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
                 "ratio": t_store / t_raw if t_raw > 0 else float("inf"),
                 "mb_per_s": nbytes / t_store / 1e6,
                 "rows_per_s": rows / t_store if rows else None,
+                "tdstore_server_us": us_store,
+                "raw_server_us": us_raw,
             }
         )
 
@@ -105,14 +133,14 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
     async def raw_get(c: Any) -> torch.Tensor:
         return torch.frombuffer(bytearray(await c.get(raw_key)), dtype=torch.float32)
 
-    t_store = _median_s(store_set, args.repeat)
-    t_raw = _median_s(lambda: raw.run(raw_set), args.repeat)
+    t_store = timed(store_set, args.repeat)
+    t_raw = timed(lambda: raw.run(raw_set), args.repeat)
     record(f"store['x'] = t ({nbytes / 1e6:.0f} MB)", t_store, t_raw, nbytes, None, "SET")
     got = store["x"]
     if not torch.equal(got, tensor):
         raise AssertionError("tdstore bench: the whole entry read back differs from what was written")
-    t_store = _median_s(lambda: store["x"], args.repeat)
-    t_raw = _median_s(lambda: raw.run(raw_get), args.repeat)
+    t_store = timed(lambda: store["x"], args.repeat)
+    t_raw = timed(lambda: raw.run(raw_get), args.repeat)
     record(f"store['x'] ({nbytes / 1e6:.0f} MB)", t_store, t_raw, nbytes, None, "GET + frombuffer")
 
     # ---- random rows
@@ -149,16 +177,16 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
     if not torch.equal(rows_store[idx]["obs"], data[idx]):
         raise AssertionError("tdstore bench: the rows read back differ from what was written")
     repeat = max(args.repeat, 15)  # millisecond cases: more runs for a stable median
-    t_store = _median_s(lambda: rows_store[idx], repeat)
-    t_raw = _median_s(lambda: raw.run(raw_rows_read), repeat)
+    t_store = timed(lambda: rows_store[idx], repeat)
+    t_raw = timed(lambda: raw.run(raw_rows_read), repeat)
     record(f"store[idx], {batch} random rows of {row_bytes} B", t_store, t_raw, batch * row_bytes, batch,
            f"MULTI of {batch} GETRANGE")
 
     def rows_write() -> None:
         rows_store[idx] = new_rows
 
-    t_store = _median_s(rows_write, repeat)
-    t_raw = _median_s(lambda: raw.run(raw_rows_write), repeat)
+    t_store = timed(rows_write, repeat)
+    t_raw = timed(lambda: raw.run(raw_rows_write), repeat)
     record(f"store[idx] = td, {batch} random rows", t_store, t_raw, batch * row_bytes, batch,
            f"MULTI of {batch} SETRANGE")
 
@@ -169,8 +197,8 @@ def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) 
                                 dtype=torch.uint8)
 
     repeat_one = max(args.repeat, 31)
-    t_store = _median_s(lambda: rows_store[one], repeat_one)
-    t_raw = _median_s(lambda: raw.run(raw_one), repeat_one)
+    t_store = timed(lambda: rows_store[one], repeat_one)
+    t_raw = timed(lambda: raw.run(raw_one), repeat_one)
     record("store[i], one row", t_store, t_raw, row_bytes, 1, "GETRANGE")
     return results
 
@@ -186,12 +214,21 @@ def _format(results: list[dict[str, Any]], where: str, server: str) -> str:
             f"{r['ratio']:.2f}x",
             f"{r['mb_per_s']:,.0f}",
             "-" if r["rows_per_s"] is None else f"{r['rows_per_s']:,.0f}",
+            f"{r['tdstore_server_us']:,.0f}",
+            f"{r['raw_server_us']:,.0f}",
             r["raw"],
         ]
         for r in results
     ]
-    text = table(["CASE", "TDSTORE ms", "RAW ms", "RATIO", "MB/s", "ROWS/s", "RAW FORM"], rows, right={1, 2, 3, 4, 5})
-    return f"tdstore bench on {where} ({server}); medians, ratio = tdstore / raw redis-py\n" + text
+    text = table(
+        ["CASE", "TDSTORE ms", "RAW ms", "RATIO", "MB/s", "ROWS/s", "SERVER us/op", "RAW SERVER us/op", "RAW FORM"],
+        rows, right={1, 2, 3, 4, 5, 6, 7},
+    )
+    return (
+        f"tdstore bench on {where} ({server}); medians, ratio = tdstore / raw redis-py; server us/op: the "
+        "server's main-thread CPU per operation (INFO cpu), which caps the operations per second of all its "
+        "clients together\n" + text
+    )
 
 
 def _server_version(info: dict[str, Any]) -> str:

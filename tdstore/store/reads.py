@@ -6,6 +6,7 @@ back with a compare-and-set, so it lives with the snapshot reads.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
+from tdstore._core.keys import encode_path
 from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
 from tdstore.store.host import DenseBase
 
@@ -233,7 +235,7 @@ class StoreReads(DenseBase):
                 conn.run(
                     lambda c: _backend.commit(
                         c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
-                        check_lock=False, expected_wv=snap.wv,
+                        check_lock=False, expected_cas=self._cas_versions(snap),
                     ),
                     idempotent=False,  # a re-sent compare-and-set would re-read and apply twice
                 )
@@ -245,6 +247,19 @@ class StoreReads(DenseBase):
             f"{getattr(method, '__name__', 'an in-place method')} on {self._where()} kept conflicting with "
             f"other writers; gave up after {_MAX_CAS_RETRIES} tries"
         )
+
+    def _cas_versions(self, snap: _backend.Layout) -> str:
+        """What the compare-and-set of :meth:`_inplace_on_copies` checks (ARGV[10] of lua/commit.lua).
+
+        Every write but an append, and the appends that wrote entries of this sub-store: those
+        into it, into a store above it, or into a sub-store inside it (``extend`` writes every
+        tensor entry of the store it is called on). Appends to other sub-stores do not conflict.
+        """
+        writes = int(snap.wv or 0) - int(snap.meta.get("ac") or 0)
+        under = [p for p, m in snap.entries.items() if m["k"] == "td" and p[: len(self._path)] == self._path]
+        subs = [self._path[:i] for i in range(len(self._path) + 1)] + under
+        fields = {f"a:{encode_path(p)}": snap.meta.get(f"a:{encode_path(p)}", "") for p in subs}
+        return json.dumps({"w": str(writes), "f": fields}, separators=(",", ":"))
 
     def _read_plan(self, layout: _backend.Layout, only: tuple[str, ...] | None, nb: int) -> list[tuple[Any, ...]]:
         """Per entry read by an index: ``(path, meta, dtype, feature shape, row bytes)``; memoized per layout.

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.utils import is_tensorclass
+from tensordict.utils import is_non_tensor, is_tensorclass
 
 from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
+from tdstore._core.keys import as_path as _as_path
+from tdstore._core.keys import encode_path
 from tdstore.errors import SchemaError, StaleLayoutError
 from tdstore.store.host import DenseBase
 
@@ -37,7 +39,10 @@ class RingState(NamedTuple):
     cursor: int  #: the row the next append starts at (total % capacity)
 
 
-async def _extend(client: Any, conn: Any, groups: list[tuple[tuple[str, ...], int, Any]], lv: int, n: int, capacity: int) -> int:
+async def _extend(
+    client: Any, conn: Any, groups: list[tuple[tuple[str, ...], int, Any]], lv: int, n: int, capacity: int,
+    sub: tuple[str, ...] = (),
+) -> int:
     keys = [conn.keys.meta, conn.keys.wv, conn.keys.ring]
     args: list[Any] = [str(lv), str(n), str(capacity)]
     for path, row_bytes, payload in groups:
@@ -46,6 +51,7 @@ async def _extend(client: Any, conn: Any, groups: list[tuple[tuple[str, ...], in
         args.append(str(row_bytes))
         args.append(str(chunking.size) if chunking is not None else "0")
         args.append(payload)
+    args.append("a:" + encode_path(sub))  # counts the appends into this sub-store (see lua/extend.lua)
     return int(await conn.runner.call(client, "extend", keys, args))
 
 
@@ -58,6 +64,10 @@ class RingBufferAPI(DenseBase):
         The rows go to ``(cursor + i) % capacity``: the buffer wraps around its first batch
         dim. ``td`` must hold every tensor entry of the store, with the store's row shapes
         (dtypes are cast). Concurrent ``extend`` calls from any process get disjoint rows.
+        Non-tensor entries are not appended: a ``td`` holding one, or a store with a per-row
+        non-tensor entry, is refused with a :class:`~tdstore.errors.SchemaError` and nothing
+        is written. An append does not conflict with a read-modify-write (``apply_``, ``+=``)
+        on a sub-store whose entries it does not write.
 
         Examples:
             >>> import torch
@@ -93,6 +103,20 @@ class RingBufferAPI(DenseBase):
             if not 1 <= n <= capacity:
                 raise SchemaError(f"extend() appends 1 to {capacity} rows at once into {self._where()}, got {n}")
             leaves = {p: m for p, m in self._descendants(layout, self._path) if m["k"] == "t"}
+            # non-tensor columns are not appended: refuse rather than leave old values beside new rows
+            non_tensor = [k for k, v in td.items(True, False) if is_non_tensor(v)]
+            per_row = [p for p, m in self._descendants(layout, self._path) if m["k"] == "nt" and m.get("stack")]
+            if non_tensor or per_row:
+                key = _as_path(non_tensor[0]) if non_tensor else per_row[0][len(self._path) :]
+                name = key[0] if len(key) == 1 else key
+                why = (
+                    f"td holds the non-tensor entry {name!r}" if non_tensor
+                    else f"its non-tensor entry {name!r} holds one value per row, which the new rows would not get"
+                )
+                raise SchemaError(
+                    f"extend() into {self._where()} appends tensor entries only, and {why}. Nothing was "
+                    "written; write non-tensor columns with store[rows] = td"
+                )
             given = {self._path + (k if isinstance(k, tuple) else (k,)) for k in td.keys(True, True)}
             if set(leaves) != given:
                 missing = sorted(map(str, set(leaves) - given))
@@ -118,7 +142,7 @@ class RingBufferAPI(DenseBase):
                 groups.append((path, row_bytes, view))
             try:
                 # not idempotent: a re-sent extend would take rows twice
-                start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity), idempotent=False)
+                start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity, self._path), idempotent=False)
             except StaleLayoutError:
                 _io.backoff(attempt)
                 self._layout(refresh=True)
