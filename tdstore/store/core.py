@@ -556,8 +556,7 @@ class TensorDictStore(
         """Plans ops against the cached layout and commits them; refreshes and replans when stale."""
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
-            layout = self._layout()
-            ops, meta_updates = plan(layout)
+            (ops, meta_updates), layout = self._replan_if_stale(plan, self._layout())
             try:
                 lv = conn.run(
                     lambda c: _backend.commit(
@@ -583,10 +582,13 @@ class TensorDictStore(
 
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
-            layout = self._layout()
-            planner = WritePlanner(self, layout, inplace=inplace)
-            for path, value in prepared.items():
-                planner.add(path, value)
+            def plan(layout: _backend.Layout) -> WritePlanner:
+                planner = WritePlanner(self, layout, inplace=inplace)
+                for path, value in prepared.items():
+                    planner.add(path, value)
+                return planner
+
+            planner, layout = self._replan_if_stale(plan, self._layout())
             ops, bump = planner.ops, planner.bump
             if not ops:
                 return
