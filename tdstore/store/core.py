@@ -242,8 +242,17 @@ class TensorDictStore(
         cb = layout.meta.get("cb")
         if cb and not (cb.isdigit() and int(cb) >= _chunks.MIN_CHUNK_BYTES):
             raise CorruptMetadataError(f"store {self._where()} has a malformed chunk size {cb!r}")
+        where = self._where()
         for path, meta in layout.entries.items():
-            _values.check_meta(path, meta, self._where())
+            _values.check_meta(path, meta, where)
+        batch_size = _values.parse_dims(layout.meta.get("batch_size"), "batch size", where)
+        _values.parse_names(layout.meta.get("names"), len(batch_size), where)
+        _values.check_tree(batch_size, layout.entries, where)
+        dev = layout.meta.get("device") or ""
+        try:
+            torch.device(dev) if dev else None
+        except (RuntimeError, TypeError, ValueError):
+            raise CorruptMetadataError(f"store {where} has a malformed device {dev!r:.200} in its meta hash") from None
 
     def _not_found(self) -> StoreNotFoundError:
         return StoreNotFoundError(

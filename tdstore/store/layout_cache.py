@@ -15,11 +15,15 @@ from typing import Any, TypeVar
 
 from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
-from tdstore.errors import DataLostError, FormatVersionError, StaleLayoutError, StoreNotFoundError
+from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["LayoutCache"]
 
 _T = TypeVar("_T")
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class LayoutCache:
@@ -101,6 +105,10 @@ class LayoutCache:
                 f"or deleted by hand): it held {layout.meta['ne']} entries, {len(layout.entries)} remain"
             )
 
+    def _meta_is_hash(self) -> bool:
+        conn = self._conn
+        return _text(conn.run(lambda c: c.type(conn.keys.meta))) == "hash"
+
     def _clear_store(self) -> dict[str, Any] | None:
         """Deletes every key of the store in one step (the clear script, retried while the
         layout changes under it); returns the meta hash it deleted, or None when there was
@@ -111,6 +119,13 @@ class LayoutCache:
                 layout = self._layout(refresh=True)
             except StoreNotFoundError:
                 return None
+            except (CorruptMetadataError, DataLostError):
+                # damaged metadata cannot be trusted to name the store's keys: delete by the
+                # store's key pattern instead (bounded memory, whatever the metadata says)
+                meta = conn.run(lambda c: c.hgetall(conn.keys.meta)) if self._meta_is_hash() else {}
+                conn.run(lambda c: _backend.clear_by_pattern(c, conn.keys))
+                conn.layout = None
+                return {_text(k): _text(v) for k, v in meta.items()} or None
             try:
                 conn.run(lambda c, layout=layout: _backend.clear(c, conn.keys, conn.runner, layout))
             except StaleLayoutError:
