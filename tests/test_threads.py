@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore.errors import EntryNotFoundError
@@ -181,3 +182,42 @@ def test_stale_batch_size_does_not_refuse(server):
     with pytest.raises(RuntimeError, match="batch"):
         a["z"] = torch.ones(5)  # the fresh layout agrees: refused
     a.clear_redis()
+
+
+# --------------------------------------------------------------------------- #
+# 3. an indexed write of a non-tensor entry races a whole write of it
+# --------------------------------------------------------------------------- #
+
+
+def test_nontensor_index_write_races_whole_writes(server):
+    """Metadata and bytes of a non-tensor entry are read in two commands before a row write:
+    a whole write in between pairs them wrongly; that is a stale read, retried, never a raw
+    IndexError."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    store = TensorDictStore(batch_size=[3], **server.connection_kwargs())
+    store["nt"] = NonTensorData("a", batch_size=[3])
+    other = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+    counts = {"whole": 0, "rows": 0}
+
+    def whole(stop):
+        for i in range(600):
+            if stop.is_set():
+                return
+            if i % 2:
+                other["nt"] = NonTensorStack.from_list([f"s{i}", f"t{i}", f"u{i}"])  # one value per row
+            else:
+                other["nt"] = NonTensorData("w", batch_size=[3])  # a str: iterable, one char
+            counts["whole"] += 1
+
+    def rows(stop):
+        for i in range(600):
+            if stop.is_set():
+                return
+            store[i % 3] = TensorDict({"nt": NonTensorData(f"r{i}", batch_size=[])}, [])
+            counts["rows"] += 1
+
+    errors = _run_threads([whole, rows], seconds=4)
+    assert not errors, [f"{type(e).__name__}: {e}" for e in errors[:3]]
+    assert counts["rows"] > 10 and counts["whole"] > 10, counts
+    store.clear_redis()

@@ -651,9 +651,17 @@ async def write_runs_watched(
             fields = [encode_path(path) for path, _ in nontensor]
             metas = await pipe.hmget(keys.reg, fields)
             for (_path, update), key, field, meta_raw in zip(nontensor, nt_keys, fields, metas, strict=True):
-                old_meta = json.loads(meta_raw) if meta_raw is not None else None
+                old_meta = parse_entry(_path, meta_raw, keys.base) if meta_raw is not None else None
                 old = await pipe.get(key) if old_meta is not None else None
-                new_meta, payload = update(old_meta, old)
+                try:
+                    new_meta, payload = update(old_meta, old)
+                except Exception:
+                    # metadata and bytes come from two reads: a whole write of the entry in
+                    # between pairs them wrongly (the WATCH would abort this step). A stale
+                    # read, retried as any other; the same pair read again is real damage.
+                    if await pipe.hget(keys.reg, field) != meta_raw or await pipe.get(key) != old:
+                        raise StaleLayoutError(f"the non-tensor entry {_path!r} of {keys.base} changed while read") from None
+                    raise
                 nt_writes.append((key, field, new_meta, payload))
                 if new_meta != old_meta:
                     layout_changed = True

@@ -141,7 +141,7 @@ def check_tree(
     batch_size: list[int], entries: dict[tuple[str, ...], dict[str, Any]], where: str
 ) -> None:
     """Validates a registry as a whole, after :func:`check_meta` of each entry: every entry's
-    parent exists and is a nested tensordict, and every entry's shape (batch size, stack)
+    parent exists and is a nested tensordict, and every entry's shape (or batch size)
     starts with its parent's batch size."""
     for path, meta in entries.items():
         if len(path) > 1:
@@ -160,10 +160,6 @@ def check_tree(
             raise CorruptMetadataError(
                 f"entry {path!r} of {where} has {field} {dims}, which does not start with its owner's "
                 f"batch size {owner}"
-            )
-        if kind == "nt" and meta.get("stack", 0) > len(owner):
-            raise CorruptMetadataError(
-                f"non-tensor entry {path!r} of {where} is a stack over {meta['stack']} dims, its owner has {len(owner)}"
             )
 
 
