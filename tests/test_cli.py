@@ -724,3 +724,43 @@ def test_unreachable_server_message_has_no_doubled_period() -> None:
     text = str(info.value)
     assert "Connect call failed" in text and "Gave up after" in text, text
     assert ".." not in text, text
+
+
+# --------------------------------------------------------------------------- damaged stores, empty prefix
+def test_ls_marks_a_damaged_store_and_lists_the_rest(real_server: ServerHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    password_env(real_server, monkeypatch)
+    first, second = make_stores(real_server)
+    client = real_server.sync_client()
+    try:
+        client.delete(f"tensordict:{{{first.td_id}}}:reg")
+        client.rpush(f"tensordict:{{{first.td_id}}}:reg", b"not a hash")  # the registry key has the wrong type
+        code, text = run_cli(["ls", "--json", *conn_args(real_server)])
+        assert code == 0
+        by_id = {s["td_id"]: s for s in json.loads(text)["stores"]}
+        assert by_id["cli-first"]["kind"] == "damaged" and "reg" in by_id["cli-first"]["damage"]
+        assert by_id["cli-second"]["kind"] == "store" and by_id["cli-second"]["entries"] == 1
+        code, text = run_cli(["ls", *conn_args(real_server)])
+        assert code == 0 and "damaged: cli-first" in text and "cli-second" in text
+        code, _ = run_cli(["rm", "cli-first", "--yes", *conn_args(real_server)])
+        assert code == 0
+        assert not keys_of(real_server, "*cli-first*")
+    finally:
+        second.clear_redis()
+        client.close()
+        first.close()
+        second.close()
+
+
+def test_empty_prefix_in_ls_and_rm(real_server: ServerHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    password_env(real_server, monkeypatch)
+    store = TensorDictStore(batch_size=[2], td_id="cli-empty", prefix="", **real_server.connection_kwargs())
+    store["x"] = torch.zeros(2)
+    try:
+        code, text = run_cli(["ls", "--json", *conn_args(real_server)])
+        assert code == 0
+        assert [(s["td_id"], s["prefix"]) for s in json.loads(text)["stores"]] == [("cli-empty", "")]
+        code, _ = run_cli(["rm", "cli-empty", "--prefix", "", "--yes", *conn_args(real_server)])
+        assert code == 0
+        assert not keys_of(real_server, "*cli-empty*")
+    finally:
+        store.close()

@@ -97,6 +97,10 @@ def _check_decode(kwargs: dict[str, Any], where: str) -> None:
         )
 
 
+#: guards the layout cache of every Connection (threads sharing a handle update it)
+_LAYOUT_LOCK = threading.Lock()
+
+
 class Connection:
     """Settings and live client of one store (shared by its nested sub-stores)."""
 
@@ -114,12 +118,36 @@ class Connection:
 
     @layout.setter
     def layout(self, layout: _backend.Layout | None) -> None:
+        """None drops the cached layout (and starts a new cache epoch, see :meth:`cache_layout`);
+        a layout replaces it unless it is older than the one cached."""
+        with _LAYOUT_LOCK:
+            if layout is None:
+                self.layout_epoch += 1
+                self._layout = None
+            elif self._layout is None or layout.lv >= self._layout.lv:
+                self._put_layout(layout)
+
+    _layout: _backend.Layout | None = None
+    #: bumped each time the cached layout is dropped (a write changed it, the store went away)
+    layout_epoch: int = 0
+
+    def cache_layout(self, layout: _backend.Layout, epoch: int) -> bool:
+        """Caches ``layout``, read from the server when the cache epoch was ``epoch``, unless
+        the cache was dropped since (a write of another thread may have come after the read:
+        the layout could be older than that thread's own write) or holds a newer layout.
+        Threads sharing one handle so never see the cache go back to an older layout."""
+        with _LAYOUT_LOCK:
+            if epoch != self.layout_epoch or (self._layout is not None and layout.lv < self._layout.lv):
+                return False
+            self._put_layout(layout)
+            return True
+
+    def _put_layout(self, layout: _backend.Layout) -> None:
         # the chunking of the entries goes with it: key names are planned from one layout
-        if layout is not None:
-            chunks = layout.memo.get("chunks")
-            if chunks is None:
-                chunks = layout.memo["chunks"] = _chunks.chunk_map(layout.entries)
-            self.keys.chunks = chunks
+        chunks = layout.memo.get("chunks")
+        if chunks is None:
+            chunks = layout.memo["chunks"] = _chunks.chunk_map(layout.entries)
+        self.keys.chunks = chunks
         self._layout = layout
 
     def __init__(

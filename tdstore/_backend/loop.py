@@ -167,6 +167,15 @@ def _shutdown() -> None:
         pass
     loop.call_soon_threadsafe(loop.stop)
     thread.join(2)
+    if not thread.is_alive():
+        # closed here, while the interpreter is whole: a loop left open is closed by its
+        # __del__ during interpreter teardown, after the sockets it watches (its self-pipe
+        # among them) may be gone, which printed "Exception ignored in BaseEventLoop.__del__
+        # ... ValueError: Invalid file descriptor: -1"
+        try:
+            loop.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 if hasattr(os, "register_at_fork"):

@@ -85,13 +85,48 @@ def _s(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def parse_layout(meta_raw: dict[Any, Any], reg_raw: dict[Any, Any]) -> Layout | None:
-    """Builds a :class:`Layout` from the raw HGETALL replies of meta and registry."""
+def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout | None:
+    """Builds a :class:`Layout` from the raw HGETALL replies of meta and registry.
+
+    Damaged data (a key of the wrong type, bytes that are not UTF-8, a registry value that
+    is not JSON, JSON nested too deep, a layout version that is not a number) raises
+    :class:`~tdstore.errors.CorruptMetadataError` naming the store (``base``) and the field;
+    the entries themselves are checked by the store class (``_check_layout``).
+    """
+    from tdstore.errors import CorruptMetadataError
+
+    if isinstance(meta_raw, Exception) or isinstance(reg_raw, Exception):
+        which, err = ("meta", meta_raw) if isinstance(meta_raw, Exception) else ("reg", reg_raw)
+        raise CorruptMetadataError(f"the {which} key of the store {base} cannot be read as a hash: {err}")
     if not meta_raw:
         return None
-    meta = {_s(k): _s(v) for k, v in meta_raw.items()}
-    entries = {decode_path(k): json.loads(v) for k, v in reg_raw.items()}
-    return Layout(int(meta.get("lv", 0)), meta, entries)  # type: ignore[arg-type]
+    try:
+        meta = {_s(k): _s(v) for k, v in meta_raw.items()}
+    except UnicodeDecodeError:
+        raise CorruptMetadataError(f"the meta hash of the store {base} holds bytes that are not UTF-8") from None
+    entries: dict[tuple[str, ...], Any] = {}
+    for k, v in reg_raw.items():
+        try:
+            path = decode_path(k)
+        except (UnicodeDecodeError, ValueError):
+            raise CorruptMetadataError(f"the registry of the store {base} has a malformed field name {k!r:.200}") from None
+        entries[path] = parse_entry(path, v, base)
+    lv = meta.get("lv") or "0"
+    if not lv.isdigit():
+        raise CorruptMetadataError(f"the store {base} has a malformed layout version (meta field 'lv') {lv!r:.200}")
+    return Layout(int(lv), meta, entries)  # type: ignore[arg-type]
+
+
+def parse_entry(path: tuple[str, ...], raw: Any, base: str = "the store") -> Any:
+    """One registry value: JSON, or :class:`~tdstore.errors.CorruptMetadataError` naming the entry."""
+    from tdstore.errors import CorruptMetadataError
+
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError, TypeError):  # UnicodeDecodeError is a ValueError
+        raise CorruptMetadataError(
+            f"entry {path!r} of the store {base} has registry metadata that is not JSON: {raw!r:.200}"
+        ) from None
 
 
 async def _exec(pipe: Any) -> list[Any]:
@@ -142,12 +177,18 @@ async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
         pipe.hgetall(keys.reg)
 
     meta_raw, reg_raw = await read_snapshot(client, keys, build)
-    return parse_layout(meta_raw, reg_raw)
+    return parse_layout(meta_raw, reg_raw, keys.base)
 
 
 async def read_layout_version(client: Any, keys: StoreKeys) -> int | None:
     value = await client.hget(keys.meta, "lv")
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    if not value.isdigit():
+        from tdstore.errors import CorruptMetadataError
+
+        raise CorruptMetadataError(f"the store {keys.base} has a malformed layout version (meta field 'lv') {value!r:.200}")
+    return int(value)
 
 
 async def read_entries(
@@ -238,17 +279,23 @@ async def _read_entries_once(
             pipe.get(keys.wv)
 
     replies = await read_snapshot(client, keys, build)
+    if with_layout:
+        layout = parse_layout(replies[0], replies[1], keys.base)
+    elif paths and isinstance(replies[1], Exception):
+        layout = parse_layout({}, replies[1], keys.base)  # raises: the registry is not a hash
     _raise_first_error(replies)
     if with_layout:
-        layout = parse_layout(replies[0], replies[1])
         if layout is not None:
             layout.wv = _s(replies[2]) or "0"
         lv = None if layout is None else layout.lv
         metas = [None if layout is None else layout.entries.get(p) for p in paths]
         parts, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
     else:
-        lv = None if replies[0] is None else int(replies[0])
-        metas = [json.loads(m) if m is not None else None for m in replies[1]] if paths else []
+        lv_text = _s(replies[0])
+        if lv_text is not None and not lv_text.isdigit():
+            parse_layout({b"lv": replies[0]}, {}, keys.base)  # raises: a malformed layout version
+        lv = None if lv_text is None else int(lv_text)
+        metas = [parse_entry(p, m, keys.base) if m is not None else None for p, m in zip(paths, replies[1], strict=True)] if paths else []
         layout = None
         parts = replies[2:] if not big else replies[2:-1]
         wv, lv_raw = (replies[-1] if big else None), replies[0]
@@ -612,9 +659,17 @@ async def write_runs_watched(
             fields = [encode_path(path) for path, _ in nontensor]
             metas = await pipe.hmget(keys.reg, fields)
             for (_path, update), key, field, meta_raw in zip(nontensor, nt_keys, fields, metas, strict=True):
-                old_meta = json.loads(meta_raw) if meta_raw is not None else None
+                old_meta = parse_entry(_path, meta_raw, keys.base) if meta_raw is not None else None
                 old = await pipe.get(key) if old_meta is not None else None
-                new_meta, payload = update(old_meta, old)
+                try:
+                    new_meta, payload = update(old_meta, old)
+                except Exception:
+                    # metadata and bytes come from two reads: a whole write of the entry in
+                    # between pairs them wrongly (the WATCH would abort this step). A stale
+                    # read, retried as any other; the same pair read again is real damage.
+                    if await pipe.hget(keys.reg, field) != meta_raw or await pipe.get(key) != old:
+                        raise StaleLayoutError(f"the non-tensor entry {_path!r} of {keys.base} changed while read") from None
+                    raise
                 nt_writes.append((key, field, new_meta, payload))
                 if old_meta is None:
                     new_fields += 1

@@ -26,8 +26,13 @@ async def read_runs(
     runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
     gathers: Sequence[tuple[int, str] | None] | None = None,
+    sizes: Sequence[int | None] | None = None,
 ) -> tuple[int | None, list[list[bytes]]]:
     """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
+
+    ``sizes[i]``, when given and not None, is the byte size of plan ``i``'s entry in the
+    caller's layout: the length of its string (of its last chunk, for a chunked entry) is
+    read in the same snapshot, and :class:`SizeMismatch` raised when it differs.
 
     ``length`` None reads the whole string. ``gathers[i]``, when given, is ``(row bytes,
     "row row ...")``: plan ``i`` is then read by the gather script in one call, and its
@@ -38,27 +43,33 @@ async def read_runs(
         (layout version, list of run bytes per entry).
     """
     gathers = list(gathers) if gathers is not None else [None] * len(plans)
+    checks = _size_checks(keys, plans, sizes)
     one = _single_run(keys, plans, gathers)
-    if one is not None:
+    if one is not None and len(checks) <= 1 and all(c[0] == one[0] and c[1] == one[1] for c in checks):
         which, data_key, offset, last, small = one
         if small:
             # One run: one script call returns the version with the bytes (cheaper for the
             # client than a MULTI of two commands).
-            lv, data = await runner.call(client, "read_one", [keys.meta, data_key], [str(offset), str(last)])
+            lv, data, strlen = await runner.call(client, "read_one", [keys.meta, data_key], [str(offset), str(last)])
         else:
             # large: Lua would copy the bytes; the version is read after them instead, and
             # it only grows, so if it is the planned one no layout change came before
             async with client.pipeline(transaction=False) as pipe:
                 pipe.getrange(data_key, offset, last)
+                pipe.strlen(data_key)
                 pipe.hget(keys.meta, "lv")
-                data, lv = await _exec(pipe)
-            _raise_first_error([data, lv])
-        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+                data, strlen, lv = await _exec(pipe)
+            _raise_first_error([data, strlen, lv])
+        lv = None if lv is None else int(lv)
+        _check_sizes(lv, checks, [strlen] * len(checks))
+        return lv, [[data] if i == which else [] for i in range(len(plans))]
 
     recipe = _read_recipe(keys, plans, gathers)
 
     def build(pipe: Any) -> None:
         _queue_runs(pipe, keys, runner, recipe)
+        for _, key, _ in checks:
+            pipe.strlen(key)
 
     for attempt in range(2):
         replies = await read_snapshot(client, keys, build)
@@ -67,7 +78,52 @@ async def read_runs(
             continue
         break
     _raise_first_error(replies)
-    return _split_runs(replies, recipe)
+    return _split_checked(replies, recipe, checks)
+
+
+class SizeMismatch(Exception):
+    """The string of an entry does not have the length its metadata (the caller's layout)
+    says: damage when ``lv`` is the layout version the caller planned with, else a stale plan."""
+
+    def __init__(self, lv: int | None, index: int, expected: int, got: int) -> None:
+        super().__init__(f"plan {index}: expected {expected} bytes, the server holds {got}")
+        self.lv, self.index, self.expected, self.got = lv, index, expected, got
+
+
+def _size_checks(
+    keys: StoreKeys, plans: Sequence[tuple[tuple[str, ...], Any]], sizes: Sequence[int | None] | None
+) -> list[tuple[int, str, int]]:
+    """``(plan index, key, expected length)`` of the strings whose length is checked."""
+    out: list[tuple[int, str, int]] = []
+    for i, size in enumerate(sizes or ()):
+        if size is None:
+            continue
+        path = plans[i][0]
+        chunking = keys.chunks.get(path)
+        if chunking is None:
+            out.append((i, keys.data(path), size))
+        elif chunking.nbytes == size:  # else the cached chunking is not the caller's: no check
+            last = chunking.count - 1
+            out.append((i, keys.chunk(path, last), chunking.length(last)))
+    return out
+
+
+def _check_sizes(lv: int | None, checks: Sequence[tuple[int, str, int]], lengths: Sequence[Any]) -> None:
+    for (i, _, expected), got in zip(checks, lengths, strict=True):
+        if int(got) != expected:
+            raise SizeMismatch(lv, i, expected, int(got))
+
+
+def _split_checked(
+    replies: list[Any], recipe: _Recipe, checks: Sequence[tuple[int, str, int]]
+) -> tuple[int | None, list[list[bytes]]]:
+    if checks:
+        lengths = replies[-len(checks):]
+        replies = replies[: -len(checks)]
+    lv, out = _split_runs(replies, recipe)
+    if checks:
+        _check_sizes(lv, checks, lengths)
+    return lv, out
 
 
 def read_runs_direct(
@@ -76,30 +132,37 @@ def read_runs_direct(
     runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
     gathers: Sequence[tuple[int, str] | None],
+    sizes: Sequence[int | None] | None = None,
 ) -> tuple[int | None, list[list[bytes]]]:
     """:func:`read_runs` on a blocking ``redis.Redis`` (see ``Connection.read``): the same commands.
 
     Anything unusual (a script the server forgot, a MULTI refused over maxmemory) raises,
     and the caller reads again through :func:`read_runs`, which deals with it.
     """
+    checks = _size_checks(keys, plans, sizes)
     one = _single_run(keys, plans, gathers)
-    if one is not None:
+    if one is not None and len(checks) <= 1 and all(c[0] == one[0] and c[1] == one[1] for c in checks):
         which, data_key, offset, last, small = one
         if small:
-            lv, data = client.evalsha(runner.sha("read_one"), 2, keys.meta, data_key, str(offset), str(last))
+            lv, data, strlen = client.evalsha(runner.sha("read_one"), 2, keys.meta, data_key, str(offset), str(last))
         else:
             with client.pipeline(transaction=False) as pipe:
                 pipe.getrange(data_key, offset, last)
+                pipe.strlen(data_key)
                 pipe.hget(keys.meta, "lv")
-                data, lv = pipe.execute(raise_on_error=False)
-            _raise_first_error([data, lv])
-        return (None if lv is None else int(lv)), [[data] if i == which else [] for i in range(len(plans))]
+                data, strlen, lv = pipe.execute(raise_on_error=False)
+            _raise_first_error([data, strlen, lv])
+        lv = None if lv is None else int(lv)
+        _check_sizes(lv, checks, [strlen] * len(checks))
+        return lv, [[data] if i == which else [] for i in range(len(plans))]
     recipe = _read_recipe(keys, plans, gathers)
     with client.pipeline(transaction=True) as pipe:
         _queue_runs(pipe, keys, runner, recipe)
+        for _, key, _ in checks:
+            pipe.strlen(key)
         replies = pipe.execute(raise_on_error=False)
     _raise_first_error(replies)
-    return _split_runs(replies, recipe)
+    return _split_checked(replies, recipe, checks)
 
 
 def _single_run(

@@ -37,6 +37,9 @@ __all__ = [
 
 #: The smallest chunk size a store accepts (the largest element, complex128, is 16 bytes).
 MIN_CHUNK_BYTES = 16
+#: The most strings one chunked entry may have: registry metadata that asks for more is
+#: damage (a hand edit of ``"c"`` or ``"shape"``), refused before any key name is built.
+MAX_CHUNKS = 2**22
 
 
 @dataclass(frozen=True)
@@ -116,17 +119,44 @@ def annotate(meta: dict[str, Any], store_meta: Mapping[str, str]) -> dict[str, A
 
 
 def chunk_map(entries: Mapping[tuple[str, ...], Mapping[str, Any]]) -> dict[tuple[str, ...], Chunking]:
-    """The chunking of every chunked entry of a layout's registry."""
-    return {path: ch for path, meta in entries.items() if (ch := of_meta(meta)) is not None}
+    """The chunking of every chunked entry of a layout's registry.
+
+    Raises :class:`~tdstore.errors.CorruptMetadataError` naming the entry when one's chunking
+    is malformed or implausible (more than :data:`MAX_CHUNKS` strings), before any key
+    name is built."""
+    out = {}
+    for path, meta in entries.items():
+        try:
+            ch = of_meta(meta)
+        except ValueError as err:
+            from tdstore.errors import CorruptMetadataError
+
+            raise CorruptMetadataError(f"entry {path!r}: {err}") from None
+        if ch is not None:
+            out[path] = ch
+    return out
 
 
 def of_meta(meta: Mapping[str, Any] | None) -> Chunking | None:
-    """The chunking a registry entry describes (None: one string)."""
+    """The chunking a registry entry describes (None: one string); ``ValueError`` when it
+    is malformed or implausible."""
     if not isinstance(meta, Mapping) or meta.get("c") is None or meta.get("k") != "t":
         return None
     from tdstore._core import codec as _codec
 
-    return Chunking(int(meta["c"]), _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])))
+    size, shape = meta["c"], meta.get("shape")
+    if type(size) is not int or size <= 0 or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"malformed chunking (chunk size {size!r:.50}, shape {shape!r:.100})")
+    try:
+        nbytes = _codec.tensor_nbytes(tuple(shape), _codec.dtype_from_name(meta.get("dtype")))  # type: ignore[arg-type]
+    except (KeyError, TypeError):
+        raise ValueError(f"malformed dtype {meta.get('dtype')!r:.50}") from None
+    if -(-nbytes // size) > MAX_CHUNKS:
+        raise ValueError(
+            f"chunk size {size} and shape {shape} make {-(-nbytes // size)} strings, more than the "
+            f"{MAX_CHUNKS} an entry may have"
+        )
+    return Chunking(size, nbytes)
 
 
 def pieces(chunking: Chunking, offset: int, length: int) -> Iterator[tuple[int, int, int]]:

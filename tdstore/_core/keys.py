@@ -29,11 +29,22 @@ __all__ = ["StoreKeys", "as_path", "encode_path", "decode_path", "validate_prefi
 _TD_ID_RE = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile("%u([0-9A-F]{4})")
+
+
 def _escape(component: str) -> str:
-    return component.replace("%", "%25").replace(".", "%2E")
+    out = component.replace("%", "%25").replace(".", "%2E")
+    if not out.isascii():
+        # a lone surrogate (which TensorDict accepts in a key) has no UTF-8 form: "%uD800"
+        # (never written otherwise: every "%" of a key is written "%25")
+        out = _SURROGATE.sub(lambda m: f"%u{ord(m.group()):04X}", out)
+    return out
 
 
 def _unescape(component: str) -> str:
+    if "%u" in component:
+        component = _SURROGATE_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), component)
     return component.replace("%2E", ".").replace("%25", "%")
 
 

@@ -13,14 +13,15 @@ No I/O. Registry metadata (one JSON object per entry path, see ``_keys``):
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from tensordict.base import NO_DEFAULT  # the "argument left out" sentinel of TensorDictBase
 
 from tdstore._core import codec as _codec
-from tdstore.errors import CorruptMetadataError, DataLostError, SchemaError
+from tdstore.errors import CorruptMetadataError, DataLostError, SchemaError, UnsafePayloadError
 
 __all__ = ["NO_DEFAULT", "is_no_default", "tensor_meta", "nontensor_parts", "decode_value", "check_meta", "order_key"]
 
@@ -59,28 +60,129 @@ def order_key(meta: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(x) for x in order)
 
 
+#: The most dims a shape or batch size read from the server may have.
+MAX_DIMS = 64
+#: The largest dim read from the server (a larger one is damage, not data).
+MAX_DIM = 2**62
+#: The most bytes a tensor entry read from the server may have (2**48: 256 TiB).
+MAX_ENTRY_BYTES = 2**48
+#: The encodings of non-tensor entries.
+NONTENSOR_ENCODINGS = ("json", "pickle")
+
+
+def is_dims(value: Any) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a plausible shape or batch size: a list of at most
+    :data:`MAX_DIMS` non-negative ints (booleans are not ints here) below :data:`MAX_DIM`."""
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_DIMS
+        and all(type(d) is int and 0 <= d <= MAX_DIM for d in value)
+    )
+
+
+def _is_names(value: Any, ndim: int) -> bool:
+    return value is None or (
+        isinstance(value, list) and len(value) == ndim and all(n is None or isinstance(n, str) for n in value)
+    )
+
+
 def check_meta(path: tuple[str, ...], meta: Any, where: str) -> dict[str, Any]:
-    """Validates one registry entry read from the server before it is used."""
+    """Validates one registry entry read from the server before it is used.
+
+    Raises :class:`CorruptMetadataError` naming the entry and the field, for every value a
+    hand edit (or damage) may leave: wrong JSON types, booleans or floats or negative or
+    huge dims, an unknown dtype or encoding, a chunking of implausibly many strings.
+    """
     if not isinstance(meta, dict) or meta.get("k") not in ("t", "td", "nt"):
-        raise CorruptMetadataError(f"entry {path!r} of {where} has malformed metadata {meta!r}")
+        raise CorruptMetadataError(f"entry {path!r} of {where} has malformed metadata {meta!r:.200}")
+    order = meta.get("o")
+    if order is not None and not (isinstance(order, list) and all(type(x) is int for x in order)):
+        raise CorruptMetadataError(f"entry {path!r} of {where} has a malformed field 'o' (insertion order) {order!r:.200}")
     if meta["k"] == "t":
         shape = meta.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CorruptMetadataError(f"entry {path!r} of {where} has a malformed shape {shape!r}")
+        if not is_dims(shape):
+            raise CorruptMetadataError(f"entry {path!r} of {where} has a malformed shape {shape!r:.200}")
         try:
             dtype = _codec.dtype_from_name(meta.get("dtype", ""))
-        except ValueError as err:
-            raise CorruptMetadataError(f"entry {path!r} of {where}: {err}") from None
+        except (ValueError, TypeError) as err:
+            raise CorruptMetadataError(f"entry {path!r} of {where}: field 'dtype': {err}") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_ENTRY_BYTES:
+            raise CorruptMetadataError(
+                f"entry {path!r} of {where} has a shape {shape} of {nbytes} bytes, more than any server holds"
+            )
         chunk = meta.get("c")
-        if chunk is not None and not (
-            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 and chunk % dtype.itemsize == 0
-        ):
-            raise CorruptMetadataError(f"entry {path!r} of {where} has a malformed chunk size {chunk!r}")
+        if chunk is not None:
+            from tdstore._core import chunks as _chunks
+
+            if not (type(chunk) is int and chunk > 0 and chunk % dtype.itemsize == 0):
+                raise CorruptMetadataError(f"entry {path!r} of {where} has a malformed chunk size (field 'c') {chunk!r:.200}")
+            if -(-nbytes // chunk) > _chunks.MAX_CHUNKS:
+                raise CorruptMetadataError(
+                    f"entry {path!r} of {where}: its chunk size (field 'c') {chunk} and shape {shape} make "
+                    f"{-(-nbytes // chunk)} strings, more than the {_chunks.MAX_CHUNKS} an entry may have"
+                )
     elif meta["k"] == "td":
         bs = meta.get("batch_size")
-        if not isinstance(bs, list) or not all(isinstance(d, int) and d >= 0 for d in bs):
-            raise CorruptMetadataError(f"nested entry {path!r} of {where} has a malformed batch size {bs!r}")
+        if not is_dims(bs):
+            raise CorruptMetadataError(f"nested entry {path!r} of {where} has a malformed batch size {bs!r:.200}")
+        if not _is_names(meta.get("names"), len(bs)):
+            raise CorruptMetadataError(f"nested entry {path!r} of {where} has malformed names {meta.get('names')!r:.200}")
+    else:
+        if meta.get("enc") not in NONTENSOR_ENCODINGS:
+            raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} has an unknown encoding (field 'enc') {meta.get('enc')!r:.200}")
+        stack = meta.get("stack", 0)
+        if not (type(stack) is int and 0 <= stack <= MAX_DIMS):
+            raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} has a malformed field 'stack' {stack!r:.200}")
     return meta
+
+
+def check_tree(
+    batch_size: list[int], entries: dict[tuple[str, ...], dict[str, Any]], where: str
+) -> None:
+    """Validates a registry as a whole, after :func:`check_meta` of each entry: every entry's
+    parent exists and is a nested tensordict, and every entry's shape (or batch size)
+    starts with its parent's batch size."""
+    for path, meta in entries.items():
+        if len(path) > 1:
+            parent = entries.get(path[:-1])
+            if parent is None or parent.get("k") != "td":
+                raise CorruptMetadataError(
+                    f"entry {path!r} of {where} has no nested tensordict {path[:-1]!r} above it"
+                )
+            owner = parent["batch_size"]
+        else:
+            owner = batch_size
+        kind = meta["k"]
+        dims = meta["shape"] if kind == "t" else meta["batch_size"] if kind == "td" else None
+        if dims is not None and dims[: len(owner)] != owner:
+            field = "shape" if kind == "t" else "batch_size"
+            raise CorruptMetadataError(
+                f"entry {path!r} of {where} has {field} {dims}, which does not start with its owner's "
+                f"batch size {owner}"
+            )
+
+
+def parse_dims(raw: str | None, field: str, where: str, *, default: str = "[]") -> list[int]:
+    """A batch size (JSON list of ints) read from the store's meta hash, validated."""
+    try:
+        value = json.loads(raw if raw is not None else default)
+    except (ValueError, RecursionError):
+        value = raw
+    if not is_dims(value):
+        raise CorruptMetadataError(f"store {where} has a malformed {field} {raw!r:.200} in its meta hash")
+    return value
+
+
+def parse_names(raw: str | None, ndim: int, where: str) -> list[str | None] | None:
+    """The dim names (JSON list or null) read from the store's meta hash, validated."""
+    try:
+        value = json.loads(raw or "null")
+    except (ValueError, RecursionError):
+        value = raw
+    if not _is_names(value, ndim):
+        raise CorruptMetadataError(f"store {where} has malformed names {raw!r:.200} in its meta hash")
+    return value
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, path: tuple[str, ...], where: str) -> torch.Tensor:
@@ -124,10 +226,23 @@ def decode_value(
     if meta["k"] == "nt":
         from tensordict import NonTensorData, NonTensorStack
 
-        value = _codec.decode_non_tensor(meta["enc"], bytes(data), policy)
+        try:
+            value = _codec.decode_non_tensor(meta["enc"], bytes(data), policy)
+        except (ValueError, RecursionError) as err:  # UnsafePayloadError is raised as it is
+            if isinstance(err, UnsafePayloadError):
+                raise
+            raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} holds bytes that do not decode: {err}") from None
         stack = int(meta.get("stack", 0))
         if stack:
-            out = NonTensorStack.from_list(value)
+            try:
+                out = NonTensorStack.from_list(value) if isinstance(value, list) else None
+            except (ValueError, TypeError, RuntimeError, RecursionError, IndexError):
+                out = None
+            if out is None:
+                raise CorruptMetadataError(
+                    f"non-tensor entry {path!r} of {where} is a stack over {stack} dims (field 'stack') "
+                    "but holds no list of that depth"
+                )
             if out.batch_size != owner_batch_size[:stack]:
                 raise CorruptMetadataError(
                     f"non-tensor entry {path!r} of {where} holds a stack of shape "

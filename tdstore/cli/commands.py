@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
         if args.command == "info":
             from tdstore.cli.stores import format_info, store_info
 
-            info = store_info(opts, args.prefix or DEFAULT_PREFIX, args.td_id)
+            info = store_info(opts, args.prefix if args.prefix is not None else DEFAULT_PREFIX, args.td_id)
             if args.json:
                 _emit_json(info, out)
             else:
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, stdin: Tex
         if args.command == "rm":
             from tdstore.cli.stores import remove_stores
 
-            return remove_stores(opts, args.prefix or DEFAULT_PREFIX, args.td_ids, yes=args.yes,
+            return remove_stores(opts, args.prefix if args.prefix is not None else DEFAULT_PREFIX, args.td_ids, yes=args.yes,
                                  as_json=args.json, out=out, stdin=stdin)
         if args.command == "doctor":
             from tdstore.cli.doctor import run_doctor

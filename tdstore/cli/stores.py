@@ -127,9 +127,16 @@ async def _scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]
     async for key in client.scan_iter(match="*:{*}:meta", count=1000):
         text = _text(key) or ""
         brace, end = text.find(":{"), text.rfind("}:meta")
-        if brace > 0 and end > brace:
+        if brace >= 0 and end > brace:  # brace 0: the empty prefix
             found.add((text[:brace], text[brace + 2 : end]))
     return sorted(found)
+
+
+async def _wipe(client: Any, keys: StoreKeys) -> int:
+    """Deletes a damaged store by its key pattern (:func:`tdstore._backend.ops.wipe`)."""
+    from tdstore._backend.scripts import ScriptRunner, probe_shebang
+
+    return await _backend.wipe(client, keys, ScriptRunner(await probe_shebang(client)))
 
 
 def _run(opts: Any, fn: Any) -> Any:
@@ -162,21 +169,25 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
                 pipe.hgetall(k.meta)
                 pipe.hgetall(k.reg)
                 pipe.pttl(k.meta)
-            replies = await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
         layouts = []
+        chunk_maps = []
         for i, k in enumerate(keys):
             meta_raw, reg_raw, pttl = replies[3 * i : 3 * i + 3]
             try:
-                layout = _backend.parse_layout(meta_raw, reg_raw)
-            except (ValueError, TypeError):
-                layout = None
+                layout = _backend.parse_layout(meta_raw, reg_raw, k.base)
+                if layout is not None and "fmt" in layout.meta:
+                    chunk_maps.append(_chunks.chunk_map(layout.entries))
+                    json.loads(layout.meta.get("batch_size") or "[]")
+            except (ValueError, TypeError, RecursionError) as err:  # CorruptMetadataError is a ValueError
+                out.append(_damaged_summary(k, err, pttl))
+                continue
             if layout is None or "fmt" not in layout.meta:
                 continue  # deleted meanwhile, or not a tdstore store
             layouts.append((k, layout, pttl))
         counts = []
         async with client.pipeline(transaction=False) as pipe:
-            for k, layout, _ in layouts:
-                chunks = _chunks.chunk_map(layout.entries)
+            for (k, layout, _), chunks in zip(layouts, chunk_maps, strict=True):
                 for path in _leaf_paths(layout):
                     names = k.entry_keys(path, chunks.get(path))
                     counts.append(len(names))
@@ -205,9 +216,20 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
     return out
 
 
+def _damaged_summary(k: StoreKeys, err: BaseException, pttl: Any) -> dict[str, Any]:
+    """The ``ls`` line of a store whose metadata cannot be read (``tdstore rm`` deletes it)."""
+    return {
+        "td_id": k.td_id, "prefix": k.prefix, "kind": "damaged", "batch_size": None, "entries": None,
+        "bytes": 0, "age_s": None, "ttl_s": _ttl_seconds(pttl) if isinstance(pttl, int) else None,
+        "damage": str(err),
+    }
+
+
 def list_store_infos(opts: Any, prefix: str | None) -> list[dict[str, Any]]:
-    """One summary per store (dicts ready for JSON), sorted by prefix and td_id."""
+    """One summary per store (dicts ready for JSON), sorted by prefix and td_id; a store
+    whose metadata cannot be read is listed with kind "damaged" (and what is wrong)."""
     summaries: list[dict[str, Any]] = _run(opts, lambda client: _summaries(client, prefix))
+    summaries.sort(key=lambda s: (s["prefix"], s["td_id"]))
     return summaries
 
 
@@ -335,8 +357,8 @@ def format_ls(stores: list[dict[str, Any]], where: str) -> str:
             s["td_id"],
             s["prefix"],
             s["kind"],
-            _shape(s["batch_size"]),
-            str(s["entries"]),
+            _shape(s["batch_size"]) if s["batch_size"] is not None else "?",
+            str(s["entries"]) if s["entries"] is not None else "?",
             human_bytes(s["bytes"]),
             human_seconds(s["age_s"]),
             human_seconds(s["ttl_s"]) if s["ttl_s"] is not None else "none",
@@ -346,6 +368,9 @@ def format_ls(stores: list[dict[str, Any]], where: str) -> str:
     text = table(["TD_ID", "PREFIX", "KIND", "BATCH", "ENTRIES", "BYTES", "AGE", "TTL"], rows, right={4, 5, 6, 7})
     total = sum(s["bytes"] for s in stores)
     plural = "s" if len(stores) != 1 else ""
+    for s in stores:
+        if s.get("damage"):
+            text += f"damaged: {s['td_id']} (prefix {s['prefix']!r}): {s['damage'][:300]} (`tdstore rm` deletes it)\n"
     return text + f"{len(stores)} store{plural}, {human_bytes(total)} ({total:,} bytes) on {where}\n"
 
 
@@ -414,6 +439,8 @@ def _open(info: dict[str, Any], prefix: str, opts: Any) -> Any:
 
 
 def _rm_summary(info: dict[str, Any]) -> str:
+    if info["kind"] == "damaged":
+        return "damaged"
     if info["kind"] == "sharded":
         return f"ShardedStore with {show(info['sharded_blocks'])} blocks"
     return human_bytes(info["bytes"])
@@ -427,6 +454,7 @@ def remove_stores(
 
     from tdstore import StoreNotFoundError
     from tdstore.cli import CliError
+    from tdstore.errors import CorruptMetadataError, DataLostError
 
     found: list[dict[str, Any]] = []
     missing: list[str] = []
@@ -437,6 +465,9 @@ def remove_stores(
             if err.code != 1:
                 raise
             missing.append(td_id)
+        except (CorruptMetadataError, DataLostError) as err:
+            # damaged metadata: still deleted (by the store's key pattern)
+            found.append({"td_id": td_id, "kind": "damaged", "bytes": 0, "entries": [], "locked": False, "damage": str(err)})
     for td_id in missing:
         print(f"tdstore rm: no store with td_id={td_id!r} under prefix {prefix!r} on {opts.describe()}", file=sys.stderr)
     if not found:
@@ -452,9 +483,16 @@ def remove_stores(
     deleted = []
     for info in found:
         try:
+            if info["kind"] == "damaged":
+                raise CorruptMetadataError(info["damage"])
             store = _open(info, prefix, opts)
         except StoreNotFoundError:
             missing.append(info["td_id"])  # deleted by someone else since
+            continue
+        except (CorruptMetadataError, DataLostError):
+            keys = StoreKeys(prefix, info["td_id"])
+            _run(opts, lambda client, keys=keys: _wipe(client, keys))
+            deleted.append(info)
             continue
         try:
             store.clear_redis()

@@ -243,8 +243,17 @@ class TensorDictStore(
         cb = layout.meta.get("cb")
         if cb and not (cb.isdigit() and int(cb) >= _chunks.MIN_CHUNK_BYTES):
             raise CorruptMetadataError(f"store {self._where()} has a malformed chunk size {cb!r}")
+        where = self._where()
         for path, meta in layout.entries.items():
-            _values.check_meta(path, meta, self._where())
+            _values.check_meta(path, meta, where)
+        batch_size = _values.parse_dims(layout.meta.get("batch_size"), "batch size", where)
+        _values.parse_names(layout.meta.get("names"), len(batch_size), where)
+        _values.check_tree(batch_size, layout.entries, where)
+        dev = layout.meta.get("device") or ""
+        try:
+            torch.device(dev) if dev else None
+        except (RuntimeError, TypeError, ValueError):
+            raise CorruptMetadataError(f"store {where} has a malformed device {dev!r:.200} in its meta hash") from None
 
     def _not_found(self) -> StoreNotFoundError:
         return StoreNotFoundError(
@@ -559,8 +568,7 @@ class TensorDictStore(
         """Plans ops against the cached layout and commits them; refreshes and replans when stale."""
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
-            layout = self._layout()
-            ops, meta_updates = plan(layout)
+            (ops, meta_updates), layout = self._replan_if_stale(plan, self._layout())
             try:
                 lv = conn.run(
                     lambda c: _backend.commit(
@@ -593,10 +601,13 @@ class TensorDictStore(
 
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
-            layout = self._layout()
-            planner = WritePlanner(self, layout, inplace=inplace)
-            for path, value in prepared.items():
-                planner.add(path, value)
+            def plan(layout: _backend.Layout) -> WritePlanner:
+                planner = WritePlanner(self, layout, inplace=inplace)
+                for path, value in prepared.items():
+                    planner.add(path, value)
+                return planner
+
+            planner, layout = self._replan_if_stale(plan, self._layout())
             ops, bump = planner.ops, planner.bump
             if not ops:
                 return

@@ -10,14 +10,21 @@ read from the server goes through the host class's ``_check_layout`` before it i
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
-from tdstore.errors import DataLostError, FormatVersionError, StaleLayoutError
+from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError, StaleLayoutError
 from tdstore.store.host import SharedBase
 
 __all__ = ["LayoutCache"]
+
+_T = TypeVar("_T")
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class LayoutCache(SharedBase):
@@ -43,26 +50,49 @@ class LayoutCache(SharedBase):
 
     def _layout(self, refresh: bool = False) -> _backend.Layout:
         conn = self._conn
-        if refresh or conn.layout is None or not self._cache_metadata:
+        cached = conn.layout  # one read: another thread may drop or replace it meanwhile
+        if refresh or cached is None or not self._cache_metadata:
+            epoch = conn.layout_epoch
             layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
             if layout is None:
                 conn.layout = None
                 raise self._not_found()
             self._check_layout(layout)
-            conn.layout = layout
-        return conn.layout
+            # cached only when no write dropped the cache since the read began (it would be
+            # older than that write); this call uses it all the same
+            conn.cache_layout(layout, epoch)
+            return layout
+        return cached
 
     def _fresh_layout(self) -> _backend.Layout:
         """The layout, checked against the server's version (one small round trip)."""
         conn = self._conn
-        if self._cache_metadata and conn.layout is not None:
+        cached = conn.layout
+        if self._cache_metadata and cached is not None:
             lv = conn.run(lambda c: _backend.read_layout_version(c, conn.keys))
             if lv is None:
                 conn.layout = None
                 raise self._not_found()
-            if lv == conn.layout.lv:
-                return conn.layout
+            if lv == cached.lv:
+                return cached
+            if lv < cached.lv:
+                conn.layout = None  # the store was deleted and made again meanwhile
         return self._layout(refresh=True)
+
+    def _replan_if_stale(self, plan: Callable[[_backend.Layout], _T], layout: _backend.Layout) -> tuple[_T, _backend.Layout]:
+        """``plan(layout)``; when it refuses (a missing key, a shape that does not fit), the
+        refusal is checked against the server's layout version first (one small round trip):
+        a layout changed by another client meanwhile is read again and planned with instead,
+        so a stale cache never refuses an operation the store accepts."""
+        try:
+            return plan(layout), layout
+        except (KeyError, ValueError, RuntimeError, TypeError):
+            conn = self._conn
+            lv = conn.run(lambda c: _backend.read_layout_version(c, conn.keys))
+            if lv is None or lv == layout.lv:
+                raise
+        layout = self._layout(refresh=True)
+        return plan(layout), layout
 
     def _check_store_meta(self, layout: _backend.Layout, what: str) -> None:
         """The checks every kind of store makes: the format version, and a registry that is
@@ -106,7 +136,8 @@ class LayoutCache(SharedBase):
         for attempt in range(_io.MAX_RETRIES):
             try:
                 layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
-            except (ValueError, TypeError, KeyError, AttributeError):  # metadata that does not parse
+            except (CorruptMetadataError, DataLostError, ValueError, TypeError, KeyError, AttributeError):
+                # metadata that does not parse or is implausible: wipe() finds the keys with SCAN
                 layout = None
             try:
                 deleted = conn.run(lambda c: _backend.wipe(c, conn.keys, conn.runner))

@@ -24,7 +24,7 @@ from tdstore._core import values as _values
 from tdstore._core.indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import encode_path
-from tdstore.errors import DataLostError, StaleLayoutError, WriteConflictError
+from tdstore.errors import CorruptMetadataError, DataLostError, StaleLayoutError, WriteConflictError
 from tdstore.store.host import DenseBase
 
 __all__ = ["StoreReads"]
@@ -321,10 +321,16 @@ class StoreReads(DenseBase):
                 else:
                     plans.append((path, spans.runs(row_bytes)))
                     gathers.append(None)
-            lv, parts = conn.read(
-                lambda c, r: _run_reads.read_runs_direct(c, conn.keys, r, plans, gathers),
-                lambda c: _run_reads.read_runs(c, conn.keys, conn.runner, plans, gathers),
-            )
+            sizes = self._entry_sizes(layout, plan)
+            try:
+                lv, parts = conn.read(
+                    lambda c, r: _run_reads.read_runs_direct(c, conn.keys, r, plans, gathers, sizes),
+                    lambda c: _run_reads.read_runs(c, conn.keys, conn.runner, plans, gathers, sizes),
+                )
+            except _run_reads.SizeMismatch as bad:
+                if bad.lv == layout.lv:
+                    raise self._size_error(plan[bad.index], bad) from None
+                lv = bad.lv  # planned from a stale layout: read it again
             if lv is None:
                 raise self._not_found()
             if lv != layout.lv:
@@ -348,7 +354,8 @@ class StoreReads(DenseBase):
                     values[path] = tensor
                 else:
                     full = _values.decode_value(
-                        path, meta, chunks[0], owner_batch_size=self._owner_batch_size(layout, path),
+                        # an empty reply: the key is gone (a stored non-tensor value is never empty)
+                        path, meta, chunks[0] or None, owner_batch_size=self._owner_batch_size(layout, path),
                         device=device, owned=False, where=self._where(),
                         policy=self._conn.pickle_policy,
                     )
@@ -360,6 +367,32 @@ class StoreReads(DenseBase):
                 return values[only]
             return self._assemble(layout, new_bs, nb, values)
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during an indexed read")
+
+    @staticmethod
+    def _entry_sizes(layout: _backend.Layout, plan: list[tuple[Any, ...]]) -> list[int | None]:
+        """The byte size of each tensor entry of a read plan (None for non-tensor ones)."""
+        key = ("sizes", id(plan))
+        sizes = layout.memo.get(key)
+        if sizes is None:
+            sizes = layout.memo[key] = [
+                _codec.tensor_nbytes(tuple(meta["shape"]), dtype) if dtype is not None else None
+                for _path, meta, dtype, _feat, _row in plan
+            ]
+        return sizes
+
+    def _size_error(self, item: tuple[Any, ...], bad: Any) -> Exception:
+        """What a whole read says of an entry whose string has another length than its metadata."""
+        path, meta, dtype = item[0], item[1], item[2]
+        if bad.got == 0:
+            return DataLostError(
+                f"entry {path!r} of {self._where()} is registered but its bytes are gone "
+                "from the server (evicted under a maxmemory policy, or deleted by hand)"
+            )
+        what = "bytes" if meta.get("c") is None else "bytes in its last chunk"
+        return CorruptMetadataError(
+            f"entry {path!r} of {self._where()}: expected {bad.expected} {what} for {dtype} {list(meta['shape'])}, "
+            f"got {bad.got}"
+        )
 
     def _assemble(self, layout: _backend.Layout, new_bs: torch.Size, nb: int, values: dict[tuple[str, ...], Any]) -> TensorDict:
         """The TensorDict of an indexed read, built without per-key validation (shapes are known)."""

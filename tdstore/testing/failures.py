@@ -148,9 +148,9 @@ class FailureTests:
         client.hset(reg, "a", '{"k":"t","dtype":"float99","shape":[4],"o":[1,1]}')
         with pytest.raises(tdstore.CorruptMetadataError, match="float99"):
             TensorDictStore.from_store(td_id=filled.td_id, **server.connection_kwargs())
-        client.hset(reg, "a", '{"k":"t","dtype":"float32","shape":[5],"o":[1,1]}')  # 5 floats, 4 stored
+        client.hset(reg, "a", '{"k":"t","dtype":"float32","shape":[4,2],"o":[1,1]}')  # 8 floats, 4 stored
         other = TensorDictStore.from_store(td_id=filled.td_id, **server.connection_kwargs())
-        with pytest.raises(tdstore.CorruptMetadataError, match="expected 20 bytes"):
+        with pytest.raises(tdstore.CorruptMetadataError, match="expected 32 bytes"):
             other["a"]
         other.close()
 

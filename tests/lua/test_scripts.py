@@ -1682,13 +1682,13 @@ class TestReadOne:
 
     def test_range_and_version(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"0123456789"})
-        lv, data = r.run("read_one", [META, D("a")], ["2", "5"], lua_version)
-        assert data == b"2345" and lv == r.data[META][b"lv"]
+        lv, data, size = r.run("read_one", [META, D("a")], ["2", "5"], lua_version)
+        assert data == b"2345" and lv == r.data[META][b"lv"] and size == 10
 
     def test_whole_string_and_missing_store(self, r: LuaRedis, lua_version: str) -> None:
         r.data[D("a")] = b"abc"
-        lv, data = r.run("read_one", [META, D("a")], ["0", "-1"], lua_version)
-        assert lv is None and data == b"abc"
+        lv, data, size = r.run("read_one", [META, D("a")], ["0", "-1"], lua_version)
+        assert lv is None and data == b"abc" and size == 3
 
     @pytest.mark.parametrize("bounds", [("x", "1"), ("0", "1.5"), ("", "2")])
     def test_bad_range(self, r: LuaRedis, lua_version: str, bounds: tuple[str, str]) -> None:

@@ -1,0 +1,223 @@
+"""Threads sharing one handle, and handles whose cached layout is stale.
+
+* threads of one process may share a handle: the cached layout never goes back to an older
+  version (a thread reads its own writes), and is never seen half-updated;
+* a stale cache never refuses an operation: a missing key or a shape that does not fit is
+  checked against the server's layout version first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore.errors import EntryNotFoundError
+
+# --------------------------------------------------------------------------- #
+# 1. one handle, many threads
+# --------------------------------------------------------------------------- #
+
+
+def _run_threads(targets, seconds):
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def wrap(fn):
+        def body():
+            try:
+                fn(stop)
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+                stop.set()
+
+        return body
+
+    threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return errors
+
+
+def test_shared_handle_read_your_writes(server):
+    """Thread W writes then deletes its own keys while threads R read through the same handle:
+    W's delete never finds its key missing (a concurrent read cached an older layout), and
+    keys()/len()/batch_size never see the cache as None mid-update."""
+    store = TensorDictStore(batch_size=[2], **server.connection_kwargs())
+    store["base"] = torch.zeros(2)
+    done = {"w": 0, "r": 0}
+
+    def writer(stop, name):
+        for i in range(400):
+            if stop.is_set():
+                return
+            key = f"{name}{i}"
+            store[key] = torch.ones(2)
+            assert key in store.keys()
+            store.del_(key)
+            done["w"] += 1
+
+    def reader(stop):
+        for _ in range(4000):
+            if stop.is_set():
+                return
+            store.keys()
+            list(store.keys())
+            assert len(store) == 2
+            assert store.batch_size == torch.Size([2])
+            assert "base" in store.keys()
+            done["r"] += 1
+
+    errors = _run_threads(
+        [lambda s: writer(s, "a"), lambda s: writer(s, "b"), reader, reader, reader], seconds=4
+    )
+    assert not errors, errors[:3]
+    assert done["w"] > 20 and done["r"] > 20, done
+    assert sorted(store.keys()) == ["base"]
+    store.clear_redis()
+
+
+def test_cache_never_goes_back(server):
+    """The cache refuses a layout read before a write of another thread (deterministic)."""
+    from tdstore._backend import ops as _backend
+
+    store = TensorDictStore(batch_size=[], **server.connection_kwargs())
+    store["a"] = torch.zeros(())
+    conn = store._conn
+    old = store._layout(refresh=True)
+    epoch = conn.layout_epoch
+    store["b"] = torch.zeros(())  # another thread's write: drops the cache
+    new = store._layout()
+    assert new.lv > old.lv and ("b",) in new.entries
+    assert not conn.cache_layout(old, epoch)  # the slow reader's layout comes too late
+    assert conn.layout is new
+    conn.layout = old  # a direct set of an older layout is refused too
+    assert conn.layout is new
+    store.del_("b")  # planned from the cache: finds "b"
+    assert list(store.keys()) == ["a"]
+    assert _backend.FORMAT_VERSION
+    store.clear_redis()
+
+
+# --------------------------------------------------------------------------- #
+# 2. a stale cache does not refuse
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(params=["dense", "lazy"])
+def kind(request):
+    return request.param
+
+
+def _pair(kind, server, **kw):
+    if kind == "dense":
+        a = TensorDictStore(batch_size=[4, 3], **server.connection_kwargs(), **kw)
+        a["x"] = torch.zeros(4, 3)
+        b = TensorDictStore.from_store(td_id=a.td_id, **server.connection_kwargs())
+    else:
+        from tensordict import LazyStackedTensorDict, TensorDict
+
+        a = LazyStackedTensorDictStore.from_lazy_stack(
+            LazyStackedTensorDict(*[TensorDict({"x": torch.zeros(3)}, [3]) for _ in range(4)]),
+            **server.connection_kwargs(),
+        )
+        b = LazyStackedTensorDictStore.from_store(td_id=a.td_id, **server.connection_kwargs())
+    a.keys()  # fills a's cache
+    list(a.keys())
+    return a, b
+
+
+@pytest.mark.parametrize("op", ["del_", "rename_key_", "update_", "set_", "getitem"])
+def test_stale_cache_does_not_refuse_a_missing_key(server, kind, op):
+    a, b = _pair(kind, server)
+    b["k"] = b["x"].clone() + 1
+    if op == "del_":
+        a.del_("k")
+        assert "k" not in b.keys()
+    elif op == "rename_key_":
+        a.rename_key_("k", "k2")
+        assert "k2" in b.keys() and "k" not in b.keys()
+    elif op == "update_" and kind == "lazy":
+        from tdstore.errors import UnsupportedOperationError
+
+        with pytest.raises(UnsupportedOperationError):  # not a lazy store method at all
+            a.update_({"k": torch.full_like(b["x"], 5.0)})
+    elif op == "update_":
+        a.update_({"k": torch.full_like(b["x"], 5.0)})
+        assert (b["k"] == 5).all()
+    elif op == "set_":
+        a.set_("k", torch.full_like(b["x"], 6.0))
+        assert (b["k"] == 6).all()
+    else:
+        assert (a["k"] == 1).all()
+    a.clear_redis()
+
+
+def test_missing_key_still_refused(server, kind, wire):
+    a, _ = _pair(kind, server)
+    before = wire(server)
+    with pytest.raises(EntryNotFoundError, match="nope"):
+        a.del_("nope")
+    with pytest.raises(KeyError, match="nope"):
+        a.rename_key_("nope", "other")
+    assert wire(server) == before
+    a.clear_redis()
+
+
+def test_stale_batch_size_does_not_refuse(server):
+    a, b = _pair("dense", server)
+    b.batch_size = [4]
+    a["y"] = torch.ones(4)
+    assert b["y"].shape == (4,)
+    assert a.batch_size == torch.Size([4])
+    with pytest.raises(RuntimeError, match="batch"):
+        a["z"] = torch.ones(5)  # the fresh layout agrees: refused
+    a.clear_redis()
+
+
+# --------------------------------------------------------------------------- #
+# 3. an indexed write of a non-tensor entry races a whole write of it
+# --------------------------------------------------------------------------- #
+
+
+def test_nontensor_index_write_races_whole_writes(server):
+    """Metadata and bytes of a non-tensor entry are read in two commands before a row write:
+    a whole write in between pairs them wrongly; that is a stale read, retried, never a raw
+    IndexError."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    store = TensorDictStore(batch_size=[3], **server.connection_kwargs())
+    store["nt"] = NonTensorData("a", batch_size=[3])
+    other = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+    counts = {"whole": 0, "rows": 0}
+
+    def whole(stop):
+        for i in range(600):
+            if stop.is_set():
+                return
+            if i % 2:
+                other["nt"] = NonTensorStack.from_list([f"s{i}", f"t{i}", f"u{i}"])  # one value per row
+            else:
+                other["nt"] = NonTensorData("w", batch_size=[3])  # a str: iterable, one char
+            counts["whole"] += 1
+
+    def rows(stop):
+        for i in range(600):
+            if stop.is_set():
+                return
+            store[i % 3] = TensorDict({"nt": NonTensorData(f"r{i}", batch_size=[])}, [])
+            counts["rows"] += 1
+
+    errors = _run_threads([whole, rows], seconds=4)
+    assert not errors, [f"{type(e).__name__}: {e}" for e in errors[:3]]
+    assert counts["rows"] > 10 and counts["whole"] > 10, counts
+    store.clear_redis()
