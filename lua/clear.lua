@@ -25,8 +25,15 @@ Errors:
 ]]
 --@include lib/common.lua
 
+-- a meta or registry key of another type is damage: never read as a hash, deleted with the rest
+local function is_hash(key)
+  local kind = rcall('TYPE', key)
+  if type(kind) == 'table' then kind = kind.ok end
+  return kind == 'hash'
+end
+
 if ARGV[1] == 'absent' then
-  if rcall('HGET', KEYS[1], 'lv') then
+  if is_hash(KEYS[1]) and rcall('HGET', KEYS[1], 'lv') then
     return fail('TDS_STALE', 'a store was created at ' .. KEYS[1] .. ' meanwhile')
   end
 else
@@ -34,7 +41,8 @@ else
   if err then return err end
 end
 -- the client listed the data keys at this layout version, so the list is complete
-local n = rcall('HLEN', KEYS[2])
+local n = 0
+if is_hash(KEYS[2]) then n = rcall('HLEN', KEYS[2]) end
 if ARGV[2] ~= '' and n ~= tonumber(ARGV[2]) then
   return fail('TDS_STALE', 'registry has ' .. n .. ' entries, client knows of ' .. ARGV[2])
 end

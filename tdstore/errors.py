@@ -13,6 +13,7 @@ the script headers and this table agree both ways.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import redis.exceptions
 
@@ -96,24 +97,42 @@ class SchemaError(TDStoreError, ValueError):
     """A schema, shape, dtype or batch size is invalid; nothing was written."""
 
 
-try:  # tensordict's class for a value that does not fit an in-place write (private in 0.15)
-    from tensordict.base import _InplaceWriteError as _TDInplaceWriteError
-except ImportError:  # pragma: no cover - other tensordict versions
-
-    class _TDInplaceWriteError(ValueError, RuntimeError):  # type: ignore[no-redef]
-        pass
-
-
-class InplaceWriteError(TDStoreError, _TDInplaceWriteError):
-    """A value does not fit the entry it is written into in place (``set_``, ``update_``); nothing was written.
-
-    Also an instance of the class TensorDict raises for the same write (so a ``ValueError``
-    and a ``RuntimeError``).
-    """
+# InplaceWriteError and ElementShapeError derive from tensordict's class for a value that does
+# not fit an in-place write, so that code written for TensorDict catches them. They are made on
+# first use (module __getattr__ below): importing tensordict (and torch) here would make every
+# `import tdstore.errors` pay for them, the command line's included.
+_TENSORDICT_ERRORS = ("InplaceWriteError", "ElementShapeError")
 
 
-class ElementShapeError(SchemaError, InplaceWriteError):
-    """A value written at an index of a lazy store does not fit the element's shape; nothing was written."""
+def _make_tensordict_errors() -> None:
+    try:  # private in tensordict 0.15
+        from tensordict.base import _InplaceWriteError as td_inplace_write_error
+    except ImportError:  # pragma: no cover - other tensordict versions
+
+        class td_inplace_write_error(ValueError, RuntimeError):  # type: ignore[no-redef]  # noqa: N801
+            pass
+
+    class InplaceWriteError(TDStoreError, td_inplace_write_error):
+        """A value does not fit the entry it is written into in place (``set_``, ``update_``); nothing was written.
+
+        Also an instance of the class TensorDict raises for the same write (so a ``ValueError``
+        and a ``RuntimeError``).
+        """
+
+    class ElementShapeError(SchemaError, InplaceWriteError):
+        """A value written at an index of a lazy store does not fit the element's shape; nothing was written."""
+
+    for cls in (InplaceWriteError, ElementShapeError):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+        globals()[cls.__name__] = cls
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TENSORDICT_ERRORS:
+        _make_tensordict_errors()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class StaleLayoutError(TDStoreError, RuntimeError):

@@ -33,6 +33,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
+from tdstore._backend import ops as _backend
 from tdstore.errors import SchemaError, StoreExistsError, StoreNotFoundError
 from tdstore.store import TensorDictStore
 
@@ -62,14 +63,6 @@ def _as_tensordict(data: Any, what: str) -> TensorDictBase:
 
 def _is_leaf(cls: type) -> bool:
     return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
-
-
-async def _set_ring_total(client: Any, keys: Any, total: int) -> None:
-    """Sets the ring counter (rows ever appended) and bumps the write version, in one MULTI."""
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.set(keys.ring, str(int(total)))
-        pipe.incr(keys.wv)
-        await pipe.execute()
 
 
 class _StateDictCheckpointer(StorageCheckpointerBase):
@@ -284,7 +277,7 @@ class TensorDictStoreStorage(TensorStorage):
         self._known_full = False
         if self._storage is not None:
             conn = self._storage._conn
-            conn.run(lambda c: _set_ring_total(c, conn.keys, 0))
+            conn.run(lambda c: _backend.set_ring_total(c, conn.keys, 0))
         self._bump_mutation_revision()
 
     def state_dict(self) -> dict[str, Any]:
@@ -317,7 +310,7 @@ class TensorDictStoreStorage(TensorStorage):
         store.update(data, inplace=True)
         conn = store._conn
         total = int(state_dict.get("total", state_dict["_len"]))
-        conn.run(lambda c: _set_ring_total(c, conn.keys, total))
+        conn.run(lambda c: _backend.set_ring_total(c, conn.keys, total))
         self._local_len = int(state_dict["_len"])
         self._bump_mutation_revision()
 

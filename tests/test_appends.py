@@ -17,11 +17,11 @@ from concurrent.futures import ProcessPoolExecutor
 import _append_workers as w
 import pytest
 import torch
-from _counts import record as _record
 from tensordict import NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
 from tdstore.errors import SchemaError
+from tdstore.testing.counts import record as _record
 
 CAP = 64
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 import torch
-from _counts import add_cases
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
@@ -37,6 +36,7 @@ from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core.keys import StoreKeys, decode_path
 from tdstore.errors import EntryNotFoundError, StoreNotFoundError, UnsupportedOperationError
+from tdstore.testing.counts import add_cases
 
 SEQUENCES = 30
 STEPS = 15

@@ -191,6 +191,19 @@ async def read_layout_version(client: Any, keys: StoreKeys) -> int | None:
     return int(value)
 
 
+async def ttl_ms(client: Any, keys: StoreKeys) -> int:
+    """The store's remaining lifetime in ms (``PTTL`` of its meta hash): -1 none, -2 no store."""
+    return int(await client.pttl(keys.meta))
+
+
+async def set_ring_total(client: Any, keys: StoreKeys, total: int) -> None:
+    """Sets the ring counter (rows ever appended) and bumps the write version, in one MULTI."""
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.set(keys.ring, str(int(total)))
+        pipe.incr(keys.wv)
+        await pipe.execute()
+
+
 async def read_entries(
     client: Any,
     keys: StoreKeys,
@@ -795,11 +808,17 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner) -> int:
     unseen. In-flight tmp keys are left alone (they expire). The data keys go through
     short-lived trash keys, freed one per command, as in :func:`clear`.
     """
+    # a meta or registry key of another type (damage too) is not read as a hash: the store is
+    # then "absent" to the clear script's checks, and the key is deleted with the rest (the
+    # script checks again what is read here, in the step that deletes)
     async with client.pipeline(transaction=True) as pipe:
+        pipe.type(keys.meta)
+        pipe.type(keys.reg)
         pipe.hget(keys.meta, "lv")
         pipe.hlen(keys.reg)
-        lv, n = await pipe.execute()
-    lv = _s(lv)
+        meta_type, reg_type, lv_raw, n_raw = await pipe.execute(raise_on_error=False)
+    lv = _s(lv_raw) if _s(meta_type) == "hash" and lv_raw is not None else None
+    n = int(n_raw) if _s(reg_type) == "hash" else -1
     own = {keys.meta, keys.reg, keys.wv, keys.ring}
     tmp_prefix = f"{keys.base}:tmp:"
     found = []
@@ -817,7 +836,7 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner) -> int:
             client,
             "clear",
             [keys.meta, keys.reg, keys.wv, keys.ring, *plain, *pairs],
-            ["absent" if lv is None else lv if lv.isdigit() else "", str(n), str(len(chunked))],
+            ["absent" if lv is None else lv if lv.isdigit() else "", str(n) if n >= 0 else "", str(len(chunked))],
         )
     )
     for key in trash:

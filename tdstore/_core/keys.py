@@ -154,3 +154,20 @@ class StoreKeys:
         """A SCAN pattern matching the meta key of every store under ``prefix``."""
         escaped = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
         return escaped + ":{*}:meta"
+
+    @staticmethod
+    def any_meta_pattern() -> str:
+        """A SCAN pattern matching the meta key of every store, whatever its prefix."""
+        return "*:{*}:meta"
+
+    @staticmethod
+    def parse_meta_key(key: str) -> tuple[str, str] | None:
+        """(prefix, td_id) of a store's meta key, or None for a key that is not one.
+
+        The prefix is what comes before the ``{td_id}`` hash tag (prefixes hold no braces); it may
+        be empty.
+        """
+        brace, end = key.find(":{"), key.rfind("}:meta")
+        if brace < 0 or end <= brace or not key.endswith("}:meta"):
+            return None
+        return key[:brace], key[brace + 2 : end]

@@ -13,8 +13,8 @@ import json
 import time
 from typing import Any, TextIO
 
+from tdstore._backend import inventory as _inventory
 from tdstore._backend import ops as _backend
-from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, encode_path
 
 __all__ = ["list_store_infos", "store_info", "remove_stores", "format_ls", "format_info", "table"]
@@ -103,9 +103,7 @@ def _age_seconds(meta: dict[str, str], now: float) -> float | None:
 SHARDED_MANIFEST = ("sharded_manifest",)
 
 
-def _leaf_paths(layout: _backend.Layout) -> list[tuple[str, ...]]:
-    """Entries that have a data key: tensors and non-tensors, of plain (t, nt) and lazy (lt, lnt) stores."""
-    return [p for p, e in layout.entries.items() if e.get("k") != "td"]
+_leaf_paths = _inventory.leaf_paths
 
 
 def store_kind(layout: _backend.Layout) -> str:
@@ -115,28 +113,6 @@ def store_kind(layout: _backend.Layout) -> str:
     if SHARDED_MANIFEST in layout.entries and len(layout.entries) == 1:
         return "sharded"
     return "store"
-
-
-async def _scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]:
-    """(prefix, td_id) of every store under ``prefix``, or under every prefix when None."""
-    if prefix is not None:
-        return [(prefix, td_id) for td_id in await _backend.list_stores(client, prefix)]
-    found = set()
-    # every prefix: the prefix of a meta key is what comes before its "{td_id}" hash tag
-    # (validate_prefix forbids braces in a prefix)
-    async for key in client.scan_iter(match="*:{*}:meta", count=1000):
-        text = _text(key) or ""
-        brace, end = text.find(":{"), text.rfind("}:meta")
-        if brace >= 0 and end > brace:  # brace 0: the empty prefix
-            found.add((text[:brace], text[brace + 2 : end]))
-    return sorted(found)
-
-
-async def _wipe(client: Any, keys: StoreKeys) -> int:
-    """Deletes a damaged store by its key pattern (:func:`tdstore._backend.ops.wipe`)."""
-    from tdstore._backend.scripts import ScriptRunner, probe_shebang
-
-    return await _backend.wipe(client, keys, ScriptRunner(await probe_shebang(client)))
 
 
 def _run(opts: Any, fn: Any) -> Any:
@@ -155,62 +131,24 @@ def _run(opts: Any, fn: Any) -> Any:
 
 async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
     now = time.time()
-    candidates = await _scan_stores(client, prefix)
+    candidates = await _inventory.scan_stores(client, prefix)
     out: list[dict[str, Any]] = []
     for start in range(0, len(candidates), LS_BATCH):
-        keys = []
-        for pfx, td_id in candidates[start : start + LS_BATCH]:
-            try:
-                keys.append(StoreKeys(pfx, td_id))
-            except ValueError:
-                continue  # a key that only looks like a store's
-        async with client.pipeline(transaction=False) as pipe:
-            for k in keys:
-                pipe.hgetall(k.meta)
-                pipe.hgetall(k.reg)
-                pipe.pttl(k.meta)
-            replies = await pipe.execute(raise_on_error=False)
-        layouts = []
-        chunk_maps = []
-        for i, k in enumerate(keys):
-            meta_raw, reg_raw, pttl = replies[3 * i : 3 * i + 3]
-            try:
-                layout = _backend.parse_layout(meta_raw, reg_raw, k.base)
-                if layout is not None and "fmt" in layout.meta:
-                    chunk_maps.append(_chunks.chunk_map(layout.entries))
-                    json.loads(layout.meta.get("batch_size") or "[]")
-            except (ValueError, TypeError, RecursionError) as err:  # CorruptMetadataError is a ValueError
-                out.append(_damaged_summary(k, err, pttl))
+        for reading in await _inventory.read_stores(client, candidates[start : start + LS_BATCH]):
+            k, layout = reading.keys, reading.layout
+            if reading.damage is not None or layout is None or reading.leaf_bytes is None:
+                out.append(_damaged_summary(k, reading.damage or ValueError("unreadable"), reading.pttl))
                 continue
-            if layout is None or "fmt" not in layout.meta:
-                continue  # deleted meanwhile, or not a tdstore store
-            layouts.append((k, layout, pttl))
-        counts = []
-        async with client.pipeline(transaction=False) as pipe:
-            for (k, layout, _), chunks in zip(layouts, chunk_maps, strict=True):
-                for path in _leaf_paths(layout):
-                    names = k.entry_keys(path, chunks.get(path))
-                    counts.append(len(names))
-                    for name in names:
-                        pipe.strlen(name)
-            replies = await pipe.execute()
-        sizes_list, pos = [], 0
-        for n in counts:
-            sizes_list.append(sum(replies[pos : pos + n]))
-            pos += n
-        sizes = iter(sizes_list)
-        for k, layout, pttl in layouts:
-            leaves = _leaf_paths(layout)
             out.append(
                 {
                     "td_id": k.td_id,
                     "prefix": k.prefix,
                     "kind": store_kind(layout),
                     "batch_size": json.loads(layout.meta.get("batch_size") or "[]"),
-                    "entries": len(leaves),
-                    "bytes": sum(int(next(sizes)) for _ in leaves),
+                    "entries": len(reading.leaf_bytes),
+                    "bytes": sum(reading.leaf_bytes),
                     "age_s": _age_seconds(layout.meta, now),
-                    "ttl_s": _ttl_seconds(pttl),
+                    "ttl_s": _ttl_seconds(reading.pttl),
                 }
             )
     return out
@@ -241,27 +179,10 @@ def _parent_batch(layout: _backend.Layout, path: tuple[str, ...]) -> list[int]:
 
 
 async def _details(client: Any, keys: StoreKeys) -> tuple[Any, ...]:
-    layout = await _backend.fetch_layout(client, keys)
-    if layout is None:
-        return None, None, None, None, []
-    paths = sorted(layout.entries, key=lambda p: tuple(layout.entries[p].get("o") or [0, 0]))
-    chunks = _chunks.chunk_map(layout.entries)
-    strings = [keys.entry_keys(p, chunks.get(p)) for p in paths if layout.entries[p].get("k") != "td"]
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.get(keys.wv)
-        pipe.get(keys.ring)
-        pipe.pttl(keys.meta)
-        for names in strings:
-            for name in names:
-                pipe.strlen(name)  # a chunked entry: the sum of its chunks
-        if store_kind(layout) == "sharded":
-            pipe.get(keys.data(SHARDED_MANIFEST))
-        replies = await pipe.execute()
-    lengths, pos = [], 3
-    for names in strings:
-        lengths.append(sum(replies[pos : pos + len(names)]))
-        pos += len(names)
-    return layout, replies[0], replies[1], replies[2], lengths + replies[pos:]
+    layout, wv, ring, pttl, lengths, extra = await _inventory.read_details(client, keys, keys.data(SHARDED_MANIFEST))
+    if layout is not None and store_kind(layout) != "sharded":
+        extra = []
+    return layout, wv, ring, pttl, lengths + list(extra)
 
 
 def _manifest(raw: Any) -> dict[str, Any] | None:
@@ -491,7 +412,7 @@ def remove_stores(
             continue
         except (CorruptMetadataError, DataLostError):
             keys = StoreKeys(prefix, info["td_id"])
-            _run(opts, lambda client, keys=keys: _wipe(client, keys))
+            _run(opts, lambda client, keys=keys: _inventory.wipe_store(client, keys))
             deleted.append(info)
             continue
         try:

@@ -91,7 +91,7 @@ class LifetimeAPI(DenseBase):
             StoreNotFoundError: the store does not exist (or has expired).
         """
         conn = self._conn
-        pttl = int(conn.run(lambda c: c.pttl(conn.keys.meta)))
+        pttl = conn.run(lambda c: _backend.ttl_ms(c, conn.keys))
         if pttl == -2:
             raise self._not_found()
         return None if pttl < 0 else pttl / 1000
