@@ -643,14 +643,18 @@ def test_version_prints_the_package_version(capsys: Any) -> None:
 
 
 def test_cli_and_errors_import_without_torch_or_tensordict(real_server: ServerHandle) -> None:
-    """``tdstore --help``, ``ls``, ``info`` and ``rm`` of a missing store never import torch or tensordict."""
+    """``tdstore --help``, ``ls``, ``info`` and ``rm`` (of a real store too) never import torch or tensordict."""
+    store = TensorDictStore.from_dict({"a": torch.arange(4), "n": {"b": torch.zeros(4, 2)}}, batch_size=[4],
+                                      td_id="cli-rm-me", **real_server.connection_kwargs())
+    store.close()
     code = (
         "import sys, io\n"
         "import tdstore.cli, tdstore.errors, tdstore\n"
         "from tdstore.cli import main\n"
         "assert tdstore.errors.ServerUnavailableError.__name__ and tdstore.TDStoreError\n"
         "for argv in (['--help'], ['--version'], ['ls', *sys.argv[1:]], ['info', 'nope', *sys.argv[1:]],\n"
-        "             ['rm', '--yes', 'nope', *sys.argv[1:]], ['doctor', *sys.argv[1:]], ['serve', '--help']):\n"
+        "             ['rm', '--yes', 'nope', *sys.argv[1:]], ['rm', '--yes', 'cli-rm-me', *sys.argv[1:]],\n"
+        "             ['doctor', *sys.argv[1:]], ['serve', '--help']):\n"
         "    try:\n"
         "        main(argv, out=io.StringIO())\n"
         "    except SystemExit:\n"
@@ -665,6 +669,7 @@ def test_cli_and_errors_import_without_torch_or_tensordict(real_server: ServerHa
                           timeout=SUBPROCESS_TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    assert real_server.sync_client().keys("*cli-rm-me*") == []  # rm deleted the store, without torch
     # the lazy names still resolve, to the classes themselves
     import tdstore
     import tdstore.store

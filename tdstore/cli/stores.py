@@ -347,16 +347,10 @@ def format_info(info: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- deleting
 def _open(info: dict[str, Any], prefix: str, opts: Any) -> Any:
-    """The store of ``info`` opened with its own class, so that ``clear_redis()`` deletes all of it."""
-    from tdstore import LazyStackedTensorDictStore, ShardedStore, TensorDictStore
+    """The ShardedStore of ``info``, so that ``clear_redis()`` deletes its blocks too."""
+    from tdstore import ShardedStore
 
-    kwargs = {"td_id": info["td_id"], "prefix": prefix, **opts.store_kwargs()}
-    if info["kind"] == "lazy":
-        return LazyStackedTensorDictStore.from_store(**kwargs)
-    if info["kind"] == "sharded":
-        return ShardedStore.from_store(**kwargs)  # clear_redis(): the manifest, then every block
-    # tensorclass_cls=TensorDictStore: connect without importing the stored tensorclass
-    return TensorDictStore.from_store(tensorclass_cls=TensorDictStore, **kwargs)
+    return ShardedStore.from_store(td_id=info["td_id"], prefix=prefix, **opts.store_kwargs())
 
 
 def _rm_summary(info: dict[str, Any]) -> str:
@@ -403,17 +397,19 @@ def remove_stores(
             return 1
     deleted = []
     for info in found:
-        try:
-            if info["kind"] == "damaged":
-                raise CorruptMetadataError(info["damage"])
-            store = _open(info, prefix, opts)
-        except StoreNotFoundError:
-            missing.append(info["td_id"])  # deleted by someone else since
-            continue
-        except (CorruptMetadataError, DataLostError):
+        if info["kind"] != "sharded":
+            # one step of the server's (the clear script after a SCAN of the store's keys), whatever
+            # the metadata says: no store class to open, so no torch to import
             keys = StoreKeys(prefix, info["td_id"])
-            _run(opts, lambda client, keys=keys: _inventory.wipe_store(client, keys))
-            deleted.append(info)
+            if _run(opts, lambda client, keys=keys: _inventory.wipe_store(client, keys)):
+                deleted.append(info)
+            else:
+                missing.append(info["td_id"])  # deleted by someone else since
+            continue
+        try:
+            store = _open(info, prefix, opts)  # clear_redis(): the manifest, then every block
+        except StoreNotFoundError:
+            missing.append(info["td_id"])
             continue
         try:
             store.clear_redis()
