@@ -156,11 +156,10 @@ def test_fuzz_index_expressions_and_values(server, wire, request):
         if write and mirror_error is None:
             kind = data.draw(st.sampled_from(VALUE_KINDS), label="value")
             value = _value(kind, expected, data.draw(st.integers(1, 9), label="k"))
-            # the store casts values to the entries' dtypes (documented); so does TensorDict, except
-            # where torch's index_put refuses other dtypes (e.g. an empty index list): cast first
-            cast = value.named_apply(lambda k, x: x.to(trial.get(k).dtype) if k in trial.keys(True, True) else x, nested_keys=True)
+            # other dtypes follow torch's rules in the store as in TensorDict: cast for int, slice
+            # and `...`, refused for list, tensor and mask indices (issue 15, section 5)
             try:
-                trial[idx] = cast
+                trial[idx] = value
             except Exception as exc:  # noqa: BLE001
                 mirror_error = exc
         try:
