@@ -491,3 +491,73 @@ def test_a_write_refused_after_clear_redis_recreates_nothing(server, lazy):
     finally:
         client.close()
         store.close()
+
+
+# --------------------------------------------------------------------------- lazy element views
+
+
+def _lazy_pair(kw: dict[str, Any]) -> tuple[LazyStackedTensorDict, LazyStackedTensorDictStore]:
+    def elements_() -> list[TensorDict]:
+        out = []
+        for j in range(3):
+            el = TensorDict(
+                v=torch.zeros(2), w=torch.zeros(2, j + 1), sub=TensorDict(z=torch.zeros(2), batch_size=[2]), batch_size=[2]
+            )  # w is ragged
+            out.append(el)
+        return out
+
+    return LazyStackedTensorDict(*elements_(), stack_dim=0), LazyStackedTensorDictStore.from_lazy_stack(
+        LazyStackedTensorDict(*elements_(), stack_dim=0), **kw
+    )
+
+
+ELEMENT_WRITES = {
+    "setitem": lambda L: L[0].__setitem__("v", torch.ones(2)),
+    "set inplace": lambda L: L[1].set("w", torch.full((2, 2), 2.0), inplace=True),
+    "set_": lambda L: L[2].set_("v", torch.full((2,), 3.0)),
+    "index": lambda L: L[0].__setitem__(1, 5),
+    "masked_fill_": lambda L: L[1].masked_fill_(torch.tensor([True, False]), 9.0),
+    "update": lambda L: L[2].update({"v": torch.full((2,), 4.0), "sub": {"z": torch.ones(2)}}),
+    "nested setitem": lambda L: L[0]["sub"].__setitem__("z", torch.full((2,), 6.0)),
+    "nested set_": lambda L: L[1]["sub"].set_("z", torch.full((2,), 7.0)),
+    "nested index": lambda L: L[2]["sub"].__setitem__(0, 8.0),
+    "nested key": lambda L: L[0].set(("sub", "z"), torch.full((2,), 1.5)),
+}
+
+
+@pytest.mark.parametrize("op", list(ELEMENT_WRITES))
+def test_lazy_element_views_write_through(server, op):
+    kw = server.connection_kwargs()
+    ref, store = _lazy_pair(kw)
+    client = server.sync_client()
+    wv_key = StoreKeys("tensordict", store.td_id).wv
+    try:
+        wv = int(client.get(wv_key) or 0)
+        ELEMENT_WRITES[op](ref)
+        ELEMENT_WRITES[op](store)
+        assert int(client.get(wv_key) or 0) == wv + 1  # one write step
+        assert read_fresh(store, kw, True) == elements(ref, True)
+        check_bookkeeping(client, store.td_id, op)
+    finally:
+        client.close()
+        store.close()
+
+
+def test_lazy_element_view_reads_after_its_write(server):
+    kw = server.connection_kwargs()
+    _, store = _lazy_pair(kw)
+    element = store[0]
+    element.set_("v", torch.ones(2))  # issue 15's example: was silently lost
+    assert torch.equal(store["v"][0], torch.ones(2))
+    assert torch.equal(element["v"], torch.ones(2))
+    nested = element["sub"]
+    nested["z"] = torch.full((2,), 3.0)
+    assert torch.equal(element["sub", "z"], torch.full((2,), 3.0))
+    assert torch.equal(store[0]["sub", "z"], torch.full((2,), 3.0))
+    copy = element.clone()  # TensorDict methods give plain in-memory copies
+    copy["v"] = torch.zeros(2)
+    assert torch.equal(store["v"][0], torch.ones(2))
+    with pytest.raises(EntryNotFoundError):
+        element["new"] = torch.ones(2)  # a lazy store adds keys to the whole stack
+    assert sorted(store.keys()) == ["sub", "v", "w"]
+    store.close()
