@@ -569,3 +569,41 @@ def test_lazy_element_view_reads_after_its_write(server):
         element["new"] = torch.ones(2)  # a lazy store adds keys to the whole stack
     assert sorted(store.keys()) == ["sub", "v", "w"]
     store.close()
+
+
+# --------------------------------------------------------------------------- found by the long run
+
+
+def test_update_replacing_a_key_it_just_wrote_leaves_no_orphan(server):
+    """update({("b", "a", "c"): small, "b": x}) on a chunked store: the first write, in another
+    chunking than the old entry, was planned and then deleted with the old entry's keys."""
+    kw = server.connection_kwargs()
+    ref = TensorDict(b=TensorDict(a=TensorDict(c=torch.zeros(3, 8)), batch_size=[3]), batch_size=[3])
+    store = TensorDictStore.from_tensordict(ref, chunk_bytes=16, **kw)  # c: 96 bytes in chunks
+    upd = {("b", "a", "c"): torch.ones(3, 1, dtype=torch.uint8), "b": torch.arange(3.0)}  # 3 bytes: one string
+    ref.update(upd)
+    store.update(upd)
+    client = server.sync_client()
+    try:
+        assert read_fresh(store, kw, False) == elements(ref, False)
+        check_bookkeeping(client, store.td_id, "after the update")
+    finally:
+        client.close()
+        store.close()
+
+
+def test_lazy_update_plans_each_key_after_the_previous_ones(server, wire):
+    kw = server.connection_kwargs()
+    ref, store = _lazy_pair(kw)
+    bad = {"q": torch.ones(3, 2), ("q", "x"): torch.ones(3, 2)}  # a key under the new tensor just written
+    with pytest.raises(KeyError):
+        ref.clone().update(bad)
+    before = wire(server)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - SchemaError; the point is nothing changes
+        store.update(bad)
+    assert wire(server) == before
+    merged = {"sub": {"y": torch.full((3, 2), 5.0)}}  # onto an existing nested key: merged (z stays)
+    ref.update(merged)
+    store.update(merged)
+    assert read_fresh(store, kw, True) == elements(ref, True)
+    store.close()
