@@ -40,7 +40,7 @@ from tdstore.errors import EntryNotFoundError, StoreNotFoundError, UnsupportedOp
 
 SEQUENCES = 30
 STEPS = 15
-SLOW_SEQUENCES = 150
+SLOW_SEQUENCES = 100
 NAMES = ["a", "b", "c", "x"]
 DTYPES = [torch.float32, torch.int64, torch.uint8, torch.bool]
 
