@@ -96,9 +96,15 @@ class WritePlanner:
                 raise KeyError(f"cannot write {path!r} in {self.where}: {parent!r} is not a nested tensordict")
 
     def remove(self, path: tuple[str, ...]) -> None:
-        for sub in [p for p in self.entries if p[: len(path)] == path]:
-            meta = self.entries.pop(sub)
-            self.ops.append(_backend.Op("del", sub, has_data=meta["k"] != "td"))
+        # an entry this plan wrote earlier (update({("b", "c"): x, "b": y})) is superseded: its op
+        # goes, as a "del" after it would miss bytes it wrote in another chunking
+        under = lambda p: p[: len(path)] == path  # noqa: E731
+        self.ops = [op for op in self.ops if op.op == "del" or not under(op.path)]
+        for sub in [p for p in self.entries if under(p)]:
+            self.entries.pop(sub)
+            meta = self.layout.entries.get(sub)
+            if meta is not None:
+                self.ops.append(_backend.Op("del", sub, has_data=meta["k"] != "td"))
             self.bump = True
 
     def add(self, path: tuple[str, ...], value: Any) -> None:

@@ -259,14 +259,18 @@ class LazyReads(LazyBase):
             return self
         return self._read_index(index)
 
-    def _read_index(self, index: Any) -> Any:
+    def _read_index(self, index: Any, view: bool = True) -> Any:
         layout = self._layout()
         bs, s = self._root(layout)
         full = self._full_bs(self._elem_bs(layout), layout)
         members, remapped, pick = plan.split_index(index, len(full), s, bs[s])
         tds, _ = self._memory_stack(None, members)
         if isinstance(pick, int):
-            return tds[0]
+            if not view:
+                return tds[0]
+            from tdstore.lazy.element import LazyElement  # one element: reads and writes go to the server
+
+            return LazyElement._attach(tds[0], self, members[0])
         if pick is not None:
             by_id = dict(zip(members, tds, strict=True))
             return LazyStackedTensorDict(*[by_id[j] for j in pick], stack_dim=s)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
 from tdstore._backend import loop as _io
@@ -79,13 +79,27 @@ class LazyWrites(LazyBase):
             elements = source.tensordicts if source.stack_dim == s else source.unbind(s)
             items = [(k, plan.ElementValues(e._get_str(k, NO_DEFAULT) for e in elements)) for k in source.keys()]
         else:
-            items = list(source.items())
+            items = list(self._merged_items(source, ()))
         if keys_to_update is not None:
             allowed = {_as_path(k) for k in keys_to_update}
-            items = [(k, v) for k, v in items if _as_path(k) in allowed]
+            items = [(k, v) for k, v in items if any(_as_path(k)[:i] in allowed for i in range(1, len(_as_path(k)) + 1))]
         if items:
             self._set_keys([(self._path + _as_path(k), v) for k, v in items])
         return self
+
+    def _merged_items(self, source: Any, prefix: tuple[str, ...]) -> Any:
+        """``(relative path, value)`` of an update: a dict or tensordict written onto an existing
+        nested tensordict updates its keys (and keeps the others), as ``TensorDict.update`` does."""
+        for key, value in source.items():
+            path = prefix + _as_path(key)
+            nested = isinstance(value, dict) or (
+                isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorData, NonTensorStack, LazyStackedTensorDict))
+            )
+            entry = self._entry(self._path + path) if nested else None
+            if nested and entry is not None and entry["k"] == "td":
+                yield from self._merged_items(value, path)
+            else:
+                yield path, value
 
     def _set_key(self, path: tuple[str, ...], value: Any) -> None:
         self._set_keys([(path, value)])
@@ -93,8 +107,23 @@ class LazyWrites(LazyBase):
     def _set_keys(self, items: list[tuple[tuple[str, ...], Any]]) -> None:
         def build(layout: _backend.Layout) -> list[_backend.Op]:
             ops: list[_backend.Op] = []
+            view = layout
             for k, (path, value) in enumerate(items):
-                ops.extend(self._key_ops(layout, path, value, k))
+                key_ops = self._key_ops(view, path, value, k)
+                ops.extend(key_ops)
+                if k + 1 < len(items):
+                    # the next key is planned against the registry as this one leaves it
+                    # ({"b": tensor, ("b", "x"): ...} must not register b as a leaf and a node)
+                    entries = dict(view.entries)
+                    for op in key_ops:
+                        if op.op == "del":
+                            entries.pop(op.path, None)
+                        elif op.op == "move" and op.new_path is not None:
+                            entries.pop(op.path, None)
+                            entries[op.new_path] = op.meta or {}
+                        elif op.meta is not None:
+                            entries[op.path] = op.meta
+                    view = _backend.Layout(layout.lv, layout.meta, entries, layout.wv)
             return ops
 
         self._commit_ops(build)
