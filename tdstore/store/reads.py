@@ -28,6 +28,9 @@ __all__ = ["StoreReads"]
 
 _MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
+#: Optimistic tries of a whole-store read before it reads layout and data in one step
+#: (see docs/guarantees.md, "Reads under layout churn").
+ONE_STEP_AFTER = 3
 
 
 def _large_sizes(layout: _backend.Layout, paths: list[tuple[str, ...]]) -> dict[tuple[str, ...], int]:
@@ -109,6 +112,14 @@ class StoreReads:
         staged_tries = 0
         try:
             for attempt in range(_MAX_RETRIES):
+                if attempt >= ONE_STEP_AFTER:
+                    # writers keep changing the layout between the layout read and the data
+                    # read: read both in one step (bounded wait, whatever the churn)
+                    got = self._snapshot_one_step()
+                    if got is not None:
+                        if bar is not None:
+                            bar.update(bar.total - bar.done)
+                        return got
                 layout = self._layout()
                 leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
                 paths = [p for p, _ in leaves]
@@ -150,6 +161,20 @@ class StoreReads:
             if bar is not None:
                 bar.close()
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
+
+    def _snapshot_one_step(self) -> tuple[TensorDict, _backend.Layout] | None:
+        """The store read with its layout in one server step (the ``read_all`` script);
+        None when an entry under this handle is chunked (its strings are not read there)."""
+        conn = self._conn
+        snap, blobs = conn.run(lambda c: _backend.read_all(c, conn.keys, conn.runner))
+        if snap is None:
+            raise self._not_found()
+        self._check_layout(snap)
+        conn.layout = snap  # kept only if no newer layout is cached
+        leaves = [(p, m) for p, m in self._descendants(snap, self._path) if m["k"] != "td"]
+        if any(m.get("c") is not None for _, m in leaves):
+            return None
+        return self._build_tensordict(snap, {p: blobs.get(p) for p, _ in leaves}), snap
 
     def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:
         node = self._node(layout)
