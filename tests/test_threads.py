@@ -244,6 +244,9 @@ def test_one_step_read_matches(server, monkeypatch):
     assert (store["n"]._snapshot_one_step()[0]["y"] == 1).all()  # a nested handle: its part only
     monkeypatch.setattr(reads, "ONE_STEP_AFTER", 0)
     assert (store.to_tensordict() == expected).all()
+    for index in (1, slice(0, 2), [2, 0], -1):  # indexed reads: read whole, indexed in memory
+        assert (store[index] == expected[index]).all(), index
+    assert store[1]["s"] == "hi"
     store.clear_redis()
     with pytest.raises(KeyError):
         store._snapshot_one_step()

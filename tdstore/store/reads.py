@@ -31,6 +31,8 @@ _MAX_CAS_RETRIES = 1000
 #: Optimistic tries of a whole-store read before it reads layout and data in one step
 #: (see docs/guarantees.md, "Reads under layout churn").
 ONE_STEP_AFTER = 3
+#: ... and an indexed read, for stores of at most this many bytes (read whole, then indexed).
+ONE_STEP_MAX_BYTES = 64 * 2**20
 
 
 def _large_sizes(layout: _backend.Layout, paths: list[tuple[str, ...]]) -> dict[tuple[str, ...], int]:
@@ -161,6 +163,18 @@ class StoreReads:
             if bar is not None:
                 bar.close()
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
+
+    def _leaf_bytes(self, layout: _backend.Layout) -> int:
+        """The bytes of the tensor entries under this handle (memoized per layout)."""
+        key = ("leaf_bytes", self._path)
+        total: int | None = layout.memo.get(key)
+        if total is None:
+            total = 0
+            for _, m in self._descendants(layout, self._path):
+                if m["k"] == "t":
+                    total += _codec.tensor_nbytes(tuple(m["shape"]), _codec.dtype_from_name(m["dtype"]))
+            layout.memo[key] = total
+        return total
 
     def _snapshot_one_step(self) -> tuple[TensorDict, _backend.Layout] | None:
         """The store read with its layout in one server step (the ``read_all`` script);
@@ -293,9 +307,16 @@ class StoreReads:
 
     def _read_index(self, index: Any, only: tuple[str, ...] | None = None) -> Any:
         conn = self._conn
+        asked = index
         index = normalize_index(index)
         device = self.device
         for _attempt in range(_MAX_RETRIES):
+            if _attempt >= ONE_STEP_AFTER and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
+                # the layout keeps changing between the plan and the read: a small store is
+                # read whole in one step and indexed in memory (bounded wait under churn)
+                got = self._snapshot_one_step()
+                if got is not None:
+                    return got[0][asked]
             layout = self._layout()
             batch_size = self._node(layout)["batch_size"]
             if only is not None and layout.entries[only]["k"] == "t":
