@@ -75,6 +75,7 @@ def test_shared_handle_read_your_writes(server):
             assert len(store) == 2
             assert store.batch_size == torch.Size([2])
             assert "base" in store.keys()
+            assert (store["base"] == 0).all()
             done["r"] += 1
 
     errors = _run_threads(

@@ -55,7 +55,8 @@ class StoreReads:
         conn = self._conn
         for _attempt in range(_MAX_RETRIES):
             # hints only, without I/O: a stale or missing cached layout just reads whole
-            large = _large_sizes(conn.layout, paths) if conn.layout is not None else {}
+            cached = conn.layout  # read once: another thread may drop it meanwhile
+            large = _large_sizes(cached, paths) if cached is not None else {}
             device = self._cached_device()
             lv, metas, blobs, _ = conn.run(
                 lambda c, large=large: _backend.read_entries(c, conn.keys, paths, large=large, device=device)
