@@ -322,3 +322,35 @@ def test_clean_exit_with_a_redis_client_alongside(real_server):
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
     assert "Exception ignored" not in proc.stderr, proc.stderr
     assert "unclosed event loop" not in proc.stderr, proc.stderr
+
+
+LAZY_CASES = {
+    "meta-bs-bool": _meta("batch_size", "[4, true]"),
+    "meta-bs-recursive": _meta("batch_size", DEEP),
+    "json-invalid": _reg("x", "{bad"),
+    "json-recursive": _reg("x", DEEP),
+    "shape-bool": _entry("x", shape=[True]),
+    "meta-lv-text": _meta("lv", "x"),
+    "registry-wrong-type": _wrong_type("reg"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAZY_CASES))
+def test_damaged_lazy_store(server, case):
+    from tensordict import LazyStackedTensorDict
+
+    from tdstore import LazyStackedTensorDictStore
+
+    writer = LazyStackedTensorDictStore.from_lazy_stack(
+        LazyStackedTensorDict(*[TensorDict({"x": torch.zeros(3), "s": "hi"}, [3]) for _ in range(4)]),
+        **server.connection_kwargs(),
+    )
+    r = server.sync_client()
+    LAZY_CASES[case](r, f"tensordict:{{{writer.td_id}}}")
+    with _traced():
+        for read in (lambda s: s.to_tensordict(), lambda s: s[1], len):
+            _, err = _bounded(lambda read=read: read(LazyStackedTensorDictStore.from_store(td_id=writer.td_id, **server.connection_kwargs())))
+            assert isinstance(err, OK_ERRORS), f"{case}: {type(err).__name__}: {err}"
+        _, err = _bounded(writer.clear_redis)
+    assert err is None, f"{case}: clear_redis: {type(err).__name__}: {err}"
+    assert not [k for k in r.scan_iter(match=f"*{writer.td_id}*")]
