@@ -284,3 +284,19 @@ def test_reads_are_not_starved_by_layout_churn(server):
     assert not errors, [f"{type(e).__name__}: {e}" for e in errors[:3]]
     assert len(latencies) > 5 and max(latencies) < 5.0, (len(latencies), max(latencies))
     store.clear_redis()
+
+
+def test_lazy_one_step_read_matches(server, monkeypatch):
+    from tensordict import LazyStackedTensorDict
+
+    import tdstore.lazy.reads as lazy_reads
+
+    elems = [TensorDict({"x": torch.arange(i + 1.0), "s": f"e{i}", "n": {"y": torch.full((2,), i)}}, []) for i in range(3)]
+    store = LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(*elems), **server.connection_kwargs())
+    expected = store.to_tensordict()
+    monkeypatch.setattr(lazy_reads, "ONE_STEP_AFTER", 0)
+    got = store.to_tensordict()
+    for i in range(3):
+        assert (got[i]["x"] == expected[i]["x"]).all() and got[i]["s"] == f"e{i}"
+        assert (got[i]["n", "y"] == i).all()
+    store.clear_redis()
