@@ -171,9 +171,9 @@ def _make(server):
 
 
 def _reads(store_factory):
-    """Each read a user may make of the store: name -> thunk."""
+    """Each read a user may make of the store: name -> thunk (each on a fresh handle, whose
+    opening is part of the read)."""
     return {
-        "open": lambda: store_factory(),
         "to_tensordict": lambda: store_factory().to_tensordict(),
         "len": lambda: len(store_factory()),
         "keys": lambda: list(store_factory().keys(include_nested=True)),
@@ -184,20 +184,28 @@ def _reads(store_factory):
 
 
 def _bounded(thunk):
-    """Runs ``thunk``: its result or exception, checked to stay within memory and time."""
-    tracemalloc.start()
+    """Runs ``thunk``: its result or exception, checked to stay within time (and within
+    memory, when run inside :func:`_traced`)."""
     t0 = time.perf_counter()
     try:
-        try:
-            return thunk(), None
-        except Exception as err:  # noqa: BLE001 - classified by the caller
-            return None, err
+        return thunk(), None
+    except Exception as err:  # noqa: BLE001 - classified by the caller
+        return None, err
     finally:
         elapsed = time.perf_counter() - t0
+        assert elapsed < TIME_BOUND, f"a read took {elapsed:.1f} s"
+
+
+class _traced:
+    """Checks that the Python allocations of the block peak below :data:`MEM_BOUND`."""
+
+    def __enter__(self):
+        tracemalloc.start()
+
+    def __exit__(self, *exc):
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        assert peak < MEM_BOUND, f"a read took {peak / 2**20:.0f} MiB"
-        assert elapsed < TIME_BOUND, f"a read took {elapsed:.1f} s"
+        assert peak < MEM_BOUND, f"the reads took {peak / 2**20:.0f} MiB"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -212,20 +220,21 @@ def test_damaged_store(server, case):
         return TensorDictStore.from_store(td_id=td_id, **server.connection_kwargs())
 
     refused = 0
-    for name, thunk in _reads(factory).items():
-        result, err = _bounded(thunk)
-        if err is None:
-            if isinstance(result, TensorDict):
-                assert result.batch_size == torch.Size([4]), (case, name)
-            continue
-        assert isinstance(err, OK_ERRORS), f"{case}/{name}: {type(err).__name__}: {err}"
-        refused += 1
-        assert td_id in str(err), (case, name, str(err))
+    with _traced():
+        for name, thunk in _reads(factory).items():
+            result, err = _bounded(thunk)
+            if err is None:
+                if isinstance(result, TensorDict):
+                    assert result.batch_size == torch.Size([4]), (case, name)
+                continue
+            assert isinstance(err, OK_ERRORS), f"{case}/{name}: {type(err).__name__}: {err}"
+            refused += 1
+            assert td_id in str(err), (case, name, str(err))
+        # the damaged store can always be deleted, by the handle that wrote it
+        _, err = _bounded(writer.clear_redis)
+    assert err is None, f"{case}: clear_redis: {type(err).__name__}: {err}"
     if case not in READS_FINE:
         assert refused, f"{case}: every read accepted the damaged store"
-    # the damaged store can always be deleted, by the handle that wrote it
-    _, err = _bounded(writer.clear_redis)
-    assert err is None, f"{case}: clear_redis: {type(err).__name__}: {err}"
     assert not [k for k in r.scan_iter(match=f"*{td_id}*")], case
 
 
@@ -313,3 +322,35 @@ def test_clean_exit_with_a_redis_client_alongside(real_server):
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
     assert "Exception ignored" not in proc.stderr, proc.stderr
     assert "unclosed event loop" not in proc.stderr, proc.stderr
+
+
+LAZY_CASES = {
+    "meta-bs-bool": _meta("batch_size", "[4, true]"),
+    "meta-bs-recursive": _meta("batch_size", DEEP),
+    "json-invalid": _reg("x", "{bad"),
+    "json-recursive": _reg("x", DEEP),
+    "shape-bool": _entry("x", shape=[True]),
+    "meta-lv-text": _meta("lv", "x"),
+    "registry-wrong-type": _wrong_type("reg"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAZY_CASES))
+def test_damaged_lazy_store(server, case):
+    from tensordict import LazyStackedTensorDict
+
+    from tdstore import LazyStackedTensorDictStore
+
+    writer = LazyStackedTensorDictStore.from_lazy_stack(
+        LazyStackedTensorDict(*[TensorDict({"x": torch.zeros(3), "s": "hi"}, [3]) for _ in range(4)]),
+        **server.connection_kwargs(),
+    )
+    r = server.sync_client()
+    LAZY_CASES[case](r, f"tensordict:{{{writer.td_id}}}")
+    with _traced():
+        for read in (lambda s: s.to_tensordict(), lambda s: s[1], len):
+            _, err = _bounded(lambda read=read: read(LazyStackedTensorDictStore.from_store(td_id=writer.td_id, **server.connection_kwargs())))
+            assert isinstance(err, OK_ERRORS), f"{case}: {type(err).__name__}: {err}"
+        _, err = _bounded(writer.clear_redis)
+    assert err is None, f"{case}: clear_redis: {type(err).__name__}: {err}"
+    assert not [k for k in r.scan_iter(match=f"*{writer.td_id}*")]

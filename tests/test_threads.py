@@ -75,6 +75,7 @@ def test_shared_handle_read_your_writes(server):
             assert len(store) == 2
             assert store.batch_size == torch.Size([2])
             assert "base" in store.keys()
+            assert (store["base"] == 0).all()
             done["r"] += 1
 
     errors = _run_threads(
@@ -220,4 +221,82 @@ def test_nontensor_index_write_races_whole_writes(server):
     errors = _run_threads([whole, rows], seconds=4)
     assert not errors, [f"{type(e).__name__}: {e}" for e in errors[:3]]
     assert counts["rows"] > 10 and counts["whole"] > 10, counts
+    store.clear_redis()
+
+
+# --------------------------------------------------------------------------- #
+# 4. readers under layout churn
+# --------------------------------------------------------------------------- #
+
+
+def test_one_step_read_matches(server, monkeypatch):
+    """The one-step fallback of to_tensordict() reads what the optimistic read reads."""
+    from tensordict import NonTensorData
+
+    import tdstore.store.reads as reads
+
+    store = TensorDictStore(batch_size=[3], **server.connection_kwargs())
+    store["x"] = torch.arange(6.0).reshape(3, 2)
+    store["n", "y"] = torch.ones(3, dtype=torch.int64)
+    store["s"] = NonTensorData("hi", batch_size=[3])
+    expected = store.to_tensordict()
+    got, snap = store._snapshot_one_step()
+    assert (got == expected).all() and got["s"] == "hi" and snap.lv == store._layout().lv
+    assert (store["n"]._snapshot_one_step()[0]["y"] == 1).all()  # a nested handle: its part only
+    monkeypatch.setattr(reads, "ONE_STEP_AFTER", 0)
+    assert (store.to_tensordict() == expected).all()
+    for index in (1, slice(0, 2), [2, 0], -1):  # indexed reads: read whole, indexed in memory
+        assert (store[index] == expected[index]).all(), index
+    assert store[1]["s"] == "hi"
+    store.clear_redis()
+    with pytest.raises(KeyError):
+        store._snapshot_one_step()
+
+
+def test_reads_are_not_starved_by_layout_churn(server):
+    """Writers add and delete keys as fast as they can; whole-store reads still finish
+    (after a few optimistic tries they read in one step) and never give up."""
+    store = TensorDictStore(batch_size=[2], **server.connection_kwargs())
+    store["base"] = torch.zeros(2)
+    writers = [TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs()) for _ in range(2)]
+    latencies: list[float] = []
+
+    def churn(handle, name):
+        def body(stop):
+            for i in range(5000):
+                if stop.is_set():
+                    return
+                handle[f"{name}{i}"] = torch.ones(2)
+                handle.del_(f"{name}{i}")
+
+        return body
+
+    def reader(stop):
+        for _ in range(2000):
+            if stop.is_set():
+                return
+            t0 = time.perf_counter()
+            td = store.to_tensordict()
+            latencies.append(time.perf_counter() - t0)
+            assert (td["base"] == 0).all() and td.batch_size == torch.Size([2])
+
+    errors = _run_threads([churn(writers[0], "a"), churn(writers[1], "b"), reader], seconds=4)
+    assert not errors, [f"{type(e).__name__}: {e}" for e in errors[:3]]
+    assert len(latencies) > 5 and max(latencies) < 5.0, (len(latencies), max(latencies))
+    store.clear_redis()
+
+
+def test_lazy_one_step_read_matches(server, monkeypatch):
+    from tensordict import LazyStackedTensorDict
+
+    import tdstore.lazy.reads as lazy_reads
+
+    elems = [TensorDict({"x": torch.arange(i + 1.0), "s": f"e{i}", "n": {"y": torch.full((2,), i)}}, []) for i in range(3)]
+    store = LazyStackedTensorDictStore.from_lazy_stack(LazyStackedTensorDict(*elems), **server.connection_kwargs())
+    expected = store.to_tensordict()
+    monkeypatch.setattr(lazy_reads, "ONE_STEP_AFTER", 0)
+    got = store.to_tensordict()
+    for i in range(3):
+        assert (got[i]["x"] == expected[i]["x"]).all() and got[i]["s"] == f"e{i}"
+        assert (got[i]["n", "y"] == i).all()
     store.clear_redis()

@@ -29,7 +29,7 @@ from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
-from tdstore._core.values import is_no_default, order_key
+from tdstore._core.values import is_dims, is_no_default, order_key
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -209,9 +209,9 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         try:
             bs = json.loads(layout.meta.get("batch_size", ""))
             s = int(layout.meta.get("stack_dim", ""))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise CorruptMetadataError(f"lazy store {where} has a malformed batch size or stack dim") from None
-        if not isinstance(bs, list) or not all(isinstance(d, int) and d >= 0 for d in bs) or not 0 <= s < len(bs):
+        if not is_dims(bs) or not 0 <= s < len(bs):
             raise CorruptMetadataError(f"lazy store {where} has batch size {bs!r} and stack dim {s!r}")
         n = bs[s]
         for path, meta in layout.entries.items():

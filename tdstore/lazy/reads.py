@@ -29,6 +29,8 @@ from tdstore.store.host import LazyBase
 __all__ = ["LazyReads"]
 
 _MAX_RETRIES = _io.MAX_RETRIES
+#: Optimistic tries of a whole-stack read before it reads layout and bytes in one step.
+ONE_STEP_AFTER = 3
 
 
 class _Stale(Exception):
@@ -186,18 +188,31 @@ class LazyReads(LazyBase):
         """The stack in memory, its layout and the write version, all read in one snapshot."""
         conn = self._conn
         for attempt in range(_MAX_RETRIES):
-            layout = self._layout()
-            bs, s = self._root(layout)
-            paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]
-            _, _, blobs, snap = conn.run(
-                lambda c, paths=paths: _backend.read_entries(c, conn.keys, paths, with_layout=True)
-            )
-            if snap is None:
-                raise self._not_found()
-            if snap.lv != layout.lv:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+            if attempt >= ONE_STEP_AFTER:
+                # writers keep changing the layout between the layout read and the data read:
+                # read both in one step (see docs/guarantees.md, "Reads under layout churn")
+                snap, by_path = conn.run(lambda c: _backend.read_all(c, conn.keys, conn.runner))
+                if snap is None:
+                    raise self._not_found()
+                self._check_layout(snap)
+                conn.layout = snap  # kept only if no newer layout is cached
+                layout = snap
+                bs, s = self._root(layout)
+                paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]
+                blobs = [by_path.get(p) for p in paths]
+            else:
+                layout = self._layout()
+                bs, s = self._root(layout)
+                paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]
+                _, _, blobs, snap = conn.run(
+                    lambda c, paths=paths: _backend.read_entries(c, conn.keys, paths, with_layout=True)
+                )
+                if snap is None:
+                    raise self._not_found()
+                if snap.lv != layout.lv:
+                    _io.backoff(attempt)
+                    self._layout(refresh=True)
+                    continue
             items: list[tuple[tuple[str, ...], Any, list[Any]]] = []
             for path, blob in zip(paths, blobs, strict=True):
                 if layout.entries[path]["k"] == "lnt":

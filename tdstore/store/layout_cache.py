@@ -22,6 +22,9 @@ __all__ = ["LayoutCache"]
 
 _T = TypeVar("_T")
 
+#: Layout reads a refresh makes while other threads' writes keep dropping the cache under it.
+_CACHE_TRIES = 3
+
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
@@ -52,15 +55,18 @@ class LayoutCache(SharedBase):
         conn = self._conn
         cached = conn.layout  # one read: another thread may drop or replace it meanwhile
         if refresh or cached is None or not self._cache_metadata:
-            epoch = conn.layout_epoch
-            layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
-            if layout is None:
-                conn.layout = None
-                raise self._not_found()
-            self._check_layout(layout)
-            # cached only when no write dropped the cache since the read began (it would be
-            # older than that write); this call uses it all the same
-            conn.cache_layout(layout, epoch)
+            for _ in range(_CACHE_TRIES):
+                epoch = conn.layout_epoch
+                layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
+                if layout is None:
+                    conn.layout = None
+                    raise self._not_found()
+                self._check_layout(layout)
+                # cached only when no write dropped the cache since the read began (it would
+                # be older than that write). Read again when it was not: the key names of
+                # chunked entries (StoreKeys.chunks) follow the cached layout
+                if conn.cache_layout(layout, epoch):
+                    break
             return layout
         return cached
 

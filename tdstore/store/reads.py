@@ -31,6 +31,11 @@ __all__ = ["StoreReads"]
 
 _MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
+#: Optimistic tries of a whole-store read before it reads layout and data in one step
+#: (see docs/guarantees.md, "Reads under layout churn").
+ONE_STEP_AFTER = 3
+#: ... and an indexed read, for stores of at most this many bytes (read whole, then indexed).
+ONE_STEP_MAX_BYTES = 64 * 2**20
 
 
 def _large_sizes(layout: _backend.Layout, paths: list[tuple[str, ...]]) -> dict[tuple[str, ...], int]:
@@ -53,7 +58,8 @@ class StoreReads(DenseBase):
         conn = self._conn
         for _attempt in range(_MAX_RETRIES):
             # hints only, without I/O: a stale or missing cached layout just reads whole
-            large = _large_sizes(conn.layout, paths) if conn.layout is not None else {}
+            cached = conn.layout  # read once: another thread may drop it meanwhile
+            large = _large_sizes(cached, paths) if cached is not None else {}
             device = self._cached_device()
             lv, metas, blobs, _ = conn.run(
                 lambda c, large=large: _backend.read_entries(c, conn.keys, paths, large=large, device=device)
@@ -112,6 +118,14 @@ class StoreReads(DenseBase):
         staged_tries = 0
         try:
             for attempt in range(_MAX_RETRIES):
+                if attempt >= ONE_STEP_AFTER:
+                    # writers keep changing the layout between the layout read and the data
+                    # read: read both in one step (bounded wait, whatever the churn)
+                    got = self._snapshot_one_step()
+                    if got is not None:
+                        if bar is not None:
+                            bar.update(bar.total - bar.done)
+                        return got
                 layout = self._layout()
                 leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
                 paths = [p for p, _ in leaves]
@@ -153,6 +167,32 @@ class StoreReads(DenseBase):
             if bar is not None:
                 bar.close()
         raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
+
+    def _leaf_bytes(self, layout: _backend.Layout) -> int:
+        """The bytes of the tensor entries under this handle (memoized per layout)."""
+        key = ("leaf_bytes", self._path)
+        total: int | None = layout.memo.get(key)
+        if total is None:
+            total = 0
+            for _, m in self._descendants(layout, self._path):
+                if m["k"] == "t":
+                    total += _codec.tensor_nbytes(tuple(m["shape"]), _codec.dtype_from_name(m["dtype"]))
+            layout.memo[key] = total
+        return total
+
+    def _snapshot_one_step(self) -> tuple[TensorDict, _backend.Layout] | None:
+        """The store read with its layout in one server step (the ``read_all`` script);
+        None when an entry under this handle is chunked (its strings are not read there)."""
+        conn = self._conn
+        snap, blobs = conn.run(lambda c: _backend.read_all(c, conn.keys, conn.runner))
+        if snap is None:
+            raise self._not_found()
+        self._check_layout(snap)
+        conn.layout = snap  # kept only if no newer layout is cached
+        leaves = [(p, m) for p, m in self._descendants(snap, self._path) if m["k"] != "td"]
+        if any(m.get("c") is not None for _, m in leaves):
+            return None
+        return self._build_tensordict(snap, {p: blobs.get(p) for p, _ in leaves}), snap
 
     def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:
         node = self._node(layout)
@@ -284,9 +324,16 @@ class StoreReads(DenseBase):
 
     def _read_index(self, index: Any, only: tuple[str, ...] | None = None) -> Any:
         conn = self._conn
+        asked = index
         index = normalize_index(index)
         device = self.device
         for _attempt in range(_MAX_RETRIES):
+            if _attempt >= ONE_STEP_AFTER and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
+                # the layout keeps changing between the plan and the read: a small store is
+                # read whole in one step and indexed in memory (bounded wait under churn)
+                got = self._snapshot_one_step()
+                if got is not None:
+                    return got[0][asked]
             layout = self._layout()
             batch_size = self._node(layout)["batch_size"]
             if only is not None and layout.entries[only]["k"] == "t":

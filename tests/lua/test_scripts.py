@@ -1696,8 +1696,31 @@ class TestReadOne:
         expect_error(r, "TDS_BADARG", "read_one", [META, D("a")], list(bounds), lua_version)
 
 
+class TestReadAll:
+    """read_all: the meta hash, registry, write version and every entry's bytes in one step."""
+
+    def test_whole_store(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"0123", "b": b"xy"}, nodes=("n",), wv="7")
+        before = state(r)
+        meta, reg, wv, data = r.run("read_all", [META, REG, WV], ["td:{s}:d:"], lua_version)
+        assert dict(zip(meta[::2], meta[1::2], strict=True)) == r.data[META]
+        fields = reg[::2]
+        assert sorted(fields) == [b"a", b"b", b"n"] and wv == b"7"
+        assert dict(zip(fields, data, strict=True)) == {b"a": b"0123", b"b": b"xy", b"n": None}
+        assert state(r) == before  # reads only
+
+    def test_missing_store(self, r: LuaRedis, lua_version: str) -> None:
+        meta, reg, wv, data = r.run("read_all", [META, REG, WV], ["td:{s}:d:"], lua_version)
+        assert (meta, reg, wv, data) == ([], [], None, [])
+
+    def test_bad_prefix(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"0123"})
+        expect_error(r, "TDS_BADARG", "read_all", [META, REG, WV], [""], lua_version)
+
+
 ERROR_TESTS = {
     "read_one": {"TDS_BADARG": TestReadOne.test_bad_range},
+    "read_all": {"TDS_BADARG": TestReadAll.test_bad_prefix},
     "gather": {"TDS_BADARG": TestGather.test_bad_run},
     "commit": {
         "TDS_NOSTORE": TestCommitMetaAndVersion.test_missing_store,
