@@ -67,6 +67,7 @@ class LayoutCache(SharedBase):
                 # chunked entries (StoreKeys.chunks) follow the cached layout
                 if conn.cache_layout(layout, epoch):
                     break
+            assert layout is not None  # _CACHE_TRIES >= 1, and a missing store raised above
             return layout
         return cached
 
