@@ -50,3 +50,36 @@ def test_one_row_read_sees_a_layout_change_made_elsewhere(server):
     other.close()
     store.clear_redis()
     store.close()
+
+
+def test_small_store_snapshot_skips_the_io_loop(server, monkeypatch):
+    """to_tensordict() of small one-string entries reads on the direct client (one MULTI from
+    the calling thread): the IO loop's read_entries is not called. Chunked entries still are."""
+    from tdstore._backend import ops as _ops
+
+    calls = []
+    real = _ops.read_entries
+
+    async def spy(*args, **kwargs):
+        calls.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(_ops, "read_entries", spy)
+    conn = server.connection_kwargs()
+    data = TensorDict({f"k{i}": torch.full((10, 4), float(i)) for i in range(8)}, batch_size=[10])
+    store = TensorDictStore.from_tensordict(data, **conn)
+    direct = store._conn.direct_client() is not None
+    got = store.to_tensordict()
+    assert all(torch.equal(got[k], data[k]) for k in data.keys())
+    assert len(calls) == (0 if direct else 1)
+    other = TensorDictStore.from_store(td_id=store.td_id, **conn)
+    other["k3"] = torch.arange(20, dtype=torch.float32).reshape(10, 2)  # a layout change made elsewhere
+    assert torch.equal(store.to_tensordict()["k3"], torch.arange(20, dtype=torch.float32).reshape(10, 2))
+    calls.clear()
+    chunked = TensorDictStore.from_tensordict(data, chunk_bytes=64, **conn)
+    assert torch.equal(chunked.to_tensordict()["k7"], data["k7"])
+    assert len(calls) >= 1
+    other.close()
+    for s in (chunked, store):
+        s.clear_redis()
+        s.close()
