@@ -514,7 +514,7 @@ class Connection:
         self._reached = True
         return result
 
-    def read(self, direct: Callable[[Any, ScriptRunner], T], fn: Callable[[Any], Awaitable[T]]) -> T:
+    def read(self, direct: Callable[..., T], fn: Callable[..., Awaitable[T]]) -> T:
         """Runs a read-only operation: ``direct(client, runner)`` on :meth:`direct_client`, else ``run(fn)``.
 
         Both must send the same read; a read changes nothing on the server, so running it

@@ -253,6 +253,31 @@ async def read_entries(
     return got
 
 
+def read_entries_direct(
+    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]]
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
+    """:func:`read_entries` ``with_layout=True`` of entries kept in one string each, on a
+    blocking ``redis.Redis`` (see ``Connection.read``): the same MULTI, without the hop to
+    the IO loop. None when the layout read with them gives one of them chunks (the caller
+    reads again through :func:`read_entries`); any error raises, and the caller does the same.
+    """
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hgetall(keys.meta)
+        pipe.hgetall(keys.reg)
+        pipe.get(keys.wv)
+        for path in paths:
+            pipe.get(keys.plain(path))
+        replies = pipe.execute(raise_on_error=False)
+    _raise_first_error(replies)
+    layout = parse_layout(replies[0], replies[1])
+    if layout is not None:
+        layout.wv = _s(replies[2]) or "0"
+    metas = [None if layout is None else layout.entries.get(p) for p in paths]
+    if any(m is not None and _chunks.of_meta(m) is not None for m in metas):
+        return None
+    return (None if layout is None else layout.lv), metas, list(replies[3:]), layout
+
+
 #: Reads in pieces tried before falling back to one MULTI (writes kept coming in between).
 _LARGE_TRIES = 3
 #: Reads tried while the chunking of an entry keeps changing under them (as many as an

@@ -1,5 +1,6 @@
 """Indexed reads: byte runs of several entries in one snapshot (MULTI of GETRANGEs, the gather
-script, or one read_one call), on the IO loop's asyncio client or on a blocking client.
+script, or one GETRANGE then the layout version), on the IO loop's asyncio client or on a
+blocking client.
 
 A chunked entry's runs become one piece per chunk they cross (:mod:`tdstore._core.chunks`), and
 a gather over its rows one gather call per chunk, the rows put back in the order asked.
@@ -52,8 +53,9 @@ async def read_runs(
             # client than a MULTI of two commands).
             lv, data, strlen = await runner.call(client, "read_one", [keys.meta, data_key], [str(offset), str(last)])
         else:
-            # large: Lua would copy the bytes; the version is read after them instead, and
-            # it only grows, so if it is the planned one no layout change came before
+            # Lua would copy the bytes (READ_ONE_MAX: all non-empty runs); the version is read
+            # after them instead, and it only grows, so if it is the planned one no layout
+            # change came before
             async with client.pipeline(transaction=False) as pipe:
                 pipe.getrange(data_key, offset, last)
                 pipe.strlen(data_key)
@@ -290,9 +292,15 @@ def _split_runs(replies: list[Any], recipe: _Recipe) -> tuple[int | None, list[l
     return lv, out
 
 
-#: A single run at most this long is read with the read_one script (one command);
-#: longer ones with GETRANGE (Lua copies every byte it returns).
-READ_ONE_MAX = 65536
+#: A single run at most this long is read with the read_one script (one command); longer
+#: ones with GETRANGE then HGET of the layout version, pipelined (not in a MULTI). 0: every
+#: non-empty run goes the second way. Measured (benchmarks/bench_server_cpu.py, one row of
+#: 21,168 B): the script cost the server 2-3.5x the CPU of a raw GETRANGE (23-41 vs 11-14
+#: us: Lua copies every byte it returns) and 1.0-1.3x its wall time; GETRANGE + HGET costs
+#: 1.00-1.07x the server CPU and 0.93-0.98x the wall time (one round trip all the same).
+#: For a row of 64 B the pipeline costs the server 7.7-9.2 us instead of 11.6-12.6, and the
+#: client 4-6 us more (53-56 us instead of 49-50): the server's time is what caps many clients.
+READ_ONE_MAX = 0
 
 #: Runs at most this long (bytes, on average) are read through the gather script.
 GATHER_MAX_RUN = 4096
