@@ -621,12 +621,15 @@ def test_concurrent_element_writes_never_torn(real_server, tmp_path: Path, reque
 
 
 def _read_some(store: LazyStackedTensorDictStore, rng: random.Random, n: int) -> list[TensorDict]:
+    """Elements read in one step each: ``store[j].to_tensordict()`` (an element view reads each key
+    it is asked for from the server, so two keys read through it may come from two writes), a
+    lazy stack of several, or every element."""
     choice = rng.randrange(3)
     if choice == 0:
-        return [store[rng.randrange(n)]]
+        return [store[rng.randrange(n)].to_tensordict()]
     if choice == 1:
-        return list(store[[rng.randrange(n) for _ in range(3)]].tensordicts)
-    return list(store.tensordicts)
+        return [td.to_tensordict() for td in store[[rng.randrange(n) for _ in range(3)]].tensordicts]
+    return [td.to_tensordict() for td in store.tensordicts]
 
 
 def test_nontensor_stacks_and_corrupt_metadata(server) -> None:
@@ -726,3 +729,26 @@ def test_concurrent_inplace_math_loses_no_update(real_server, tmp_path: Path, re
     finally:
         store.clear_redis()
         store.close()
+
+
+def test_element_view_reads_through_to_the_server(server) -> None:
+    """``L[0]`` shows what another handle wrote after the view was made, as an element of a
+    LazyStackedTensorDict shows writes made through its stack (issue: reads read the server)."""
+    stack = LazyStackedTensorDict(
+        TensorDict({"v": torch.zeros(2), "s": TensorDict({"x": torch.zeros(3)}, [])}, []),
+        TensorDict({"v": torch.zeros(2), "s": TensorDict({"x": torch.zeros(3)}, [])}, []),
+    )
+    ref = stack.clone()
+    store = LazyStackedTensorDictStore.from_lazy_stack(stack, **server.connection_kwargs())
+    view, ref_view = store[0], ref[0]
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+    new = TensorDict({"v": torch.ones(2), "s": TensorDict({"x": torch.full((3,), 2.0)}, [])}, [])
+    other[0] = new
+    ref[0] = new
+    for key in ("v", ("s", "x")):
+        assert torch.equal(view[key], ref_view[key]), key
+    assert torch.equal(view["s"]["x"], ref_view["s"]["x"])
+    assert torch.equal(view.to_tensordict()["v"], ref_view["v"])
+    other.close()
+    store.clear_redis()
+    store.close()

@@ -1,13 +1,15 @@
 """``L[i]`` of a lazy store: an element that reads and writes through to the server.
 
-:class:`LazyElement` is a ``TensorDict`` (what ``LazyStackedTensorDict[i]`` returns) holding
-element ``i`` as read in one snapshot when it was made, so that its reads are consistent with
-each other (another process's write never shows in half of them). Its writes go to the
-server, each as one element write of the store (one atomic step), and then read the element
-again, so that reads through the view show the server's state after the write:
-``elem["k"] = v``, ``set``, ``set_``, ``elem[j] = v``, ``masked_fill_``, ``update`` and the same
-on a nested view (``elem["sub"]["k"] = v``). Like every element write of a lazy store, they
-write existing keys and keep the element's shapes (see docs/lazy.md).
+:class:`LazyElement` is a ``TensorDict`` (what ``LazyStackedTensorDict[i]`` returns) for
+element ``i`` of the store. Reading a key through it (``elem["k"]``, ``elem.get(...)``,
+``elem["sub"]["k"]``) reads the element from the server first, in one step, so the view shows
+the server's state, writes of other handles and processes included; ``elem.to_tensordict()``
+reads the whole element in one step (its entries never mix two writes). Its writes go to the
+server, each as one element write of the store (one atomic step): ``elem["k"] = v``, ``set``,
+``set_``, ``elem[j] = v``, ``masked_fill_``, ``update`` and the same on a nested view
+(``elem["sub"]["k"] = v``). Like every element write of a lazy store, they write existing keys
+and keep the element's shapes (see docs/lazy.md). Other methods (``items()``, ``clone``,
+``apply``, in-place math on the view) act on the copy read last.
 
 Tensordicts that TensorDict's own methods build from a view (``clone``, ``apply``, indexing...)
 are plain copies: they have no store, and act like any ``TensorDict``.
@@ -61,6 +63,25 @@ class LazyElement(TensorDict):
             return
         element = self._tds_store._read_index(self._element_index(), view=False)
         self._take(element.get(self._tds_rel) if self._tds_rel else element)
+
+    # ------------------------------------------------------------------ reads
+    def _get_str(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._tds_store is not None:
+            self._refresh()  # read through: the server's state, not the copy made earlier
+        return super()._get_str(key, *args, **kwargs)
+
+    def _get_tuple(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._tds_store is not None and len(key) > 1:
+            self._refresh()
+            first = TensorDict._get_str(self, key[0], *args, **kwargs)  # the fresh copy: no second read
+            return first._get_tuple(key[1:], *args, **kwargs) if hasattr(first, "_get_tuple") else first
+        return super()._get_tuple(key, *args, **kwargs)
+
+    def to_tensordict(self, *args: Any, **kwargs: Any) -> Any:
+        """The element read from the server in one step, as a plain ``TensorDict``."""
+        if self._tds_store is not None:
+            self._refresh()
+        return TensorDict.to_tensordict(self, *args, **kwargs)
 
     # ------------------------------------------------------------------ indices
     def _element_index(self, index: Any = None) -> Any:
