@@ -10,8 +10,8 @@ time of each, and whether the process imported torch. The interpreter alone (``p
 tensordict), are measured the same way for reference.
 
 The store-free commands (``--help``, ``--version``, ``ls``, ``info``, ``serve --help``,
-``doctor``, ``rm`` of a missing store) must not import torch; ``rm`` of a store opens it
-with its own class to delete it, so it does.
+``doctor``, ``rm``) must not import torch: ``rm`` deletes a dense or lazy store with one
+server step, without its class (only a ShardedStore is opened, to delete its blocks).
 """
 
 from __future__ import annotations
