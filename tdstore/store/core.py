@@ -21,7 +21,6 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._backend import transfer as _transfer
 from tdstore._backend.connection import Connection, connection_defaults
@@ -53,10 +52,6 @@ from tdstore.store.unsupported import StoreUnsupported
 from tdstore.store.views import StoreKeysView
 
 __all__ = ["TensorDictStore"]
-
-_MAX_RETRIES = _io.MAX_RETRIES
-_MAX_CAS_RETRIES = 1000
-
 
 
 class TensorDictStore(
