@@ -135,3 +135,24 @@ def test_write_gives_up_naming_store_and_operation(server) -> None:  # type: ign
     assert torch.equal(fresh["a"], torch.arange(4.0)) and torch.equal(fresh["b"], torch.zeros(4))
     other.close()
     store.close()
+
+
+def test_lazy_writes_give_up_naming_store_and_operation(server) -> None:  # type: ignore[no-untyped-def]
+    from tensordict import LazyStackedTensorDict, TensorDict
+
+    from tdstore import LazyStackedTensorDictStore
+
+    conn = server.connection_kwargs()
+    ref = LazyStackedTensorDict(*[TensorDict({"a": torch.full((j + 1,), float(j))}, []) for j in range(3)], stack_dim=0)
+    store = LazyStackedTensorDictStore.from_lazy_stack(ref, **conn)
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **conn)
+    store.rename_key_("a", "b")  # the layout is now at a newer version than the first one
+    _stale_forever(other)  # type: ignore[arg-type]
+    with pytest.raises(StaleLayoutError) as info:
+        other.del_("b")
+    msg = str(info.value)
+    assert other._where() in msg and "during a write; gave up after 200 tries" in msg, msg
+    got = store.tensordicts
+    assert [td["b"].tolist() for td in got] == [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
+    other.close()
+    store.close()
