@@ -144,7 +144,7 @@ def main() -> None:
             store = TensorDictStore.from_schema(SCHEMA, batch_size=[CAPACITY], **conn)
             gen = torch.Generator().manual_seed(0)
 
-            def sample() -> float:
+            def sample(store: TensorDictStore = store, gen: torch.Generator = gen) -> float:
                 valid = store.ring_state().valid
                 idx = torch.randint(0, max(valid, 1), (256,), generator=gen)
                 t = time.perf_counter()

@@ -89,7 +89,7 @@ def main() -> None:
         ]
         rows = []
         for name, what in cases:
-            runner = (lambda: _run(what, env)) if isinstance(what, list) else (lambda: _run_code(what, env))  # type: ignore[arg-type]
+            runner = (lambda what=what: _run(what, env)) if isinstance(what, list) else (lambda what=what: _run_code(what, env))  # type: ignore[arg-type]
             runner()  # untimed: file caches, .pyc
             times, torch_seen = [], False
             for _ in range(args.repeat):

@@ -91,12 +91,12 @@ def main() -> None:
                 obs = torch.randint(0, 256, (n, *OBS), dtype=torch.uint8, generator=gen)
                 row_bytes = obs[0].numel()
                 key = raw.key("obs")
-                raw.call(tr, lambda c: c.set(key, byte_view(obs)))
+                raw.call(tr, lambda c, key=key, obs=obs: c.set(key, byte_view(obs)))
                 store = TensorDictStore(batch_size=[n], device="cuda", **kwargs)
                 store["obs"] = obs
                 idx = torch.randint(0, n, (256,), generator=gen)
 
-                async def raw_rows(c: Any) -> torch.Tensor:
+                async def raw_rows(c: Any, key: str = key, idx: torch.Tensor = idx, row_bytes: int = row_bytes) -> torch.Tensor:
                     async with c.pipeline(transaction=True) as pipe:
                         for i in idx.tolist():
                             pipe.getrange(key, i * row_bytes, (i + 1) * row_bytes - 1)
@@ -105,18 +105,18 @@ def main() -> None:
                     torch.cuda.synchronize()
                     return out
 
-                async def raw_slice(c: Any) -> torch.Tensor:
+                async def raw_slice(c: Any, key: str = key, row_bytes: int = row_bytes) -> torch.Tensor:
                     data = await c.getrange(key, 100 * row_bytes, 356 * row_bytes - 1)
                     out = tensor_from_bytes(data, torch.uint8, (256, *OBS)).cuda()
                     torch.cuda.synchronize()
                     return out
 
-                def ours_rows() -> torch.Tensor:
+                def ours_rows(store: TensorDictStore = store, idx: torch.Tensor = idx) -> torch.Tensor:
                     out = store[idx]["obs"]
                     torch.cuda.synchronize()
                     return out
 
-                def ours_slice() -> torch.Tensor:
+                def ours_slice(store: TensorDictStore = store) -> torch.Tensor:
                     out = store[100:356]["obs"]
                     torch.cuda.synchronize()
                     return out
@@ -136,7 +136,7 @@ def main() -> None:
                              fmt_ratio(t["ours:slice"].median, t["raw:slice"].median)])
                 store.clear_redis()
                 store.close()
-                raw.call(tr, lambda c: c.delete(key))
+                raw.call(tr, lambda c, key=key: c.delete(key))
         finally:
             raw.cleanup()
     print_table(

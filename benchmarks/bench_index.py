@@ -181,11 +181,11 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
 
             lo, hi = SLICE.start * row_bytes, SLICE.stop * row_bytes
 
-            async def raw_slice_read(c: Any) -> torch.Tensor:
+            async def raw_slice_read(c: Any, lo: int = lo, hi: int = hi) -> torch.Tensor:
                 data = await c.getrange(key, lo, hi - 1)
                 return tensor_from_bytes(data, torch.uint8, (SLICE.stop - SLICE.start, *OBS_SHAPE))
 
-            async def raw_slice_write(c: Any) -> Any:
+            async def raw_slice_write(c: Any, lo: int = lo) -> Any:
                 return await c.setrange(key, lo, byte_view(new_slice))
 
             # correctness first (untimed): tdstore and raw agree with the local tensor
@@ -205,19 +205,19 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
             td_rows = TensorDict({"obs": new_rows}, batch_size=[N_SAMPLE])
             td_slice = TensorDict({"obs": new_slice}, batch_size=[SLICE.stop - SLICE.start])
 
-            def write_rows() -> None:
+            def write_rows(store: TensorDictStore = store, td_rows: TensorDict = td_rows) -> None:
                 store[idx] = td_rows
 
-            def write_slice() -> None:
+            def write_slice(store: TensorDictStore = store, td_slice: TensorDict = td_slice) -> None:
                 store[SLICE] = td_slice
 
-            def c_write_rows() -> None:
+            def c_write_rows(comp: Any = comp, td_rows: TensorDict = td_rows) -> None:
                 comp[idx] = td_rows
 
-            def c_write_slice() -> None:
+            def c_write_slice(comp: Any = comp, td_slice: TensorDict = td_slice) -> None:
                 comp[SLICE] = td_slice
 
-            def with_comp(cases: dict[str, Any], **theirs: Any) -> dict[str, Any]:
+            def with_comp(cases: dict[str, Any], comp: Any = comp, **theirs: Any) -> dict[str, Any]:
                 if comp is not None:
                     cases.update({f"comp:{k}": timed(fn) for k, fn in theirs.items()})
                 return cases
@@ -227,9 +227,9 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
                     {
                         "raw:rows": raw.timed(tr, raw_rows_read),
                         "raw:rows-lua": raw.timed(tr, raw_rows_lua),
-                        "ours:rows": timed(lambda: store[idx]),
+                        "ours:rows": timed(lambda store=store: store[idx]),
                     },
-                    rows=lambda: comp[idx],
+                    rows=lambda comp=comp: comp[idx],
                 ),
                 repeat=max(rep, 15), warmup=max(warm, 3),
             )
@@ -241,17 +241,17 @@ def image_benchmarks(srv: Any, raw: RawRedis, args: Any, rows_out: list[list[str
                 with_comp(
                     {
                         "raw:one": raw.timed(tr, raw_one),
-                        "raw:one-hop": timed(lambda: raw.call(tr, raw_one)),
-                        "ours:one": timed(lambda: store[one]),
+                        "raw:one-hop": timed(lambda tr=tr: raw.call(tr, raw_one)),
+                        "ours:one": timed(lambda store=store: store[one]),
                     },
-                    one=lambda: comp[one],
+                    one=lambda comp=comp: comp[one],
                 ),
                 repeat=max(rep, 31), warmup=max(warm, 5),
             ))
             t.update(compare(
                 with_comp(
-                    {"raw:slice": raw.timed(tr, raw_slice_read), "ours:slice": timed(lambda: store[SLICE])},
-                    slice=lambda: comp[SLICE],
+                    {"raw:slice": raw.timed(tr, raw_slice_read), "ours:slice": timed(lambda store=store: store[SLICE])},
+                    slice=lambda comp=comp: comp[SLICE],
                 ),
                 repeat=max(rep, 15), warmup=max(warm, 3),
             ))
@@ -363,10 +363,10 @@ def sampling_benchmarks(
                 "raw:lua": raw.timed(tr, raw_gather),
                 "raw:getrange": raw.timed(tr, raw_getranges),
                 "mem": timed(lambda: local[idx]),
-                "ours": timed(lambda: store[idx]),
+                "ours": timed(lambda store=store: store[idx]),
             }
             if comp is not None:
-                cases["comp"] = timed(lambda: comp[idx])
+                cases["comp"] = timed(lambda comp=comp: comp[idx])
             t = compare(cases, repeat=max(rep, 15), warmup=max(warm, 3))
             alone = compare({"mem": timed(lambda: local[idx])}, repeat=31, warmup=3)["mem"]
             mem_alone.append(alone.median)

@@ -62,7 +62,7 @@ def test_evicted_data_is_never_returned_as_garbage(kind, request):
                 continue  # evicted while being written, or refused while the server evicts
         intact = lost = garbage = 0
         for i, store in stores:
-            for read in (lambda: store["x"], lambda: store[1:3]["x"]):
+            for read in (lambda store=store: store["x"], lambda store=store: store[1:3]["x"]):
                 try:
                     value = read()
                 except (tdstore.DataLostError, tdstore.StoreNotFoundError):

@@ -531,7 +531,7 @@ def dense_cases(rng: random.Random, td: TensorDict, *, numbers: bool = True) -> 
                 cases.append(Case(f"get_at feature: {key} {fidx!r}", lambda t, key=key, i=fidx: t.get_at(key, i)))
                 v = _like(rng, want)
                 cases.append(Case(f"set_at_ feature: {key} {fidx!r}", lambda t, key=key, i=fidx, v=v: t.set_at_(key, v, i), write=True))
-                cases.append(Case(f"set_at_ feature scalar: {key} {fidx!r}", lambda t, key=key, i=fidx: t.set_at_(key, torch.tensor(1, dtype=leaf.dtype), i), write=True))
+                cases.append(Case(f"set_at_ feature scalar: {key} {fidx!r}", lambda t, key=key, i=fidx, dt=leaf.dtype: t.set_at_(key, torch.tensor(1, dtype=dt), i), write=True))
         v = _like(rng, leaf)
         cases.append(Case(f"set_: {key}", lambda t, key=key, v=v: t.set_(key, v), write=True))
         v = _rand(rng, batch + (7,), leaf.dtype)

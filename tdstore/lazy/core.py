@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
@@ -47,8 +46,6 @@ from tdstore.store.unsupported import StoreUnsupported
 from tdstore.store.views import StoreKeysView
 
 __all__ = ["LazyStackedTensorDictStore"]
-
-_MAX_RETRIES = _io.MAX_RETRIES
 
 
 class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupported, StoreCompat014, TensorDictBase):

@@ -15,20 +15,19 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
+from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.values import NO_DEFAULT, is_no_default
-from tdstore.errors import DataLostError, StaleLayoutError, UnsupportedOperationError
+from tdstore.errors import DataLostError, UnsupportedOperationError
 from tdstore.lazy import plan
 from tdstore.store.host import LazyBase
 
 __all__ = ["LazyReads"]
 
-_MAX_RETRIES = _io.MAX_RETRIES
 #: Optimistic tries of a whole-stack read before it reads layout and bytes in one step.
 ONE_STEP_AFTER = 3
 
@@ -164,30 +163,31 @@ class LazyReads(LazyBase):
 
     def _memory_stack(self, paths: list[tuple[str, ...]] | None, members: list[int] | None) -> tuple[list[TensorDict], int]:
         """The elements ``members`` (default all) in memory, with leaves ``paths`` (default all)."""
-        for attempt in range(_MAX_RETRIES):
+
+        def once(_attempt: int) -> tuple[list[TensorDict], int]:
+            nonlocal members
             layout = self._layout()
             bs, s = self._root(layout)
             if members is None:
                 members = list(range(bs[s]))
             entries = self._descendants(layout)
             leaves = [p for p, m in entries if m["k"] != "td"] if paths is None else paths
-            try:
-                values = self._read_members(layout, leaves, members)
-            except _Stale:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+            values = self._read_members(layout, leaves, members)  # _Stale: read again
             if paths is not None:
                 wanted = set(paths)
                 entries = [(p, m) for p, m in entries if p in wanted or (m["k"] == "td" and any(q[: len(p)] == p for q in wanted))]
             tds = plan.decode_members(entries, values, members, self._elem_bs(layout), self._path, self.device)
             return tds, s
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+        return optimistic(
+            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=(_Stale,)
+        )
 
     def _snapshot(self) -> tuple[LazyStackedTensorDict, _backend.Layout, str]:
         """The stack in memory, its layout and the write version, all read in one snapshot."""
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
+
+        def once(attempt: int) -> tuple[LazyStackedTensorDict, _backend.Layout, str]:
             if attempt >= ONE_STEP_AFTER:
                 # writers keep changing the layout between the layout read and the data read:
                 # read both in one step (see docs/guarantees.md, "Reads under layout churn")
@@ -204,15 +204,11 @@ class LazyReads(LazyBase):
                 layout = self._layout()
                 bs, s = self._root(layout)
                 paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]
-                _, _, blobs, snap = conn.run(
-                    lambda c, paths=paths: _backend.read_entries(c, conn.keys, paths, with_layout=True)
-                )
+                _, _, blobs, snap = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths, with_layout=True))
                 if snap is None:
                     raise self._not_found()
                 if snap.lv != layout.lv:
-                    _io.backoff(attempt)
-                    self._layout(refresh=True)
-                    continue
+                    raise Retry(stale=True)  # back off, refresh, read again
             items: list[tuple[tuple[str, ...], Any, list[Any]]] = []
             for path, blob in zip(paths, blobs, strict=True):
                 if layout.entries[path]["k"] == "lnt":
@@ -224,7 +220,10 @@ class LazyReads(LazyBase):
             values = self._decode(layout, items, members)
             tds = plan.decode_members(self._descendants(layout), values, members, self._elem_bs(layout), self._path, self.device)
             return LazyStackedTensorDict(*tds, stack_dim=s), layout, snap.wv
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+        return optimistic(
+            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=()
+        )
 
     def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
         """Reads the whole stack into memory (one consistent snapshot).
@@ -331,20 +330,19 @@ class LazyReads(LazyBase):
                 "as_padded_tensor=True), element by element with store[j], or as a whole with "
                 "store.to_tensordict()"
             )
-        for attempt in range(_MAX_RETRIES):
+
+        def once(_attempt: int) -> Any:
             layout = self._layout()
             meta = layout.entries.get(path)
             if meta is None or meta["k"] != "lt" or "shape" not in meta:
                 return self._get_path(path, default)
             bs, s = self._root(layout)
             conn = self._conn
-            lv, replies = conn.run(lambda c, conn=conn: _run_reads.read_runs(c, conn.keys, conn.runner, [(path, [(0, None)])]))
+            lv, replies = conn.run(lambda c: _run_reads.read_runs(c, conn.keys, conn.runner, [(path, [(0, None)])]))
             if lv != layout.lv:
                 if lv is None:
                     raise self._not_found()
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+                raise Retry(stale=True)  # back off, refresh, read again
             dtype = _codec.dtype_from_name(meta["dtype"])
             nbytes = _codec.tensor_nbytes(tuple(meta["shape"]), dtype) * bs[s]
             raw = self._buffer(replies[0][0], nbytes, path) if nbytes else torch.empty(0, dtype=torch.uint8)
@@ -353,7 +351,10 @@ class LazyReads(LazyBase):
                 tensor = tensor.contiguous()
             device = self.device
             return tensor.to(device) if device is not None and device.type != "cpu" else tensor
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+
+        return optimistic(
+            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=()
+        )
 
     def _get_at_str(self, key: Any, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         path = self._path + _as_path(key)

@@ -16,8 +16,8 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
+from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import rename_ops as _rename_ops
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LazyWrites"]
 
-_MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
 
 
@@ -218,27 +217,23 @@ class LazyWrites(LazyBase):
         self._check_on_cleared(build)
         self._ensure_exists()
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
+
+        def once(_attempt: int) -> None:
             layout = self._layout()
             try:
                 ops = build(layout)
             except (SchemaError, KeyError, ValueError):
                 if self._fresh_layout().lv != layout.lv:
-                    continue
+                    raise Retry() from None  # planned against a stale layout: plan again
                 raise
-            try:
-                conn.run(
-                    lambda c, ops=ops, lv=str(layout.lv): _backend.commit(
-                        c, conn.keys, conn.runner, ops, expected=lv, bump=True, check_lock=True
-                    )
+            conn.run(
+                lambda c: _backend.commit(
+                    c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=True, check_lock=True
                 )
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+            )
             conn.layout = None
-            return
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+
+        optimistic(once, where=self._where, what="a write", on_stale=lambda: self._layout(refresh=True))
 
     # ------------------------------------------------------------------ element writes
     def _write_index(self, index: Any, value: Any) -> None:
@@ -247,30 +242,26 @@ class LazyWrites(LazyBase):
         self._check_on_cleared(lambda layout: plan_index_write(self, layout, index, value))  # type: ignore[arg-type]
         self._ensure_exists()
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
+
+        def once(_attempt: int) -> None:
             layout = self._layout()
             try:
                 groups, nontensor = plan_index_write(self, layout, index, value)  # type: ignore[arg-type]
             except (SchemaError, KeyError, UnsupportedOperationError):
                 if self._fresh_layout().lv != layout.lv:
-                    continue  # planned against a stale layout: plan again
+                    raise Retry() from None  # planned against a stale layout: plan again
                 raise
             if not groups and not nontensor:
                 return
-            try:
-                changed = conn.run(
-                    lambda c, groups=groups, lv=str(layout.lv), nontensor=nontensor: _backend.write_runs_watched(
-                        c, conn.keys, conn.runner, groups, expected=lv, check_lock=True, nontensor=nontensor
-                    )
+            changed = conn.run(
+                lambda c: _backend.write_runs_watched(
+                    c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=True, nontensor=nontensor
                 )
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+            )
             if changed:
                 conn.layout = None
-            return
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+
+        optimistic(once, where=self._where, what="an indexed write", on_stale=lambda: self._layout(refresh=True))
 
     # ------------------------------------------------------------------ in-place math
     def _inplace_on_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -284,7 +275,8 @@ class LazyWrites(LazyBase):
 
         self._ensure_exists()
         conn = self._conn
-        for attempt in range(_MAX_CAS_RETRIES):
+
+        def once(_attempt: int) -> Any:
             local, layout, wv = self._snapshot()
             result = method(local, *args, **kwargs)
             if result is not local:
@@ -305,20 +297,18 @@ class LazyWrites(LazyBase):
                 ops.append(_backend.Op("put", path, meta, payload=plan.concat_bytes(values)))
             if not ops:
                 return self
-            try:
-                conn.run(
-                    lambda c, ops=ops, lv=str(layout.lv), wv=wv: _backend.commit(
-                        c, conn.keys, conn.runner, ops, expected=lv, bump=False, check_lock=True, expected_wv=wv
-                    )
+            conn.run(
+                lambda c: _backend.commit(
+                    c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=False, check_lock=True, expected_wv=wv
                 )
-            except (StaleLayoutError, WriteConflictError):
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+            )
             return self
-        raise WriteConflictError(
-            f"{method.__name__} on {self._where()} lost the compare-and-set {_MAX_CAS_RETRIES} times in a row "
-            "(other processes kept writing); try again"
+
+        return optimistic(
+            once, where=self._where,
+            what=f"{getattr(method, '__name__', 'an in-place method')} (its compare-and-set lost to other processes' writes each time; try again)",
+            on_stale=lambda: self._layout(refresh=True), tries=_MAX_CAS_RETRIES,
+            retry_on=(StaleLayoutError, WriteConflictError), error=WriteConflictError,
         )
 
     def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,6 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
@@ -38,9 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["StoreAPI"]
 
 _MISSING = object()
-
-
-_MAX_RETRIES = _io.MAX_RETRIES
 
 
 from tdstore._core.keys import as_path as _as_path  # noqa: E402

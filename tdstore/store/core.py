@@ -21,11 +21,11 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._backend import transfer as _transfer
 from tdstore._backend.connection import Connection, connection_defaults
 from tdstore._backend.loop import DEFAULT_TIMEOUT
+from tdstore._backend.optimistic import optimistic
 from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
@@ -39,7 +39,6 @@ from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
     SchemaError,
-    StaleLayoutError,
     StoreExistsError,
     StoreNotFoundError,
 )
@@ -53,10 +52,6 @@ from tdstore.store.unsupported import StoreUnsupported
 from tdstore.store.views import StoreKeysView
 
 __all__ = ["TensorDictStore"]
-
-_MAX_RETRIES = _io.MAX_RETRIES
-_MAX_CAS_RETRIES = 1000
-
 
 
 class TensorDictStore(
@@ -567,25 +562,22 @@ class TensorDictStore(
     ) -> int:
         """Plans ops against the cached layout and commits them; refreshes and replans when stale."""
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
+
+        def attempt(_attempt: int) -> int:
             (ops, meta_updates), layout = self._replan_if_stale(plan, self._layout())
-            try:
-                lv = conn.run(
-                    lambda c: _backend.commit(
-                        c, conn.keys, conn.runner, ops,
-                        expected="" if expected_any else str(layout.lv),
-                        bump=bump, check_lock=check_lock, meta_updates=meta_updates,
-                    ),
-                    idempotent=expected_any,  # a re-sent del_/rename would replan and fail
-                )
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+            lv = conn.run(
+                lambda c: _backend.commit(
+                    c, conn.keys, conn.runner, ops,
+                    expected="" if expected_any else str(layout.lv),
+                    bump=bump, check_lock=check_lock, meta_updates=meta_updates,
+                ),
+                idempotent=expected_any,  # a re-sent del_/rename would replan and fail
+            )
             if bump or expected_any:
                 conn.layout = None
             return lv
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+
+        return optimistic(attempt, where=self._where, what="a write", on_stale=lambda: self._layout(refresh=True))
 
     def _write(self, items: Mapping[tuple[str, ...], Any], *, inplace: bool, ignore_lock: bool = False) -> None:
         """Writes whole entries (tensors, nested tensordicts, non-tensors) in one atomic step."""
@@ -600,48 +592,44 @@ class TensorDictStore(
         self._ensure_exists()
 
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
-            def plan(layout: _backend.Layout) -> WritePlanner:
-                planner = WritePlanner(self, layout, inplace=inplace)
-                for path, value in prepared.items():
-                    planner.add(path, value)
-                return planner
 
+        def plan(layout: _backend.Layout) -> WritePlanner:
+            planner = WritePlanner(self, layout, inplace=inplace)
+            for path, value in prepared.items():
+                planner.add(path, value)
+            return planner
+
+        def attempt(_attempt: int) -> None:
             planner, layout = self._replan_if_stale(plan, self._layout())
             ops, bump = planner.ops, planner.bump
             if not ops:
                 return
             check_lock = not inplace and not ignore_lock
-            try:
-                if not bump and all(
-                    op.op == "put" and op.meta is not None and op.meta.get("k") == "t"
-                    and layout.entries.get(op.path) == op.meta
-                    for op in ops
-                ):
-                    # new values of existing tensors, same shapes and dtypes: written in place
-                    # (SETRANGE at 0 in a WATCH-guarded MULTI), with no tmp key and no rename
-                    groups = [(op.path, [(0, len(op.payload))], op.payload) for op in ops]
-                    conn.run(
-                        lambda c: _backend.write_runs_watched(
-                            c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=check_lock,
-                            small_via_script=False,
-                        )
-                    )
-                    return
+            if not bump and all(
+                op.op == "put" and op.meta is not None and op.meta.get("k") == "t"
+                and layout.entries.get(op.path) == op.meta
+                for op in ops
+            ):
+                # new values of existing tensors, same shapes and dtypes: written in place
+                # (SETRANGE at 0 in a WATCH-guarded MULTI), with no tmp key and no rename
+                groups = [(op.path, [(0, len(op.payload))], op.payload) for op in ops]
                 conn.run(
-                    lambda c: _transfer.commit(
-                        c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=bump,
-                        check_lock=check_lock, progress=_transfer.upload_bar(self, ops),
+                    lambda c: _backend.write_runs_watched(
+                        c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=check_lock,
+                        small_via_script=False,
                     )
                 )
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+                return
+            conn.run(
+                lambda c: _transfer.commit(
+                    c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=bump,
+                    check_lock=check_lock, progress=_transfer.upload_bar(self, ops),
+                )
+            )
             if bump:
                 conn.layout = None
-            return
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing; gave up after {_MAX_RETRIES} tries")
+
+        optimistic(attempt, where=self._where, what="a write", on_stale=lambda: self._layout(refresh=True))
 
     def _creation_meta(self) -> dict[str, str]:
         """Meta fields a new store gets from this handle's creation settings (its chunking)."""

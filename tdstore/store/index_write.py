@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import NonTensorData, NonTensorStack
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
+from tdstore._backend.optimistic import optimistic
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
@@ -28,12 +28,10 @@ from tdstore._core.indexing import (
     normalize_index,
     select_rows,
 )
-from tdstore.errors import StaleLayoutError, UnsupportedOperationError
+from tdstore.errors import UnsupportedOperationError
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
-
-_MAX_RETRIES = _io.MAX_RETRIES
 
 
 def _row_payload(
@@ -70,7 +68,8 @@ def write_index(
     conn = store._conn
     index = normalize_index(index)
     where = store._where()
-    for attempt in range(_MAX_RETRIES):
+
+    def attempt(_attempt: int) -> None:
         layout = store._layout()
         node = store._node(layout)
         batch_size = torch.Size(node["batch_size"])
@@ -155,25 +154,20 @@ def write_index(
         if not groups and not nontensor:
             return
         expected = str(layout.lv)
-        try:
-            if nontensor or create:
-                changed = conn.run(
-                    lambda c: _backend.write_runs_watched(
-                        c, conn.keys, conn.runner, groups, expected=expected, creates=create, nontensor=nontensor
-                    )
+        if nontensor or create:
+            changed = conn.run(
+                lambda c: _backend.write_runs_watched(
+                    c, conn.keys, conn.runner, groups, expected=expected, creates=create, nontensor=nontensor
                 )
-                if changed:
-                    conn.layout = None
-            elif _backend.choose_write(groups) == "multi":
-                conn.write_rows(groups, expected)
-            else:
-                conn.run(lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
-        except StaleLayoutError:
-            _io.backoff(attempt)
-            store._layout(refresh=True)
-            continue
-        return
-    raise StaleLayoutError(f"the layout of {where} kept changing during an indexed write")
+            )
+            if changed:
+                conn.layout = None
+        elif _backend.choose_write(groups) == "multi":
+            conn.write_rows(groups, expected)
+        else:
+            conn.run(lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
+
+    optimistic(attempt, where=where, what="an indexed write", on_stale=lambda: store._layout(refresh=True))
 
 
 def _check_parents(layout: _backend.Layout, path: tuple[str, ...], where: str) -> None:

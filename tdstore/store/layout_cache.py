@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
-from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError, StaleLayoutError
+from tdstore._backend.optimistic import optimistic
+from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError
 from tdstore.store.host import SharedBase
 
 __all__ = ["LayoutCache"]
@@ -140,19 +140,18 @@ class LayoutCache(SharedBase):
         format check either): the store's keys are found with SCAN
         (:func:`tdstore._backend.ops.wipe`), so that users can always clean up."""
         conn = self._conn
-        for attempt in range(_io.MAX_RETRIES):
+
+        def once(_attempt: int) -> dict[str, Any] | None:
+            layout: _backend.Layout | None
             try:
                 layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
             except (CorruptMetadataError, DataLostError, ValueError, TypeError, KeyError, AttributeError):
                 # metadata that does not parse or is implausible: wipe() finds the keys with SCAN
                 layout = None
-            try:
-                deleted = conn.run(lambda c: _backend.wipe(c, conn.keys, conn.runner))
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                continue
+            deleted = conn.run(lambda c: _backend.wipe(c, conn.keys, conn.runner))
             conn.layout = None
             if layout is None or "lv" not in layout.meta or not deleted:
                 return None
             return dict(layout.meta)
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during clear_redis()")
+
+        return optimistic(once, where=self._where, what="clear_redis()")

@@ -15,9 +15,8 @@ import numbers
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
-from tdstore.errors import StaleLayoutError
+from tdstore._backend.optimistic import optimistic
 from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
@@ -98,14 +97,11 @@ class LifetimeAPI(DenseBase):
 
     def _set_expiry(self: TensorDictStore, ms: int | None) -> None:  # type: ignore[misc]
         conn = self._conn
-        for attempt in range(_io.MAX_RETRIES):
+
+        def once(attempt: int) -> None:
+            # after a stale try (a key was added or removed meanwhile): list the keys again
             layout = self._layout(refresh=attempt > 0)
-            try:
-                conn.run(partial(_backend.expire, keys=conn.keys, runner=conn.runner, layout=layout, ttl_ms=ms))
-            except StaleLayoutError:
-                # a key was added or removed meanwhile: list the keys again
-                _io.backoff(attempt)
-                continue
+            conn.run(partial(_backend.expire, keys=conn.keys, runner=conn.runner, layout=layout, ttl_ms=ms))
             conn.layout = None  # the meta hash changed ("exp", "ttl")
-            return
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during expire()/persist()")
+
+        optimistic(once, where=self._where, what="expire()/persist()")

@@ -15,21 +15,21 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
 from tdstore._backend import transfer as _transfer
+from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.indexing import RowSpans, consumed_dims, contiguous_rows, normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import encode_path
+from tdstore._core.progress import Progress
 from tdstore.errors import CorruptMetadataError, DataLostError, StaleLayoutError, WriteConflictError
 from tdstore.store.host import DenseBase
 
 __all__ = ["StoreReads"]
 
-_MAX_RETRIES = _io.MAX_RETRIES
 _MAX_CAS_RETRIES = 1000
 #: Optimistic tries of a whole-store read before it reads layout and data in one step
 #: (see docs/guarantees.md, "Reads under layout churn").
@@ -59,41 +59,39 @@ class StoreReads(DenseBase):
 
     def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:
         conn = self._conn
-        for _attempt in range(_MAX_RETRIES):
-            # hints only, without I/O: a stale or missing cached layout just reads whole
-            cached = conn.layout  # read once: another thread may drop it meanwhile
-            large = _large_sizes(cached, paths) if cached is not None else {}
-            device = self._cached_device()
-            lv, metas, blobs, _ = conn.run(
-                lambda c, large=large: _backend.read_entries(c, conn.keys, paths, large=large, device=device)
-            )
-            if lv is None:
-                raise self._not_found()
-            layout = self._layout()
-            if lv != layout.lv:
-                layout = self._layout(refresh=True)
-            out = []
-            for path, meta, blob in zip(paths, metas, blobs, strict=True):
-                if meta is None:
-                    raise self._key_error(path)
-                meta = _values.check_meta(path, meta, self._where())
-                if meta["k"] == "td":
-                    out.append(self._sub(path))
-                    continue
-                out.append(
-                    _values.decode_value(
-                        path,
-                        meta,
-                        blob,
-                        owner_batch_size=self._owner_batch_size(layout, path),
-                        device=self.device,
-                        owned=conn.owned_replies,
-                        where=self._where(),
-                        policy=self._conn.pickle_policy,
-                    )
+        # one pass (never retried): the entries come with their metadata, so a layout that
+        # changed since the cached one is only refreshed, for the owners' batch sizes.
+        # Hints only, without I/O: a stale or missing cached layout just reads whole
+        cached = conn.layout  # read once: another thread may drop it meanwhile
+        large = _large_sizes(cached, paths) if cached is not None else {}
+        device = self._cached_device()
+        lv, metas, blobs, _ = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths, large=large, device=device))
+        if lv is None:
+            raise self._not_found()
+        layout = self._layout()
+        if lv != layout.lv:
+            layout = self._layout(refresh=True)
+        out = []
+        for path, meta, blob in zip(paths, metas, blobs, strict=True):
+            if meta is None:
+                raise self._key_error(path)
+            meta = _values.check_meta(path, meta, self._where())
+            if meta["k"] == "td":
+                out.append(self._sub(path))
+                continue
+            out.append(
+                _values.decode_value(
+                    path,
+                    meta,
+                    blob,
+                    owner_batch_size=self._owner_batch_size(layout, path),
+                    device=self.device,
+                    owned=conn.owned_replies,
+                    where=self._where(),
+                    policy=self._conn.pickle_policy,
                 )
-            return out
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during a read")
+            )
+        return out
 
     def _cached_device(self) -> torch.device | None:
         """The store's device as known without I/O (for pinned read buffers); None when unknown."""
@@ -117,67 +115,67 @@ class StoreReads(DenseBase):
     def _snapshot(self, progress: bool | None = None) -> tuple[TensorDict, _backend.Layout]:
         """The store in memory and the layout it was read at (its meta holds the write version)."""
         conn = self._conn
-        bar = None
+        bar: Progress | None = None
         staged_tries = 0
+
+        def once(attempt: int) -> tuple[TensorDict, _backend.Layout]:
+            nonlocal bar, staged_tries
+            if attempt >= ONE_STEP_AFTER:
+                # writers keep changing the layout between the layout read and the data
+                # read: read both in one step (bounded wait, whatever the churn)
+                got = self._snapshot_one_step()
+                if got is not None:
+                    if bar is not None:
+                        bar.update(bar.total - bar.done)
+                    return got
+            layout = self._layout()
+            leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
+            paths = [p for p, _ in leaves]
+            if attempt == 0:
+                bar, sizes = _transfer.download_bar(self, leaves, progress)
+            elif bar is not None:
+                sizes = _transfer.leaf_sizes(leaves)
+            if bar is not None and staged_tries < _transfer.STAGED_TRIES:
+                # read in chunks so the bar moves; a write in between makes it read again,
+                # and after a few tries the one-step read below takes over
+                staged_tries += 1
+                got = conn.run(lambda c: _transfer.read_staged(c, conn.keys, layout.lv, paths, sizes, bar))
+                if got is _transfer.STALE:
+                    bar.restart("download (again: the store was written meanwhile)")
+                    raise Retry()
+                snap, blobs = got
+            else:
+                large = _large_sizes(layout, paths)
+                device = self._cached_device()
+
+                async def read_all(c: Any) -> Any:
+                    return await _backend.read_entries(c, conn.keys, paths, with_layout=True, large=large, device=device)
+
+                got_all = None
+                if sum(large.values()) <= _DIRECT_SNAPSHOT_MAX and not any(
+                    conn.keys.chunks.get(p) is not None for p in paths
+                ):
+                    # small one-string entries: on the direct client, no hop to the IO loop
+                    got_all = conn.read(lambda c, _r: _backend.read_entries_direct(c, conn.keys, paths), read_all)
+                if got_all is None:
+                    got_all = conn.run(read_all)
+                _, _, blobs, snap = got_all
+            if snap is None:
+                raise self._not_found()
+            if snap.lv != layout.lv:
+                self._check_layout(snap)
+                conn.layout = snap
+                raise Retry()
+            if bar is not None and staged_tries >= _transfer.STAGED_TRIES:
+                bar.update(bar.total - bar.done)  # read in one step
+            return self._build_tensordict(layout, dict(zip(paths, blobs, strict=True))), snap
+
         try:
-            for attempt in range(_MAX_RETRIES):
-                if attempt >= ONE_STEP_AFTER:
-                    # writers keep changing the layout between the layout read and the data
-                    # read: read both in one step (bounded wait, whatever the churn)
-                    got = self._snapshot_one_step()
-                    if got is not None:
-                        if bar is not None:
-                            bar.update(bar.total - bar.done)
-                        return got
-                layout = self._layout()
-                leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
-                paths = [p for p, _ in leaves]
-                if attempt == 0:
-                    bar, sizes = _transfer.download_bar(self, leaves, progress)
-                elif bar is not None:
-                    sizes = _transfer.leaf_sizes(leaves)
-                if bar is not None and staged_tries < _transfer.STAGED_TRIES:
-                    # read in chunks so the bar moves; a write in between makes it read again,
-                    # and after a few tries the one-step read below takes over
-                    staged_tries += 1
-                    got = conn.run(
-                        lambda c, layout=layout, paths=paths, sizes=sizes: _transfer.read_staged(
-                            c, conn.keys, layout.lv, paths, sizes, bar
-                        )
-                    )
-                    if got is _transfer.STALE:
-                        bar.restart("download (again: the store was written meanwhile)")
-                        continue
-                    snap, blobs = got
-                else:
-                    large = _large_sizes(layout, paths)
-                    device = self._cached_device()
-
-                    async def read_all(c: Any, paths: Any = paths, large: Any = large, device: Any = device) -> Any:
-                        return await _backend.read_entries(c, conn.keys, paths, with_layout=True, large=large, device=device)
-
-                    got_all = None
-                    if sum(large.values()) <= _DIRECT_SNAPSHOT_MAX and not any(
-                        conn.keys.chunks.get(p) is not None for p in paths
-                    ):
-                        # small one-string entries: on the direct client, no hop to the IO loop
-                        got_all = conn.read(lambda c, _r, paths=paths: _backend.read_entries_direct(c, conn.keys, paths), read_all)
-                    if got_all is None:
-                        got_all = conn.run(read_all)
-                    _, _, blobs, snap = got_all
-                if snap is None:
-                    raise self._not_found()
-                if snap.lv != layout.lv:
-                    self._check_layout(snap)
-                    conn.layout = snap
-                    continue
-                if bar is not None and staged_tries >= _transfer.STAGED_TRIES:
-                    bar.update(bar.total - bar.done)  # read in one step
-                return self._build_tensordict(layout, dict(zip(paths, blobs, strict=True))), snap
+            # a body that sees the layout changed raises Retry (no backoff: reading again is the wait)
+            return optimistic(once, where=self._where, what="to_tensordict()", retry_on=())
         finally:
             if bar is not None:
                 bar.close()
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during to_tensordict()")
 
     def _leaf_bytes(self, layout: _backend.Layout) -> int:
         """The bytes of the tensor entries under this handle (memoized per layout)."""
@@ -260,7 +258,8 @@ class StoreReads(DenseBase):
         again and retries, so concurrent read-modify-writes never lose an update.
         """
         conn = self._conn
-        for attempt in range(_MAX_CAS_RETRIES):
+
+        def once(_attempt: int) -> Any:
             snapshot, snap = self._snapshot()
             leaves = TensorDict(batch_size=snapshot.batch_size, device=snapshot.device)
             for key, value in snapshot.items(True, True):
@@ -282,21 +281,22 @@ class StoreReads(DenseBase):
                 ops.append(_backend.Op("put", path, meta, payload=view))
             if not ops:
                 return self
-            try:
-                conn.run(
-                    lambda c: _backend.commit(
-                        c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
-                        check_lock=False, expected_cas=self._cas_versions(snap),
-                    ),
-                    idempotent=False,  # a re-sent compare-and-set would re-read and apply twice
-                )
-            except (WriteConflictError, StaleLayoutError):
-                time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
-                continue
+            conn.run(
+                lambda c: _backend.commit(
+                    c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
+                    check_lock=False, expected_cas=self._cas_versions(snap),
+                ),
+                idempotent=False,  # a re-sent compare-and-set would re-read and apply twice
+            )
             return self
-        raise StaleLayoutError(
-            f"{getattr(method, '__name__', 'an in-place method')} on {self._where()} kept conflicting with "
-            f"other writers; gave up after {_MAX_CAS_RETRIES} tries"
+
+        def backoff(attempt: int) -> None:
+            time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+
+        name = getattr(method, "__name__", "an in-place method")
+        return optimistic(
+            once, where=self._where, what=f"{name} (its compare-and-set kept conflicting with other writers)",
+            tries=_MAX_CAS_RETRIES, retry_on=(WriteConflictError, StaleLayoutError), backoff=backoff,
         )
 
     def _cas_versions(self, snap: _backend.Layout) -> str:
@@ -338,8 +338,9 @@ class StoreReads(DenseBase):
         asked = index
         index = normalize_index(index)
         device = self.device
-        for _attempt in range(_MAX_RETRIES):
-            if _attempt >= ONE_STEP_AFTER and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
+
+        def once(attempt: int) -> Any:
+            if attempt >= ONE_STEP_AFTER and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
                 # the layout keeps changing between the plan and the read: a small store is
                 # read whole in one step and indexed in memory (bounded wait under churn)
                 got = self._snapshot_one_step()
@@ -393,7 +394,7 @@ class StoreReads(DenseBase):
                 raise self._not_found()
             if lv != layout.lv:
                 self._layout(refresh=True)
-                continue
+                raise Retry()
             values: dict[tuple[str, ...], Any] = {}
             lead = tuple(new_bs)
             for (path, meta, dtype, feat, _row_bytes), chunks in zip(plan, parts, strict=True):
@@ -424,7 +425,8 @@ class StoreReads(DenseBase):
             if only is not None:
                 return values[only]
             return self._assemble(layout, new_bs, nb, values)
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during an indexed read")
+
+        return optimistic(once, where=self._where, what="an indexed read", retry_on=())
 
     @staticmethod
     def _entry_sizes(layout: _backend.Layout, plan: list[tuple[Any, ...]]) -> list[int | None]:

@@ -14,20 +14,18 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import is_non_tensor, is_tensorclass
 
-from tdstore._backend import loop as _io
 from tdstore._backend import ops as _backend
+from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import encode_path
-from tdstore.errors import SchemaError, StaleLayoutError
+from tdstore.errors import SchemaError
 from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
 
 __all__ = ["RingState", "RingBufferAPI"]
-
-_MAX_RETRIES = _io.MAX_RETRIES
 
 
 class RingState(NamedTuple):
@@ -88,7 +86,8 @@ class RingBufferAPI(DenseBase):
         if not isinstance(td, TensorDictBase):
             raise TypeError(f"extend() takes a TensorDict, got {type(td).__name__}")
         conn = self._conn
-        for attempt in range(_MAX_RETRIES):
+
+        def once(_attempt: int) -> torch.Tensor:
             layout = self._layout()
             batch = torch.Size(self._node(layout)["batch_size"])
             if not batch:
@@ -140,15 +139,11 @@ class RingBufferAPI(DenseBase):
                 keep.append(flat)
                 row_bytes = _codec.tensor_nbytes(tuple(batch[1:]) + feat, dtype)
                 groups.append((path, row_bytes, view))
-            try:
-                # not idempotent: a re-sent extend would take rows twice
-                start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity, self._path), idempotent=False)
-            except StaleLayoutError:
-                _io.backoff(attempt)
-                self._layout(refresh=True)
-                continue
+            # not idempotent: a re-sent extend would take rows twice
+            start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity, self._path), idempotent=False)
             return (start + torch.arange(n)) % capacity
-        raise StaleLayoutError(f"the layout of {self._where()} kept changing during extend()")
+
+        return optimistic(once, where=self._where, what="extend()", on_stale=lambda: self._layout(refresh=True))
 
     def ring_state(self: TensorDictStore) -> RingState:  # type: ignore[misc]
         """How many rows are valid, how many were ever appended, and where the cursor is."""
