@@ -457,9 +457,12 @@ def test_serve_runs_a_server_until_sigterm(tmp_path: Any) -> None:
 
 
 def test_serve_text_output_names_the_binary(tmp_path: Any) -> None:
+    # PYTHONFAULTHANDLER: if the server command hangs after Ctrl-C (seen once, under load, not
+    # reproduced since), SIGABRT makes it print every thread's stack for the failure message
     proc = subprocess.Popen(
         [sys.executable, "-m", "tdstore", "serve", "--port", "0", "--kind", "redis", "--no-socket"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=str(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**_env(), "PYTHONFAULTHANDLER": "1"},
+        cwd=str(tmp_path),
     )
     try:
         assert proc.stdout is not None
@@ -469,7 +472,13 @@ def test_serve_text_output_names_the_binary(tmp_path: Any) -> None:
         assert lines[2].split() == ["socket", ":", "-"]
         assert lines[-1].strip() == "Ctrl-C stops the server."
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            stacks, _ = proc.communicate(timeout=30)
+            raise AssertionError(f"tdstore serve did not stop within 30 s of Ctrl-C; its threads:\n{stacks}") from None
+        assert code == 0
         assert "server stopped" in proc.stdout.read()
     finally:
         if proc.poll() is None:
