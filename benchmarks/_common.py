@@ -52,6 +52,20 @@ TRANSPORTS = ("unix", "tcp")
 # --------------------------------------------------------------------------- #
 
 
+# The best raw form for many small rows of one string: KEYS[1] a string of fixed-size rows,
+# ARGV[1] the row size in bytes, ARGV[2..] row numbers; returns the rows' bytes concatenated in
+# the order given (the baseline of the sampling benchmarks).
+GATHER_LUA = """
+local key = KEYS[1]
+local size = tonumber(ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  local off = tonumber(ARGV[i]) * size
+  out[i - 1] = redis.call('GETRANGE', key, off, off + size - 1)
+end
+return table.concat(out)
+"""
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--server", choices=SERVER_KINDS, default="valkey", help="server kind (default: valkey)")

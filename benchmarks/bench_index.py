@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from _common import (
+    GATHER_LUA,
     RawRedis,
     Timing,
     base_parser,
@@ -62,18 +63,6 @@ OBS_SHAPE = (84, 84, 3)
 N_SAMPLE = 256
 SLICE = slice(100, 356)
 
-# KEYS[1]: a string of fixed-size rows; ARGV[1]: the row size in bytes; ARGV[2..]: row
-# numbers. Returns the rows' bytes concatenated in the order given.
-GATHER_LUA = """
-local key = KEYS[1]
-local size = tonumber(ARGV[1])
-local out = {}
-for i = 2, #ARGV do
-  local off = tonumber(ARGV[i]) * size
-  out[i - 1] = redis.call('GETRANGE', key, off, off + size - 1)
-end
-return table.concat(out)
-"""
 
 SAMPLING_SPEC = {"obs": ((64,), torch.float32), "action": ((4,), torch.float32), "reward": ((), torch.float32)}
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from _common import (
+    GATHER_LUA,
     RawRedis,
     Timing,
     base_parser,
@@ -47,18 +48,6 @@ from tdstore import LazyStackedTensorDictStore
 
 N_SAMPLE = 256
 
-# KEYS[1]: a string of fixed-size rows; ARGV[1]: the row size; ARGV[2..]: row numbers.
-# Returns the rows' bytes concatenated in the order given (the best raw form for small rows).
-GATHER_LUA = """
-local key = KEYS[1]
-local size = tonumber(ARGV[1])
-local out = {}
-for i = 2, #ARGV do
-  local off = tonumber(ARGV[i]) * size
-  out[i - 1] = redis.call('GETRANGE', key, off, off + size - 1)
-end
-return table.concat(out)
-"""
 
 
 def _t(timing: Timing) -> str:

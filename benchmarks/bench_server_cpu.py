@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from _common import (
+    GATHER_LUA,
     RawRedis,
     base_parser,
     bench_server,
@@ -58,16 +59,6 @@ CAPACITY = 4096
 SMALL_ROWS = 10_000
 N_SAMPLE = 256
 
-GATHER_LUA = """
-local key = KEYS[1]
-local size = tonumber(ARGV[1])
-local out = {}
-for i = 2, #ARGV do
-  local off = tonumber(ARGV[i]) * size
-  out[i - 1] = redis.call('GETRANGE', key, off, off + size - 1)
-end
-return table.concat(out)
-"""
 
 
 def server_cpu(client: Any) -> float:

@@ -27,8 +27,8 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import ClientConfigError, ShardedStore, StoreExistsError, StoreNotFoundError, TensorDictStore
+from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import loop as _io
-from tdstore._backend import ops as _backend
 from tdstore.testing import TensorDictStoreTests
 from tdstore.testing.counts import record as _record
 
@@ -289,7 +289,7 @@ def test_list_stores_scans_every_master(cluster_server):
     async def listing():
         client = cluster_server.async_client()
         try:
-            return await _backend.list_stores(client, "listing", count=2)
+            return await _lifecycle.list_stores(client, "listing", count=2)
         finally:
             await client.aclose()
 

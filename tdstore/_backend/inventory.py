@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.scripts import ScriptRunner, probe_shebang
 from tdstore._core import chunks as _chunks
@@ -38,7 +39,7 @@ class StoreReading:
 async def scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]:
     """(prefix, td_id) of every store under ``prefix``, or under every prefix when None."""
     if prefix is not None:
-        return [(prefix, td_id) for td_id in await _backend.list_stores(client, prefix)]
+        return [(prefix, td_id) for td_id in await _lifecycle.list_stores(client, prefix)]
     found = set()
     async for key in client.scan_iter(match=StoreKeys.any_meta_pattern(), count=1000):
         parsed = StoreKeys.parse_meta_key(key.decode(errors="replace") if isinstance(key, bytes) else str(key))
@@ -130,6 +131,6 @@ async def read_details(client: Any, keys: StoreKeys, *extra_keys: str) -> tuple[
 
 
 async def wipe_store(client: Any, keys: StoreKeys) -> int:
-    """Deletes a store whatever its metadata says (:func:`tdstore._backend.ops.wipe`), on a
+    """Deletes a store whatever its metadata says (:func:`tdstore._backend.lifecycle.wipe`), on a
     client that has not run tdstore's setup (the command line's)."""
-    return await _backend.wipe(client, keys, ScriptRunner(await probe_shebang(client)))
+    return await _lifecycle.wipe(client, keys, ScriptRunner(await probe_shebang(client)))

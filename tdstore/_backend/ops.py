@@ -38,9 +38,11 @@ __all__ = [
     "read_entries",
     "commit",
     "write_runs",
-    "clear",
-    "expire",
-    "list_stores",
+    "write_runs_watched",
+    "read_all",
+    "parse_layout",
+    "ttl_ms",
+    "set_ring_total",
 ]
 
 #: Version of the on-server format; written into every new store's meta hash.
@@ -806,113 +808,3 @@ def _stale_keys(keys: StoreKeys, path: tuple[str, ...], old: Any, new: Any) -> l
 def _created_keys(keys: StoreKeys, op: Op) -> list[str]:
     """The keys a "zero" op creates."""
     return keys.entry_keys(op.path, _chunks.of_meta(op.meta))
-
-
-def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
-    """Every key holding the bytes of an entry of ``layout``."""
-    chunks = _chunks.chunk_map(layout.entries)
-    return [
-        key
-        for p, e in layout.entries.items() if e.get("k") != "td"
-        for key in keys.entry_keys(p, chunks.get(p))
-    ]
-
-
-async def clear(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout) -> int:
-    """Deletes every key of the store at layout version ``layout.lv``, in one step.
-
-    The chunks of chunked entries are renamed to short-lived trash keys in that step
-    instead of deleted, then freed one per command (freeing a large string blocks the
-    server for as long as it takes): the store is gone at once, and no server step frees
-    more than one chunk.
-    """
-    chunks = _chunks.chunk_map(layout.entries)
-    plain = [keys.plain(p) for p, e in layout.entries.items() if e.get("k") != "td" and p not in chunks]
-    chunked = [key for p, ch in chunks.items() for key in keys.entry_keys(p, ch)]
-    trash = [keys.tmp() for _ in chunked]
-    pairs = [key for pair in zip(chunked, trash, strict=True) for key in pair]
-    deleted = int(
-        await runner.call(
-            client,
-            "clear",
-            [keys.meta, keys.reg, keys.wv, keys.ring, *plain, *pairs],
-            [str(layout.lv), str(len(layout.entries)), str(len(chunked))],
-        )
-    )
-    for key in trash:
-        await client.delete(key)  # one chunk freed per server step
-    return deleted
-
-
-async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner) -> int:
-    """Deletes every key of the store whatever its bookkeeping says, in one step.
-
-    Works on a store whose bookkeeping is damaged (a registry or meta hash evicted or edited
-    by hand, data keys without a registry entry): the keys are found with SCAN (one pass over
-    the database's keyspace, ~1000 keys per round trip), after the layout
-    version and registry size were read, and the clear script deletes them only if neither
-    changed since (any new entry changes both), so that nothing written meanwhile is lost
-    unseen. In-flight tmp keys are left alone (they expire). The data keys go through
-    short-lived trash keys, freed one per command, as in :func:`clear`.
-    """
-    # a meta or registry key of another type (damage too) is not read as a hash: the store is
-    # then "absent" to the clear script's checks, and the key is deleted with the rest (the
-    # script checks again what is read here, in the step that deletes)
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.type(keys.meta)
-        pipe.type(keys.reg)
-        pipe.hget(keys.meta, "lv")
-        pipe.hlen(keys.reg)
-        meta_type, reg_type, lv_raw, n_raw = await pipe.execute(raise_on_error=False)
-    lv = _s(lv_raw) if _s(meta_type) == "hash" and lv_raw is not None else None
-    n = int(n_raw) if _s(reg_type) == "hash" else -1
-    own = {keys.meta, keys.reg, keys.wv, keys.ring}
-    tmp_prefix = f"{keys.base}:tmp:"
-    found = []
-    async for key in client.scan_iter(match=keys.pattern(), count=1000):
-        text = _s(key) or ""
-        if text not in own and not text.startswith(tmp_prefix):
-            found.append(text)
-    chunk_prefix = f"{keys.base}:c:"
-    chunked = sorted({key for key in found if key.startswith(chunk_prefix)})
-    plain = sorted(set(found) - set(chunked))
-    trash = [keys.tmp() for _ in chunked]
-    pairs = [key for pair in zip(chunked, trash, strict=True) for key in pair]
-    deleted = int(
-        await runner.call(
-            client,
-            "clear",
-            [keys.meta, keys.reg, keys.wv, keys.ring, *plain, *pairs],
-            ["absent" if lv is None else lv if lv.isdigit() else "", str(n) if n >= 0 else "", str(len(chunked))],
-        )
-    )
-    for key in trash:
-        await client.delete(key)
-    return deleted
-
-
-async def expire(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout, ttl_ms: int | None) -> int:
-    """Sets (``ttl_ms``) or removes (None) the expiry of every key of the store at ``layout.lv``.
-
-    Returns:
-        The absolute expiry in ms on the server's clock, or 0 when removed.
-    """
-    data_keys = _layout_data_keys(keys, layout)
-    return int(
-        await runner.call(
-            client,
-            "expire",
-            [keys.meta, keys.reg, keys.wv, keys.ring, *data_keys],
-            [str(layout.lv), str(len(layout.entries)), "" if ttl_ms is None else str(int(ttl_ms))],
-        )
-    )
-
-
-async def list_stores(client: Any, prefix: str, count: int = 1000) -> list[str]:
-    """The td_ids of every store under ``prefix`` (SCAN; no blocking KEYS)."""
-    out = []
-    async for key in client.scan_iter(match=StoreKeys.meta_pattern(prefix), count=count):
-        text = _s(key) or ""
-        start, end = text.find("{"), text.rfind("}")
-        out.append(text[start + 1 : end])
-    return sorted(out)

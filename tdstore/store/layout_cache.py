@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
 from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError
@@ -138,7 +139,7 @@ class LayoutCache(SharedBase):
 
         It works on a store whose bookkeeping is damaged too (evicted or edited by hand; no
         format check either): the store's keys are found with SCAN
-        (:func:`tdstore._backend.ops.wipe`), so that users can always clean up."""
+        (:func:`tdstore._backend.lifecycle.wipe`), so that users can always clean up."""
         conn = self._conn
 
         def once(_attempt: int) -> dict[str, Any] | None:
@@ -148,7 +149,7 @@ class LayoutCache(SharedBase):
             except (CorruptMetadataError, DataLostError, ValueError, TypeError, KeyError, AttributeError):
                 # metadata that does not parse or is implausible: wipe() finds the keys with SCAN
                 layout = None
-            deleted = conn.run(lambda c: _backend.wipe(c, conn.keys, conn.runner))
+            deleted = conn.run(lambda c: _lifecycle.wipe(c, conn.keys, conn.runner))
             conn.layout = None
             if layout is None or "lv" not in layout.meta or not deleted:
                 return None

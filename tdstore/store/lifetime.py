@@ -15,6 +15,7 @@ import numbers
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
 from tdstore.store.host import DenseBase
@@ -101,7 +102,7 @@ class LifetimeAPI(DenseBase):
         def once(attempt: int) -> None:
             # after a stale try (a key was added or removed meanwhile): list the keys again
             layout = self._layout(refresh=attempt > 0)
-            conn.run(partial(_backend.expire, keys=conn.keys, runner=conn.runner, layout=layout, ttl_ms=ms))
+            conn.run(partial(_lifecycle.expire, keys=conn.keys, runner=conn.runner, layout=layout, ttl_ms=ms))
             conn.layout = None  # the meta hash changed ("exp", "ttl")
 
         optimistic(once, where=self._where, what="expire()/persist()")
