@@ -10,10 +10,14 @@ KEYS[2]   registry hash of the store
 KEYS[3]   write-version string of the store
 
 ARGV[1]   the name of an entry's data key less its registry field ("<prefix>:{<td_id>}:d:")
+ARGV[2]   optional: the most bytes to return; when the data strings hold more, the bytes are
+          not read (the reply would hold them all, and the server copies every byte through
+          Lua): the fourth element of the reply is then false
 
 Returns: {meta hash as a flat field/value array, registry as a flat field/value array,
           write version or false, {the bytes of each registry field's data key, or false
-          where there is none (nested tensordicts, chunked entries, lost bytes)}}
+          where there is none (nested tensordicts, chunked entries, lost bytes)}, or false
+          when they hold more than ARGV[2] bytes}
 
 Flags: no-writes
 
@@ -28,6 +32,16 @@ end
 -- the data keys are named from the registry read in this same step, so they share the
 -- store's hash tag (and slot) but cannot be declared in KEYS beforehand
 local reg = rcall('HGETALL', KEYS[2])
+local limit = tonumber(ARGV[2] or '')
+if limit then
+  local total = 0
+  for i = 1, #reg, 2 do
+    total = total + rcall('STRLEN', ARGV[1] .. reg[i])
+  end
+  if total > limit then
+    return {rcall('HGETALL', KEYS[1]), reg, rcall('GET', KEYS[3]), false}
+  end
+end
 local data = {}
 for i = 1, #reg, 2 do
   data[#data + 1] = rcall('GET', ARGV[1] .. reg[i])

@@ -234,6 +234,7 @@ def test_one_step_read_matches(server, monkeypatch):
     from tensordict import NonTensorData
 
     import tdstore.store.reads as reads
+    from tdstore._backend import ops as _ops
 
     store = TensorDictStore(batch_size=[3], **server.connection_kwargs())
     store["x"] = torch.arange(6.0).reshape(3, 2)
@@ -248,6 +249,9 @@ def test_one_step_read_matches(server, monkeypatch):
     for index in (1, slice(0, 2), [2, 0], -1):  # indexed reads: read whole, indexed in memory
         assert (store[index] == expected[index]).all(), index
     assert store[1]["s"] == "hi"
+    monkeypatch.setattr(_ops, "READ_ALL_MAX_BYTES", 8)  # the store holds more: optimistic reads only
+    assert store._snapshot_one_step() is None
+    assert (store.to_tensordict() == expected).all() and (store[1] == expected[1]).all()
     store.clear_redis()
     with pytest.raises(KeyError):
         store._snapshot_one_step()

@@ -374,22 +374,36 @@ async def _read_entries_once(
     return lv, metas, list(blobs), layout
 
 
-async def read_all(client: Any, keys: StoreKeys, runner: ScriptRunner) -> tuple[Layout | None, dict[tuple[str, ...], Any]]:
+#: The most bytes a one-step read (:func:`read_all`) returns: every byte goes through the
+#: server's Lua and into one reply, so a larger store keeps to optimistic reads.
+READ_ALL_MAX_BYTES = 64 * 2**20
+
+
+async def read_all(
+    client: Any, keys: StoreKeys, runner: ScriptRunner, max_bytes: int | None = None
+) -> tuple[Layout | None, dict[tuple[str, ...], Any] | None]:
     """The layout and the bytes of every entry kept as one string, in one step (the
     ``read_all`` script): what a whole-store read falls back to when writers keep changing
     the layout between its optimistic layout and data reads. Chunked entries (and nested
     tensordicts) have no bytes in the result.
 
     Returns:
-        (the layout with its write version, or None when there is no store; registry path -> bytes or None)
+        (the layout with its write version, or None when there is no store; registry path ->
+        bytes or None, or None altogether when the store's strings hold more than ``max_bytes``,
+        default :data:`READ_ALL_MAX_BYTES`)
     """
-    meta_flat, reg_flat, wv, data = await runner.call(client, "read_all", [keys.meta, keys.reg, keys.wv], [f"{keys.base}:d:"])
+    limit = READ_ALL_MAX_BYTES if max_bytes is None else max_bytes
+    meta_flat, reg_flat, wv, data = await runner.call(
+        client, "read_all", [keys.meta, keys.reg, keys.wv], [f"{keys.base}:d:", str(int(limit))]
+    )
     meta_raw = dict(zip(meta_flat[::2], meta_flat[1::2], strict=True))
     reg_raw = dict(zip(reg_flat[::2], reg_flat[1::2], strict=True))
     layout = parse_layout(meta_raw, reg_raw, keys.base)
     if layout is None:
         return None, {}
     layout.wv = _s(wv) or "0"
+    if not data:
+        return layout, None  # too large for one step
     blobs = {}
     for field_name, blob in zip(reg_flat[::2], data, strict=True):
         blobs[decode_path(field_name)] = blob

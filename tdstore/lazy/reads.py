@@ -188,14 +188,18 @@ class LazyReads(LazyBase):
         conn = self._conn
 
         def once(attempt: int) -> tuple[LazyStackedTensorDict, _backend.Layout, str]:
+            by_path: dict[tuple[str, ...], Any] | None = None
+            snap: _backend.Layout | None = None
             if attempt >= ONE_STEP_AFTER:
                 # writers keep changing the layout between the layout read and the data read:
-                # read both in one step (see docs/guarantees.md, "Reads under layout churn")
+                # read both in one step (see docs/guarantees.md, "Reads under layout churn");
+                # a store of more than READ_ALL_MAX_BYTES keeps to optimistic reads
                 snap, by_path = conn.run(lambda c: _backend.read_all(c, conn.keys, conn.runner))
                 if snap is None:
                     raise self._not_found()
                 self._check_layout(snap)
                 conn.layout = snap  # kept only if no newer layout is cached
+            if by_path is not None and snap is not None:
                 layout = snap
                 bs, s = self._root(layout)
                 paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]

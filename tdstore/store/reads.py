@@ -191,7 +191,8 @@ class StoreReads(DenseBase):
 
     def _snapshot_one_step(self) -> tuple[TensorDict, _backend.Layout] | None:
         """The store read with its layout in one server step (the ``read_all`` script);
-        None when an entry under this handle is chunked (its strings are not read there)."""
+        None when an entry under this handle is chunked (its strings are not read there) or
+        the store holds more than ``_backend.READ_ALL_MAX_BYTES`` (64 MiB)."""
         conn = self._conn
         snap, blobs = conn.run(lambda c: _backend.read_all(c, conn.keys, conn.runner))
         if snap is None:
@@ -199,8 +200,8 @@ class StoreReads(DenseBase):
         self._check_layout(snap)
         conn.layout = snap  # kept only if no newer layout is cached
         leaves = [(p, m) for p, m in self._descendants(snap, self._path) if m["k"] != "td"]
-        if any(m.get("c") is not None for _, m in leaves):
-            return None
+        if blobs is None or any(m.get("c") is not None for _, m in leaves):
+            return None  # too large for one step, or chunked: the optimistic reads go on
         return self._build_tensordict(snap, {p: blobs.get(p) for p, _ in leaves}), snap
 
     def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:

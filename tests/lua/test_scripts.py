@@ -1713,6 +1713,13 @@ class TestReadAll:
         meta, reg, wv, data = r.run("read_all", [META, REG, WV], ["td:{s}:d:"], lua_version)
         assert (meta, reg, wv, data) == ([], [], None, [])
 
+    def test_more_than_the_limit_returns_no_bytes(self, r: LuaRedis, lua_version: str) -> None:
+        make_store(r, entries={"a": b"0123", "b": b"xy"}, wv="7")
+        meta, reg, wv, data = r.run("read_all", [META, REG, WV], ["td:{s}:d:", "5"], lua_version)
+        assert sorted(reg[::2]) == [b"a", b"b"] and wv == b"7" and data is None  # 6 bytes > 5
+        _, _, _, data = r.run("read_all", [META, REG, WV], ["td:{s}:d:", "6"], lua_version)
+        assert sorted(data) == [b"0123", b"xy"]
+
     def test_bad_prefix(self, r: LuaRedis, lua_version: str) -> None:
         make_store(r, entries={"a": b"0123"})
         expect_error(r, "TDS_BADARG", "read_all", [META, REG, WV], [""], lua_version)
