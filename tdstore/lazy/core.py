@@ -370,20 +370,6 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
             out.append(rel[0] if len(rel) == 1 else rel)
         return out
 
-    def _entry(self, path: tuple[str, ...]) -> dict[str, Any] | None:
-        meta = self._layout().entries.get(path)
-        if meta is None and self._cache_metadata:
-            meta = self._fresh_layout().entries.get(path)
-        return meta
-
-    def _key_error(self, path: tuple[str, ...]) -> EntryNotFoundError:
-        rel = path[len(self._path) :]
-        shown = rel[0] if len(rel) == 1 else rel
-        return EntryNotFoundError(
-            f'key "{shown}" not found in LazyStackedTensorDictStore({self._where()}) with keys '
-            f"{sorted(map(str, self._key_list(False, False, None)))}"
-        )
-
     def entry_class(self, key: Any) -> type:
         path = self._path + _as_path(key)
         meta = self._entry(path)

@@ -486,21 +486,6 @@ class TensorDictStore(
             out.append(rel[0] if len(rel) == 1 else rel)
         return out
 
-    def _entry(self, path: tuple[str, ...]) -> dict[str, Any] | None:
-        meta = self._layout().entries.get(path)
-        if meta is None and self._cache_metadata:
-            # another client may have added it since the cache was filled
-            meta = self._fresh_layout().entries.get(path)
-        return meta
-
-    def _key_error(self, path: tuple[str, ...]) -> EntryNotFoundError:
-        rel = path[len(self._path) :]
-        shown = rel[0] if len(rel) == 1 else rel
-        return EntryNotFoundError(
-            f'key "{shown}" not found in {type(self).__name__}({self._where()}) with keys '
-            f"{sorted(map(str, self._key_list(False, False, None)))}"
-        )
-
     # ------------------------------------------------------------------ reads
     def _get_str(self, key: Any, default: Any, **kwargs: Any) -> Any:
         return self._get_path(self._path + _as_path(key), default)

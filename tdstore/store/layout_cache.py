@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
-from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError
+from tdstore.errors import CorruptMetadataError, DataLostError, EntryNotFoundError, FormatVersionError
 from tdstore.store.host import SharedBase
 
 __all__ = ["LayoutCache"]
@@ -51,6 +51,22 @@ class LayoutCache(SharedBase):
         if self._path:
             where += f", nested key {self._path!r}"
         return where
+
+    def _entry(self, path: tuple[str, ...]) -> dict[str, Any] | None:
+        """The registry metadata of ``path``, or None; a miss in the cache is checked against
+        the server's layout version first (another client may have added it since)."""
+        meta = self._layout().entries.get(path)
+        if meta is None and self._cache_metadata:
+            meta = self._fresh_layout().entries.get(path)
+        return meta
+
+    def _key_error(self, path: tuple[str, ...]) -> EntryNotFoundError:
+        rel = path[len(self._path) :]
+        shown = rel[0] if len(rel) == 1 else rel
+        return EntryNotFoundError(
+            f'key "{shown}" not found in {type(self).__name__}({self._where()}) with keys '
+            f"{sorted(map(str, self._key_list(False, False, None)))}"
+        )
 
     def _layout(self, refresh: bool = False) -> _backend.Layout:
         conn = self._conn
