@@ -91,7 +91,10 @@ def serve(args: Any, out: TextIO) -> int:
     def on_term(signum: int, frame: Any) -> None:
         raise _Stop
 
+    # Ctrl-C (SIGINT) as well as SIGTERM: set explicitly, since a process started with SIGINT
+    # ignored (a background job of a non-interactive shell) gets no KeyboardInterrupt from Python
     previous = signal.signal(signal.SIGTERM, on_term)
+    previous_int = signal.signal(signal.SIGINT, on_term)
     try:
         url = f"redis://127.0.0.1:{srv.port}/0"
         doc = {
@@ -136,6 +139,7 @@ def serve(args: Any, out: TextIO) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         if args.dir and srv.running:
             _save(srv)
         srv.stop()
