@@ -22,7 +22,7 @@ __all__ = ["StoreReading", "scan_stores", "read_stores", "read_details", "wipe_s
 
 def leaf_paths(layout: _backend.Layout) -> list[tuple[str, ...]]:
     """Entries that have data strings: tensors and non-tensors of dense and lazy stores."""
-    return [p for p, e in layout.entries.items() if e.get("k") != "td"]
+    return [p for p, e in layout.entries.items() if e.has_data]
 
 
 @dataclass
@@ -110,9 +110,9 @@ async def read_details(client: Any, keys: StoreKeys, *extra_keys: str) -> tuple[
     layout = await _backend.fetch_layout(client, keys)
     if layout is None:
         return None, None, None, None, [], []
-    paths = sorted(layout.entries, key=lambda p: tuple(layout.entries[p].get("o") or [0, 0]))
+    paths = sorted(layout.entries, key=lambda p: layout.entries[p].order_key)
     chunk_map = _chunks.chunk_map(layout.entries)
-    strings = [keys.entry_keys(p, chunk_map.get(p)) for p in paths if layout.entries[p].get("k") != "td"]
+    strings = [keys.entry_keys(p, chunk_map.get(p)) for p in paths if layout.entries[p].has_data]
     async with client.pipeline(transaction=False) as pipe:
         pipe.get(keys.wv)
         pipe.get(keys.ring)

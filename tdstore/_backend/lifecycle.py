@@ -21,7 +21,7 @@ def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
     chunks = _chunks.chunk_map(layout.entries)
     return [
         key
-        for p, e in layout.entries.items() if e.get("k") != "td"
+        for p, e in layout.entries.items() if e.has_data
         for key in keys.entry_keys(p, chunks.get(p))
     ]
 

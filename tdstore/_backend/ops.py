@@ -280,17 +280,13 @@ async def _read_entries_once(
         else:
             blobs.append(None if any(g is None for g in got) else b"".join(got))
     if big and lv is not None:
-        from tdstore._core import codec as _codec
 
         pieces: list[tuple[tuple[str, ...], Any, Any]] = []
         for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
             if path not in big:
                 continue
             size = big[path]
-            if (
-                not isinstance(meta, dict) or meta.get("k") != "t" or blobs[i] != size
-                or _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])) != size
-            ):
+            if meta is None or not meta.is_tensor or blobs[i] != size or meta.nbytes != size:
                 return None  # not the entry the caller expected (or it is gone): read it whole
             blobs[i] = _large.empty_buffer(size, device)
             pieces.append((path, blobs[i], chunking[path]))
@@ -369,7 +365,7 @@ class Op:
 
     op: str
     path: tuple[str, ...]
-    meta: dict[str, Any] | None = None
+    meta: Any = None  # an Entry (a JSON object from callers not yet moved to Entry)
     payload: Any = None  # bytes-like for "put"
     nbytes: int | None = None  # for "zero"
     new_path: tuple[str, ...] | None = None  # for "move"
@@ -406,7 +402,7 @@ def commit_args(
 
     for op in ops:
         field_name = encode_path(op.path)
-        meta_json = json.dumps(op.meta, separators=(",", ":")) if op.meta is not None else None
+        meta_json = _meta_json(op.meta) if op.meta is not None else None
 
         def wire_op(kind: str, **fields: str) -> None:
             wire: dict[str, str] = {"op": kind, "f": field_name}  # noqa: B023 - used at once
@@ -706,7 +702,8 @@ async def write_runs_watched(
                     pipe.setrange(data_key, size - 1, b"\0")
                 else:
                     pipe.set(data_key, b"")
-            pipe.hset(keys.reg, encode_path(op.path), json.dumps(op.meta, separators=(",", ":")))
+            assert op.meta is not None
+            pipe.hset(keys.reg, encode_path(op.path), _meta_json(op.meta))
         if small:
             key_list, args = _write_runs_args(keys, small, expected, created)
             runner.queue(pipe, "write_runs", key_list, args)  # checks the version, bumps wv
@@ -716,7 +713,7 @@ async def write_runs_watched(
             pipe.setrange(key, offset, data)
         for key, field, new_meta, payload in nt_writes:
             pipe.set(key, payload)
-            pipe.hset(keys.reg, field, json.dumps(new_meta, separators=(",", ":")))
+            pipe.hset(keys.reg, field, _meta_json(new_meta))
         exp_ms = _s(exp)
         if exp_ms:
             # a store with an expiry: the keys this step creates (or SET, which drops a
@@ -737,6 +734,11 @@ async def write_runs_watched(
             raise StaleLayoutError("the layout changed during an indexed write") from None
     _raise_first_error(replies)
     return layout_changed
+
+
+def _meta_json(meta: Any) -> str:
+    """Transitional: the registry JSON of an Entry, or of a JSON object built by a caller not yet moved to Entry."""
+    return json.dumps(meta, separators=(",", ":")) if isinstance(meta, dict) else str(meta.to_json())
 
 
 def _stale_keys(keys: StoreKeys, path: tuple[str, ...], old: Any, new: Any) -> list[str]:

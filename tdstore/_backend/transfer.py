@@ -29,9 +29,9 @@ from tdstore._backend import ops as _backend
 from tdstore._backend.ops import Layout, Op, ZeroBytes, byte_view, parse_layout
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
-from tdstore._core import codec as _codec
 from tdstore._core import progress as _progress
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import Entry
 from tdstore._core.progress import Progress
 
 __all__ = ["CHUNK", "commit", "commit_staged", "read_staged", "STALE", "upload_bar", "download_bar", "leaf_sizes"]
@@ -75,7 +75,7 @@ def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> P
 
 
 def download_bar(
-    store: Any, leaves: Sequence[tuple[tuple[str, ...], dict[str, Any]]], progress: bool | None = None
+    store: Any, leaves: Sequence[tuple[tuple[str, ...], Entry]], progress: bool | None = None
 ) -> tuple[Progress | None, list[int | None]]:
     """The bar of a read of ``leaves`` (path, metadata), and each leaf's byte size where known."""
     choice = _progress.enabled(progress, _choice(store))
@@ -85,14 +85,9 @@ def download_bar(
     return _progress.start(sum(size or 0 for size in sizes), "download", choice), sizes
 
 
-def leaf_sizes(leaves: Sequence[tuple[tuple[str, ...], dict[str, Any]]]) -> list[int | None]:
+def leaf_sizes(leaves: Sequence[tuple[tuple[str, ...], Entry]]) -> list[int | None]:
     """The byte size of each leaf (path, metadata) where the metadata tells it (tensors), else None."""
-    return [
-        _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
-        if meta.get("k") == "t"
-        else None
-        for _, meta in leaves
-    ]
+    return [meta.nbytes if meta.is_tensor else None for _, meta in leaves]
 
 
 async def commit(
@@ -128,7 +123,7 @@ def _needs_staging(ops: Sequence[Op]) -> bool:
     """Whether ``ops`` zero-fill a chunked entry, or carry :data:`STAGE_CHUNKED_MIN` bytes of chunked entries."""
     total = 0
     for op in ops:
-        if op.meta is None or op.meta.get("c") is None:
+        if _chunks.of_meta(op.meta) is None:
             continue
         if op.op == "zero":
             return True

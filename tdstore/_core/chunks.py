@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tdstore._core.keys import StoreKeys
+    from tdstore._core.layout import Entry
 
 __all__ = [
     "Chunking", "MIN_CHUNK_BYTES", "annotate", "chunk_size", "check_chunk_bytes", "chunk_map", "of_meta", "pieces",
@@ -106,57 +107,43 @@ def chunk_size(shape: Sequence[int], itemsize: int, chunk_bytes: int | None) -> 
     return (chunk_bytes // itemsize) * itemsize
 
 
-def annotate(meta: dict[str, Any], store_meta: Mapping[str, str]) -> dict[str, Any]:
-    """Adds the chunk size ``"c"`` to a new tensor entry's metadata when its store chunks it."""
-    from tdstore._core import codec as _codec
-
+def annotate(meta: Any, store_meta: Mapping[str, str]) -> Any:
+    """Adds the chunk size to a new tensor entry's metadata when its store chunks it."""
     cb = store_meta.get("cb")
-    if cb and meta.get("k") == "t":
-        size = chunk_size(meta["shape"], _codec.dtype_from_name(meta["dtype"]).itemsize, int(cb))
+    if isinstance(meta, dict):  # transitional: a JSON object built by a caller not yet moved to Entry
+        from tdstore._core import codec as _codec
+
+        if cb and meta.get("k") == "t":
+            size = chunk_size(meta["shape"], _codec.dtype_from_name(meta["dtype"]).itemsize, int(cb))
+            if size is not None:
+                meta["c"] = size
+        return meta
+    if cb and meta.is_tensor:
+        assert meta.shape is not None
+        size = chunk_size(meta.shape, meta.torch_dtype.itemsize, int(cb))
         if size is not None:
-            meta["c"] = size
+            return replace(meta, chunk=size)
     return meta
 
 
-def chunk_map(entries: Mapping[tuple[str, ...], Mapping[str, Any]]) -> dict[tuple[str, ...], Chunking]:
-    """The chunking of every chunked entry of a layout's registry.
-
-    Raises :class:`~tdstore.errors.CorruptMetadataError` naming the entry when one's chunking
-    is malformed or implausible (more than :data:`MAX_CHUNKS` strings), before any key
-    name is built."""
+def chunk_map(entries: Mapping[tuple[str, ...], Entry]) -> dict[tuple[str, ...], Chunking]:
+    """The chunking of every chunked entry of a layout's registry (validated when parsed:
+    see :meth:`~tdstore._core.layout.Entry.from_json`)."""
     out = {}
     for path, meta in entries.items():
-        try:
-            ch = of_meta(meta)
-        except ValueError as err:
-            from tdstore.errors import CorruptMetadataError
-
-            raise CorruptMetadataError(f"entry {path!r}: {err}") from None
+        ch = meta.chunking
         if ch is not None:
             out[path] = ch
     return out
 
 
-def of_meta(meta: Mapping[str, Any] | None) -> Chunking | None:
-    """The chunking a registry entry describes (None: one string); ``ValueError`` when it
-    is malformed or implausible."""
-    if not isinstance(meta, Mapping) or meta.get("c") is None or meta.get("k") != "t":
-        return None
-    from tdstore._core import codec as _codec
+def of_meta(meta: Any) -> Chunking | None:
+    """The chunking a registry entry describes (None: one string, or no entry)."""
+    if isinstance(meta, dict):  # transitional: a JSON object built by a caller not yet moved to Entry
+        from tdstore._core.layout import Entry as _Entry
 
-    size, shape = meta["c"], meta.get("shape")
-    if type(size) is not int or size <= 0 or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"malformed chunking (chunk size {size!r:.50}, shape {shape!r:.100})")
-    try:
-        nbytes = _codec.tensor_nbytes(tuple(shape), _codec.dtype_from_name(meta.get("dtype")))  # type: ignore[arg-type]
-    except (KeyError, TypeError):
-        raise ValueError(f"malformed dtype {meta.get('dtype')!r:.50}") from None
-    if -(-nbytes // size) > MAX_CHUNKS:
-        raise ValueError(
-            f"chunk size {size} and shape {shape} make {-(-nbytes // size)} strings, more than the "
-            f"{MAX_CHUNKS} an entry may have"
-        )
-    return Chunking(size, nbytes)
+        return _Entry.from_json((), meta).chunking
+    return None if meta is None else meta.chunking
 
 
 def pieces(chunking: Chunking, offset: int, length: int) -> Iterator[tuple[int, int, int]]:

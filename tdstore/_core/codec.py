@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from tdstore._core.layout import DTYPE_ITEMSIZE
+
 __all__ = [
     "DTYPE_BY_NAME",
     "dtype_name",
@@ -39,11 +41,7 @@ __all__ = [
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("tdstore stores tensors in little-endian order and needs a little-endian host")
 
-_DTYPE_NAMES = [
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-]  # fmt: skip
+_DTYPE_NAMES = list(DTYPE_ITEMSIZE)
 
 #: Every torch dtype tdstore can store, by its canonical name (the one written on the server).
 DTYPE_BY_NAME: dict[str, torch.dtype] = {

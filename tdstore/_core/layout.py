@@ -7,12 +7,292 @@ The server operations that read them live in :mod:`tdstore._backend.ops`.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeGuard
 
+from tdstore._core.chunks import MAX_CHUNKS, Chunking
 from tdstore._core.keys import decode_path
 
-__all__ = ["Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry"]
+__all__ = [
+    "Entry", "Kind", "KINDS", "Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry",
+    "is_dims", "is_names", "MAX_DIMS", "MAX_DIM", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS", "DTYPE_ITEMSIZE",
+]
+
+#: The kinds of registry entries: tensor, non-tensor and nested tensordict of a dense store;
+#: tensor leaf and non-tensor leaf of a lazy store (whose nested nodes are "td" too).
+Kind = Literal["t", "nt", "td", "lt", "lnt"]
+KINDS: tuple[Kind, ...] = ("t", "nt", "td", "lt", "lnt")
+
+#: The most dims a shape or batch size read from the server may have.
+MAX_DIMS = 64
+#: The largest dim read from the server (a larger one is damage, not data).
+MAX_DIM = 2**62
+#: The most bytes a tensor entry read from the server may have (2**48: 256 TiB).
+MAX_ENTRY_BYTES = 2**48
+#: The encodings of non-tensor entries.
+NONTENSOR_ENCODINGS = ("json", "pickle")
+#: The bytes per element of every dtype tdstore stores, by the name written on the server
+#: (:mod:`tdstore._core.codec` maps the names this torch knows to torch dtypes). Known here
+#: without torch, so that the command line parses a registry without importing it.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}  # fmt: skip
+
+
+def is_dims(value: Any) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a plausible shape or batch size: a list of at most
+    :data:`MAX_DIMS` non-negative ints (booleans are not ints here) below :data:`MAX_DIM`."""
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_DIMS
+        and all(type(d) is int and 0 <= d <= MAX_DIM for d in value)
+    )
+
+
+def is_names(value: Any, ndim: int) -> bool:
+    """Whether ``value`` is a plausible list of ``ndim`` dim names (or None: no names)."""
+    return value is None or (
+        isinstance(value, (list, tuple)) and len(value) == ndim and all(n is None or isinstance(n, str) for n in value)
+    )
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One registry entry: what the JSON object of its registry field says, validated.
+
+    The wire format (one JSON object per entry path; field names are known only to
+    :meth:`from_json` and :meth:`to_json`):
+
+    * tensor (``"t"``): ``{"k": "t", "dtype": "float32", "shape": [...], "o": [lv, i]}``, plus
+      ``"c"``: the chunk size in bytes when the entry is kept as several strings
+      (:mod:`tdstore._core.chunks`);
+    * nested tensordict (``"td"``): ``{"k": "td", "batch_size": [...], "names": [...] | null, "o": ...}``;
+    * non-tensor (``"nt"``): ``{"k": "nt", "enc": "json" | "pickle", "stack": ndim, "o": ...}``:
+      ``stack`` 0 is one value for the whole batch, ``k > 0`` a stack over the first ``k`` dims;
+    * lazy tensor leaf (``"lt"``): ``{"k": "lt", "dtype": ..., "shape": [...], "o": ...}``, or
+      ``"shapes": [[...], ...]`` (one shape per element) in place of ``"shape"`` when ragged;
+    * lazy non-tensor leaf (``"lnt"``): ``{"k": "lnt", "enc": ..., "o": ...}``.
+
+    ``o`` (``order``) orders the keys as they were inserted: a registry hash does not keep order.
+    """
+
+    kind: Kind
+    order: tuple[int, ...] | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    chunk: int | None = None
+    batch_size: tuple[int, ...] | None = None
+    names: tuple[str | None, ...] | None = None
+    enc: str | None = None
+    stack: int = 0
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def tensor(cls, dtype: str, shape: Any, order: Any, chunk: int | None = None) -> Entry:
+        return cls("t", _dims(order), dtype=dtype, shape=tuple(shape), chunk=chunk)
+
+    @classmethod
+    def node(cls, batch_size: Any, names: Any, order: Any) -> Entry:
+        return cls("td", _dims(order), batch_size=tuple(batch_size), names=None if names is None else tuple(names))
+
+    @classmethod
+    def non_tensor(cls, enc: str, stack: int, order: Any) -> Entry:
+        return cls("nt", _dims(order), enc=enc, stack=stack)
+
+    # ------------------------------------------------------------------ what callers ask
+    @property
+    def is_node(self) -> bool:
+        """A nested tensordict: no data string of its own."""
+        return self.kind == "td"
+
+    @property
+    def has_data(self) -> bool:
+        """Has data strings (every kind but a nested tensordict)."""
+        return self.kind != "td"
+
+    @property
+    def is_tensor(self) -> bool:
+        """A tensor entry of a dense store."""
+        return self.kind == "t"
+
+    @property
+    def is_non_tensor(self) -> bool:
+        """A non-tensor entry of a dense store."""
+        return self.kind == "nt"
+
+    @property
+    def is_ragged(self) -> bool:
+        """A lazy tensor leaf whose elements differ in shape (one shape per element)."""
+        return self.kind == "lt" and self.shape is None
+
+    @property
+    def dim_names(self) -> list[str | None] | None:
+        """The dim names of a nested tensordict, as TensorDict gives them (a list, or None)."""
+        return None if self.names is None else list(self.names)
+
+    @property
+    def torch_dtype(self) -> Any:
+        """The ``torch.dtype`` of a tensor entry."""
+        from tdstore._core import codec as _codec  # torch: not imported by the command line
+
+        assert self.dtype is not None, self
+        return _codec.dtype_from_name(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        """The bytes per element of a tensor entry."""
+        assert self.dtype is not None, self
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of a tensor entry of one shape."""
+        assert self.shape is not None, self
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def chunking(self) -> Chunking | None:
+        """How a chunked tensor entry is split into strings (None: one string)."""
+        if self.chunk is None or self.kind != "t":
+            return None
+        return Chunking(self.chunk, self.nbytes)
+
+    @property
+    def order_key(self) -> tuple[int, ...]:
+        """Sorts entries in insertion order (entries without one first)."""
+        return self.order or (0, 0)
+
+    # ------------------------------------------------------------------ the wire format
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object of the registry field (the fields in the order they were always written)."""
+        out: dict[str, Any] = {"k": self.kind}
+        if self.kind in ("t", "lt"):
+            out["dtype"] = self.dtype
+            if self.shapes is not None:
+                out["shapes"] = [list(s) for s in self.shapes]
+            else:
+                out["shape"] = _list(self.shape)
+        elif self.kind == "td":
+            out["batch_size"] = _list(self.batch_size)
+            out["names"] = _list(self.names)
+        else:
+            out["enc"] = self.enc
+            if self.kind == "nt":
+                out["stack"] = self.stack
+        out["o"] = _list(self.order)
+        if self.chunk is not None:
+            out["c"] = self.chunk
+        return out
+
+    def to_json(self) -> str:
+        """The registry field's value, as written to the server."""
+        return json.dumps(self.to_wire(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, path: tuple[str, ...], raw: Any, where: str = "the store") -> Entry:
+        """Parses and validates a registry field's value (bytes, a str, or an already decoded
+        JSON object). Raises :class:`~tdstore.errors.CorruptMetadataError` naming the entry,
+        the store (``where``) and the field, for every value a hand edit (or damage) may leave:
+        JSON that does not parse, wrong JSON types, booleans or floats or negative or huge
+        dims, an unknown dtype or encoding, a chunking of implausibly many strings."""
+        from tdstore.errors import CorruptMetadataError
+
+        if isinstance(raw, (bytes, bytearray, str)):
+            try:
+                meta = json.loads(raw)
+            except (ValueError, RecursionError, TypeError):  # UnicodeDecodeError is a ValueError
+                raise CorruptMetadataError(
+                    f"entry {path!r} of the store {where} has registry metadata that is not JSON: {raw!r:.200}"
+                ) from None
+        else:
+            meta = raw
+
+        def bad(what: str) -> CorruptMetadataError:
+            return CorruptMetadataError(f"entry {path!r} of {where} {what}")
+
+        if not isinstance(meta, Mapping) or meta.get("k") not in KINDS:
+            raise bad(f"has malformed metadata {meta!r:.200}")
+        kind = meta["k"]
+        order = meta.get("o")
+        if order is not None and not (isinstance(order, list) and all(type(x) is int for x in order)):
+            raise bad(f"has a malformed field 'o' (insertion order) {order!r:.200}")
+        if kind in ("t", "lt"):
+            dtype = meta.get("dtype", "")
+            itemsize = DTYPE_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+            if itemsize is None:
+                raise CorruptMetadataError(
+                    f"entry {path!r} of {where}: field 'dtype': unknown dtype {dtype!r:.50} in the store's "
+                    f"metadata (tdstore stores {', '.join(DTYPE_ITEMSIZE)})"
+                )
+            shapes = None
+            if kind == "lt" and "shape" not in meta:
+                raw_shapes = meta.get("shapes")
+                if not isinstance(raw_shapes, list) or not all(is_dims(s) for s in raw_shapes):
+                    raise bad(f"has a malformed field 'shapes' (one shape per element) {raw_shapes!r:.200}")
+                shapes = tuple(tuple(s) for s in raw_shapes)
+                shape = None
+            else:
+                shape = meta.get("shape")
+                if not is_dims(shape):
+                    raise bad(f"has a malformed shape {shape!r:.200}")
+                nbytes = math.prod(shape) * itemsize
+                if nbytes > MAX_ENTRY_BYTES:
+                    raise bad(f"has a shape {shape} of {nbytes} bytes, more than any server holds")
+            chunk = meta.get("c") if kind == "t" else None
+            if chunk is not None:
+                if not (type(chunk) is int and chunk > 0 and chunk % itemsize == 0):
+                    raise bad(f"has a malformed chunk size (field 'c') {chunk!r:.200}")
+                if -(-nbytes // chunk) > MAX_CHUNKS:
+                    raise CorruptMetadataError(
+                        f"entry {path!r} of {where}: its chunk size (field 'c') {chunk} and shape {shape} make "
+                        f"{-(-nbytes // chunk)} strings, more than the {MAX_CHUNKS} an entry may have"
+                    )
+            return cls(kind, _dims(order), dtype=dtype, shape=_dims(shape), shapes=shapes, chunk=chunk)
+        if kind == "td":
+            bs = meta.get("batch_size")
+            if not is_dims(bs):
+                raise CorruptMetadataError(f"nested entry {path!r} of {where} has a malformed batch size {bs!r:.200}")
+            names = meta.get("names")
+            if not is_names(names, len(bs)):
+                raise CorruptMetadataError(f"nested entry {path!r} of {where} has malformed names {names!r:.200}")
+            return cls(kind, _dims(order), batch_size=tuple(bs), names=None if names is None else tuple(names))
+        enc = meta.get("enc")
+        if enc not in NONTENSOR_ENCODINGS:
+            raise CorruptMetadataError(
+                f"non-tensor entry {path!r} of {where} has an unknown encoding (field 'enc') {enc!r:.200}"
+            )
+        stack = meta.get("stack", 0) if kind == "nt" else 0
+        if not (type(stack) is int and 0 <= stack <= MAX_DIMS):
+            raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} has a malformed field 'stack' {stack!r:.200}")
+        return cls(kind, _dims(order), enc=enc, stack=stack)
+
+    # ------------------------------------------------------------------ transitional dict reads
+    # (the callers not yet moved to the attributes read the record as the JSON object it was;
+    # removed once every reader is)
+    def __getitem__(self, name: str) -> Any:
+        return self.to_wire()[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.to_wire().get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.to_wire()
+
+    def keys(self) -> Any:
+        return self.to_wire().keys()
+
+
+def _list(value: tuple[Any, ...] | None) -> list[Any] | None:
+    return None if value is None else list(value)
 
 
 @dataclass
@@ -21,7 +301,7 @@ class Layout:
 
     lv: int
     meta: dict[str, str]
-    entries: dict[tuple[str, ...], dict[str, Any]]
+    entries: dict[tuple[str, ...], Entry]
     wv: str = "0"  #: the write version, when read with the snapshot
     #: values derived from this snapshot (sorted key lists, parsed batch sizes), computed
     #: once per layout: a layout is never changed in place, a new one replaces it
@@ -82,13 +362,7 @@ def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout
     return Layout(int(lv), meta, entries)  # type: ignore[arg-type]
 
 
-def parse_entry(path: tuple[str, ...], raw: Any, base: str = "the store") -> Any:
-    """One registry value: JSON, or :class:`~tdstore.errors.CorruptMetadataError` naming the entry."""
-    from tdstore.errors import CorruptMetadataError
-
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError, TypeError):  # UnicodeDecodeError is a ValueError
-        raise CorruptMetadataError(
-            f"entry {path!r} of the store {base} has registry metadata that is not JSON: {raw!r:.200}"
-        ) from None
+def parse_entry(path: tuple[str, ...], raw: Any, base: str = "the store") -> Entry:
+    """One registry value, parsed and validated (:meth:`Entry.from_json`), or
+    :class:`~tdstore.errors.CorruptMetadataError` naming the entry and the field."""
+    return Entry.from_json(path, raw, base)

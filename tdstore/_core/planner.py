@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +18,7 @@ from tdstore._backend import ops as _backend
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
+from tdstore._core.layout import Entry
 from tdstore.errors import EntryNotFoundError, InplaceWriteError
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class WritePlanner:
             return torch.Size(json.loads(self.layout.meta.get("batch_size", "[]")))
         node = self.entries.get(path[:-1])
         assert node is not None, f"the parent of {path!r} is registered before its entries"
-        return torch.Size(node["batch_size"])
+        return torch.Size(node.batch_size or ())
 
     def ensure_parents(self, path: tuple[str, ...]) -> None:
         for i in range(1, len(path)):
@@ -92,7 +93,7 @@ class WritePlanner:
                 self.entries[parent] = node
                 self.ops.append(_backend.Op("node", parent, node))
                 self.bump = True
-            elif meta["k"] != "td":
+            elif not meta.is_node:
                 raise KeyError(f"cannot write {path!r} in {self.where}: {parent!r} is not a nested tensordict")
 
     def remove(self, path: tuple[str, ...]) -> None:
@@ -104,7 +105,7 @@ class WritePlanner:
             self.entries.pop(sub)
             meta = self.layout.entries.get(sub)
             if meta is not None:
-                self.ops.append(_backend.Op("del", sub, has_data=meta["k"] != "td"))
+                self.ops.append(_backend.Op("del", sub, has_data=meta.has_data))
             self.bump = True
 
     def add(self, path: tuple[str, ...], value: Any) -> None:
@@ -114,11 +115,11 @@ class WritePlanner:
         if isinstance(value, torch.Tensor):
             self.add_tensor(path, value, existing, owner_bs)
         elif isinstance(value, (NonTensorData, NonTensorStack)):
-            if self.inplace and (existing is None or existing["k"] != "nt"):
+            if self.inplace and (existing is None or not existing.is_non_tensor):
                 raise EntryNotFoundError(f"non-tensor key {path!r} not found in {self.where} for an in-place write")
             try:
                 meta, payload = _values.nontensor_parts(
-                    value, existing["o"] if existing else self.order(), self.store._conn.pickle_policy
+                    value, existing.order if existing else self.order(), self.store._conn.pickle_policy
                 )
             except (TypeError, ValueError) as err:  # unpicklable, or pickle switched off: name the entry
                 raise type(err)(f"entry {path!r} of {self.where}: {err}") from err
@@ -135,11 +136,11 @@ class WritePlanner:
         else:
             raise TypeError(f"cannot store a {type(value).__name__} at {path!r} in {self.where}")
 
-    def add_tensor(self, path: tuple[str, ...], value: torch.Tensor, existing: dict[str, Any] | None, owner_bs: torch.Size) -> None:
+    def add_tensor(self, path: tuple[str, ...], value: torch.Tensor, existing: Entry | None, owner_bs: torch.Size) -> None:
         if self.inplace:
-            if existing is None or existing["k"] != "t":
+            if existing is None or not existing.is_tensor:
                 raise EntryNotFoundError(f'key "{path[-1]}" not found in {self.where} (in-place writes need an existing entry)')
-            shape = torch.Size(existing["shape"])
+            shape = torch.Size(existing.shape or ())
             if value.shape != shape:
                 try:
                     value = value.expand(shape)
@@ -148,7 +149,7 @@ class WritePlanner:
                         f"Failed to update {path!r} in {self.where}: the value of shape {value.shape} "
                         f"does not fit the entry of shape {shape}"
                     ) from None
-            value = value.to(_codec.dtype_from_name(existing["dtype"]))
+            value = value.to(existing.torch_dtype)
             meta = existing
         else:
             if value.shape[: len(owner_bs)] != owner_bs:
@@ -156,19 +157,19 @@ class WritePlanner:
                     f"batch dimension mismatch, got self.batch_size={owner_bs} and "
                     f"value.shape={value.shape} for key {path!r} in {self.where}"
                 )
-            meta = _chunks.annotate(_values.tensor_meta(value, existing["o"] if existing else self.order()), self.layout.meta)
-            if existing is not None and existing["k"] != "t":
+            meta = _chunks.annotate(_values.tensor_meta(value, existing.order if existing else self.order()), self.layout.meta)
+            if existing is not None and not existing.is_tensor:
                 self.remove(path)
-            if existing is None or existing.get("dtype") != meta["dtype"] or existing.get("shape") != meta["shape"]:
+            if existing is None or existing.dtype != meta.dtype or existing.shape != meta.shape:
                 self.bump = True
         keep, view = _codec.tensor_view(value)
-        self.check_size(path, len(view), meta.get("c"))
+        self.check_size(path, len(view), meta.chunk)
         self.entries[path] = meta
         self.ops.append(_backend.Op("put", path, meta, payload=view, extra={"keep": keep}))
 
-    def add_node(self, path: tuple[str, ...], value: TensorDictBase, existing: dict[str, Any] | None, owner_bs: torch.Size) -> None:
+    def add_node(self, path: tuple[str, ...], value: TensorDictBase, existing: Entry | None, owner_bs: torch.Size) -> None:
         if self.inplace:
-            if existing is None or existing["k"] != "td":
+            if existing is None or not existing.is_node:
                 raise EntryNotFoundError(f"nested key {path!r} not found in {self.where} for an in-place write")
             for key, leaf in value.items(include_nested=False):
                 self.add(path + (key,), leaf)
@@ -181,7 +182,7 @@ class WritePlanner:
         if existing is not None:
             self.remove(path)
         names = value.names if value._has_names() else None
-        node = _values.node_meta(value.batch_size, names, existing["o"] if existing else self.order())
+        node = _values.node_meta(value.batch_size, names, existing.order if existing else self.order())
         self.entries[path] = node
         self.ops.append(_backend.Op("node", path, node))
         self.bump = True
@@ -195,7 +196,7 @@ class WritePlanner:
 
 
 def rename_ops(
-    entries: dict[tuple[str, ...], dict[str, Any]], old: tuple[str, ...], new: tuple[str, ...], where: str
+    entries: Mapping[tuple[str, ...], Entry], old: tuple[str, ...], new: tuple[str, ...], where: str
 ) -> list[_backend.Op]:
     """The commit ops of renaming the entry ``old`` (with all its content) to ``new``.
 
@@ -210,13 +211,13 @@ def rename_ops(
         parent = entries.get(new[:i])
         if parent is None:
             raise KeyError(f"cannot rename {old!r} to {new!r} in {where}: {new[:i]!r} does not exist")
-        if parent["k"] != "td":
+        if not parent.is_node:
             raise KeyError(
                 f"cannot rename {old!r} to {new!r} in {where}: {new[:i]!r} is not a nested tensordict"
             )
     moved = {p for p in entries if p[: len(old)] == old}
     ops = [
-        _backend.Op("del", p, has_data=m["k"] != "td")
+        _backend.Op("del", p, has_data=m.has_data)
         for p, m in entries.items()
         if p[: len(new)] == new and p not in moved
     ]
@@ -225,7 +226,7 @@ def rename_ops(
     for p in sorted(moved, key=len):
         m = entries[p]
         target = new + p[len(old) :]
-        if m["k"] == "td":
+        if m.is_node:
             ops.append(_backend.Op("del", p, has_data=False))
             ops.append(_backend.Op("node", target, m))
         else:

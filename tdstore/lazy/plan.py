@@ -34,6 +34,7 @@ from tensordict.utils import is_tensorclass
 from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
+from tdstore._core.layout import Entry
 from tdstore.errors import CorruptMetadataError, SchemaError
 
 __all__ = [
@@ -54,28 +55,15 @@ KIND = "lazy"
 
 
 # --------------------------------------------------------------------------- metadata
-def check_lazy_meta(path: tuple[str, ...], meta: Any, n: int, where: str) -> dict[str, Any]:
-    """Validates one registry entry of a lazy store (``n`` elements) before it is used."""
-    if not isinstance(meta, dict) or meta.get("k") not in ("lt", "td", "lnt"):
-        raise CorruptMetadataError(f"entry {path!r} of lazy store {where} has malformed metadata {meta!r}")
-    if meta["k"] == "td":
-        return _values.check_meta(path, meta, where)
-    if meta["k"] == "lnt":
-        if meta.get("enc") not in ("json", "pickle"):
-            raise CorruptMetadataError(f"non-tensor entry {path!r} of lazy store {where} has encoding {meta.get('enc')!r}")
-        return meta
-    try:
-        _codec.dtype_from_name(meta.get("dtype", ""))
-    except ValueError as err:
-        raise CorruptMetadataError(f"entry {path!r} of lazy store {where}: {err}") from None
-    shapes = [meta["shape"]] if "shape" in meta else meta.get("shapes")
-    if not isinstance(shapes, list) or ("shape" not in meta and len(shapes) != n):
+def check_lazy_meta(path: tuple[str, ...], meta: Entry, n: int, where: str) -> Entry:
+    """Validates one registry entry of a lazy store (``n`` elements) before it is used (its
+    fields were validated when parsed, see :meth:`~tdstore._core.layout.Entry.from_json`)."""
+    if meta.kind not in ("lt", "td", "lnt"):
+        raise CorruptMetadataError(f"entry {path!r} of lazy store {where} has malformed metadata {meta.to_json()}")
+    if meta.kind == "lt" and meta.shape is None and len(meta.shapes or ()) != n:
         raise CorruptMetadataError(
-            f"entry {path!r} of lazy store {where} needs a shape or {n} element shapes, got {meta!r}"
+            f"entry {path!r} of lazy store {where} needs a shape or {n} element shapes, got {meta.to_json()}"
         )
-    for shape in shapes:
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise CorruptMetadataError(f"entry {path!r} of lazy store {where} has a malformed shape {shape!r}")
     return meta
 
 
