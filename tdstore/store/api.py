@@ -23,6 +23,7 @@ from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.keys import new_td_id
+from tdstore._core.layout import Entry
 from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import is_no_default
 from tdstore.errors import (
@@ -253,11 +254,9 @@ class StoreAPI(DenseBase):
                 nbytes = math.prod(full) * _codec.tensor_nbytes((), dtype)
                 store._conn_max_bulk()  # sets up the connection: proto-max-bulk-len is known
                 seq += 1
-                meta = _chunks.annotate(
-                    {"k": "t", "dtype": _codec.dtype_name(dtype), "shape": full, "o": [1, seq]}, store._creation_meta()
-                )
+                meta = _chunks.annotate(Entry.tensor(_codec.dtype_name(dtype), full, (1, seq)), store._creation_meta())
                 # zero-filled on the server: no command carries the bytes
-                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.get("c"), sent=False)
+                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.chunk, sent=False)
                 ops.append(_backend.Op("zero", path, meta, nbytes=nbytes))
             store._create_store(bs, store_device, None, ops, None)
         except BaseException:
@@ -360,7 +359,7 @@ class StoreAPI(DenseBase):
             if path not in layout.entries:
                 raise self._key_error(path)
             ops = [
-                _backend.Op("del", p, has_data=m["k"] != "td")
+                _backend.Op("del", p, has_data=m.has_data)
                 for p, m in layout.entries.items()
                 if p[: len(path)] == path
             ]
@@ -402,7 +401,7 @@ class StoreAPI(DenseBase):
             if has_default:
                 return default
             raise self._key_error(path)
-        value = self._sub(path).to_tensordict() if meta["k"] == "td" else self._read_values([path])[0]
+        value = self._sub(path).to_tensordict() if meta.is_node else self._read_values([path])[0]
         self.del_(key)
         return value
 
@@ -429,8 +428,8 @@ class StoreAPI(DenseBase):
             layout = self._layout()
             n = len(self._path)
             for path, meta in self._descendants(layout, self._path):
-                if meta["k"] == "td":
-                    out._set_tuple(path[n:], _TD(batch_size=meta["batch_size"], device=device), inplace=False, validated=True, non_blocking=False)
+                if meta.is_node:
+                    out._set_tuple(path[n:], _TD(batch_size=meta.batch_size, device=device), inplace=False, validated=True, non_blocking=False)
         return out
 
     def _sibling_from(self, td: TensorDictBase, *, device: Any = None, names: Any = None) -> Self:
@@ -595,8 +594,8 @@ def _leaf_items(store: Any, source: Any, keys_to_update: Sequence[Any] | None) -
                 visit(prefix + _as_path(k), v)
             return
         if isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorData, NonTensorStack)):
-            existing = store._entry(store._path + prefix) if prefix else {"k": "td"}
-            if existing is not None and existing.get("k") == "td" and prefix:
+            existing = store._entry(store._path + prefix) if prefix else None
+            if existing is not None and existing.is_node and prefix:
                 for k, v in value.items():
                     visit(prefix + (k,), v)
                 return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import numbers
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from tdstore._core import values as _values
 from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
+from tdstore._core.layout import Entry
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import (
@@ -211,10 +213,10 @@ class TensorDictStore(
         fields = []
         for path, meta in self._children(layout, self._path):
             key = path[-1]
-            if meta["k"] == "t":
-                fields.append(f"{key}: {meta['dtype']}{meta['shape']}")
-            elif meta["k"] == "td":
-                fields.append(f"{key}: TensorDictStore{meta['batch_size']}")
+            if meta.is_tensor:
+                fields.append(f"{key}: {meta.dtype}{list(meta.shape or ())}")
+            elif meta.is_node:
+                fields.append(f"{key}: TensorDictStore{list(meta.batch_size or ())}")
             else:
                 fields.append(f"{key}: NonTensor")
         return (
@@ -258,7 +260,7 @@ class TensorDictStore(
         )
 
     @staticmethod
-    def _children(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    def _children(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Entry]]:
         memo = layout.memo.get(("children", path))
         if memo is not None:
             return memo
@@ -269,7 +271,7 @@ class TensorDictStore(
         return items
 
     @staticmethod
-    def _descendants(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    def _descendants(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Entry]]:
         memo = layout.memo.get(("descendants", path))
         if memo is not None:
             return memo
@@ -279,38 +281,37 @@ class TensorDictStore(
         layout.memo[("descendants", path)] = items
         return items
 
-    def _node(self, layout: _backend.Layout | None = None) -> dict[str, Any]:
+    def _node(self, layout: _backend.Layout | None = None) -> Entry:
         layout = layout if layout is not None else self._layout()
         if not self._path:
             root = layout.memo.get("root")
             if root is None:
                 meta = layout.meta
-                root = layout.memo["root"] = {
-                    "batch_size": json.loads(meta.get("batch_size", "[]")),
-                    "names": json.loads(meta.get("names") or "null"),
-                }
+                root = layout.memo["root"] = Entry.node(
+                    json.loads(meta.get("batch_size", "[]")), json.loads(meta.get("names") or "null"), None
+                )
             return root
         node = layout.entries.get(self._path)
-        if node is None or node.get("k") != "td":
+        if node is None or not node.is_node:
             # the sub-store was deleted or replaced by another client: refresh once
             layout = self._layout(refresh=True)
             node = layout.entries.get(self._path)
-            if node is None or node.get("k") != "td":
+            if node is None or not node.is_node:
                 raise EntryNotFoundError(f"nested key {self._path!r} no longer exists in {self._where()}")
         return node
 
     def _owner_batch_size(self, layout: _backend.Layout, path: tuple[str, ...]) -> torch.Size:
         if len(path) <= 1:
-            return torch.Size(self._node(layout)["batch_size"]) if not self._path else torch.Size(
+            return torch.Size(self._node(layout).batch_size or ()) if not self._path else torch.Size(
                 json.loads(layout.meta.get("batch_size", "[]"))
             )
         node = layout.entries.get(path[:-1])
-        return torch.Size(node["batch_size"]) if node else torch.Size([])
+        return torch.Size(node.batch_size or ()) if node else torch.Size([])
 
     # ------------------------------------------------------------------ properties
     @property
     def batch_size(self) -> torch.Size:
-        return torch.Size(self._node()["batch_size"])
+        return torch.Size(self._node().batch_size or ())
 
     @batch_size.setter
     def batch_size(self, new_size: Sequence[int] | torch.Size) -> None:
@@ -322,18 +323,18 @@ class TensorDictStore(
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
             n = len(new_size)
             for path, meta in self._descendants(layout, self._path):
-                shape = meta.get("shape") if meta["k"] == "t" else meta.get("batch_size") if meta["k"] == "td" else None
+                shape = meta.shape if meta.is_tensor else meta.batch_size if meta.is_node else None
                 if shape is not None and torch.Size(shape[:n]) != new_size:
                     raise RuntimeError(
                         f"the batch size {list(new_size)} does not fit entry {path!r} of shape "
-                        f"{shape} in {self._where()}"
+                        f"{list(shape)} in {self._where()}"
                     )
-            names = self._node(layout).get("names")
+            names = self._node(layout).dim_names
             if names is not None and len(names) != n:
                 names = None
             if not self._path:
                 return [], {"batch_size": json.dumps(list(new_size)), "names": json.dumps(names)}
-            meta = dict(layout.entries[self._path], batch_size=list(new_size), names=names)
+            meta = replace(layout.entries[self._path], batch_size=tuple(new_size), names=None if names is None else tuple(names))
             return [_backend.Op("node", self._path, meta)], None
 
         self._commit_planned(plan, check_lock=True)
@@ -357,7 +358,7 @@ class TensorDictStore(
 
     @property
     def _td_dim_names(self) -> list[str | None] | None:  # type: ignore[override]
-        return self._node().get("names")
+        return self._node().dim_names
 
     @_td_dim_names.setter
     def _td_dim_names(self, value: Any) -> None:
@@ -369,10 +370,10 @@ class TensorDictStore(
 
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
             # as TensorDict does: the leading names of every nested tensordict follow
-            ops = _nested_names_ops(self._descendants(layout, self._path), names, len(self._node(layout)["batch_size"]))
+            ops = _nested_names_ops(self._descendants(layout, self._path), names, len(self._node(layout).batch_size or ()))
             if not self._path:
                 return ops, {"names": json.dumps(names)}
-            meta = dict(layout.entries[self._path], names=names)
+            meta = replace(layout.entries[self._path], names=None if names is None else tuple(names))
             return [_backend.Op("node", self._path, meta), *ops], None
 
         self._commit_planned(plan, check_lock=False)
@@ -393,7 +394,7 @@ class TensorDictStore(
         self._write_names(None)
 
     def _has_names(self) -> bool:
-        return self._node().get("names") is not None
+        return self._node().names is not None
 
     def _rename_subtds(self, names: Any) -> None:
         return None
@@ -453,10 +454,10 @@ class TensorDictStore(
         meta = self._entry(path)
         if meta is None:
             raise self._key_error(path)
-        if meta["k"] == "td":
+        if meta.is_node:
             return type(self)
-        if meta["k"] == "nt":
-            return NonTensorStack if meta.get("stack") else NonTensorData
+        if meta.is_non_tensor:
+            return NonTensorStack if meta.stack else NonTensorData
         return torch.Tensor
 
     # ------------------------------------------------------------------ keys
@@ -476,10 +477,10 @@ class TensorDictStore(
         items = self._descendants(layout, self._path) if include_nested else self._children(layout, self._path)
         out = []
         for path, meta in items:
-            if leaves_only and meta["k"] == "td":
+            if leaves_only and meta.is_node:
                 continue
-            if is_leaf is not None and meta["k"] == "nt" and leaves_only:
-                cls = NonTensorStack if meta.get("stack") else NonTensorData
+            if is_leaf is not None and meta.is_non_tensor and leaves_only:
+                cls = NonTensorStack if meta.stack else NonTensorData
                 if not is_leaf(cls):
                     continue
             rel = path[n:]
@@ -498,7 +499,7 @@ class TensorDictStore(
             if is_no_default(default):
                 raise self._key_error(path)
             return default
-        if meta["k"] == "td":
+        if meta.is_node:
             return self._sub(path)
         return self._read_values([path])[0]
 
@@ -524,7 +525,7 @@ class TensorDictStore(
             if is_no_default(default):
                 raise self._key_error(path)
             return default
-        if meta["k"] == "td":
+        if meta.is_node:
             return self._sub(path)[idx]
         return self._read_index(idx, only=path)
 
@@ -591,7 +592,7 @@ class TensorDictStore(
                 return
             check_lock = not inplace and not ignore_lock
             if not bump and all(
-                op.op == "put" and op.meta is not None and op.meta.get("k") == "t"
+                op.op == "put" and op.meta is not None and op.meta.is_tensor
                 and layout.entries.get(op.path) == op.meta
                 for op in ops
             ):
@@ -705,7 +706,7 @@ class TensorDictStore(
         meta = self._entry(path)
         if meta is None:  # set_at_ is in place: it never creates an entry
             raise self._key_error(path)
-        if meta["k"] == "nt" and not isinstance(value, (NonTensorData, NonTensorStack)):
+        if meta.is_non_tensor and not isinstance(value, (NonTensorData, NonTensorStack)):
             # a plain value, as TensorDict takes it (and refuses for an index that selects nothing)
             owner_bs = self._owner_batch_size(self._layout(), path)
             if len(owner_bs) and select_rows(normalize_index(idx), owner_bs).numel() == 0:
@@ -732,7 +733,7 @@ class TensorDictStore(
     def _setitem_index(self, index: Any, value: Any) -> None:
         layout = self._layout()
         if isinstance(value, (numbers.Number, torch.Tensor)):
-            targets = {p: value for p, m in self._descendants(layout, self._path) if m["k"] == "t"}
+            targets = {p: value for p, m in self._descendants(layout, self._path) if m.is_tensor}
             self._write_index(index, targets)
             return
         if is_tensorclass(value):
@@ -757,20 +758,20 @@ class TensorDictStore(
 
 
 def _nested_names_ops(
-    descendants: Sequence[tuple[tuple[str, ...], dict[str, Any]]], names: list[str | None] | None, n: int
+    descendants: Sequence[tuple[tuple[str, ...], Entry]], names: list[str | None] | None, n: int
 ) -> list[_backend.Op]:
     """``node`` ops giving every nested tensordict the leading ``names`` (None: unnamed) of its parent."""
     lead: list[str | None] = list(names) if names is not None else [None] * n
     ops = []
     for path, meta in descendants:
-        if meta["k"] != "td":
+        if not meta.is_node:
             continue
-        old = meta.get("names") or [None] * len(meta["batch_size"])
+        old = meta.dim_names or [None] * len(meta.batch_size or ())
         new: list[str | None] | None = lead + list(old[n:])
         if new is not None and all(x is None for x in new):
             new = None
-        if new != meta.get("names"):
-            ops.append(_backend.Op("node", path, dict(meta, names=new)))
+        if new != meta.dim_names:
+            ops.append(_backend.Op("node", path, replace(meta, names=None if new is None else tuple(new))))
     return ops
 
 

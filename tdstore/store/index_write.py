@@ -28,6 +28,7 @@ from tdstore._core.indexing import (
     normalize_index,
     select_rows,
 )
+from tdstore._core.layout import Entry
 from tdstore.errors import UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -72,19 +73,19 @@ def write_index(
     def attempt(_attempt: int) -> None:
         layout = store._layout()
         node = store._node(layout)
-        batch_size = torch.Size(node["batch_size"])
+        batch_size = torch.Size(node.batch_size or ())
         nb = len(batch_size)
         if leaf:
             meta = layout.entries.get(next(iter(targets)))
-            if meta is not None and meta["k"] == "t":
+            if meta is not None and meta.is_tensor and meta.shape is not None:
                 # as TensorDict.set_at_: the index reaches the entry's feature dims, `...` all of them
-                batch_size = torch.Size(meta["shape"][: leaf_dims(index, nb, len(meta["shape"]))])
+                batch_size = torch.Size(meta.shape[: leaf_dims(index, nb, len(meta.shape))])
                 nb = len(batch_size)
         for path, value in targets.items():
             # torch checks the dtypes before the index's range: the same error comes first
             meta = layout.entries.get(path)
-            if meta is not None and meta["k"] == "t":
-                check_index_dtype(index, value, _codec.dtype_from_name(meta["dtype"]), path, where)
+            if meta is not None and meta.is_tensor:
+                check_index_dtype(index, value, meta.torch_dtype, path, where)
         block = contiguous_rows(index, batch_size)
         if block is not None:
             # an int or a slice over dim 0: one run of rows, no tensor index math
@@ -107,9 +108,9 @@ def write_index(
             if meta is None:
                 _check_parents(layout, path, where)
             if isinstance(value, (NonTensorData, NonTensorStack)):
-                if meta is not None and meta["k"] != "nt":
+                if meta is not None and not meta.is_non_tensor:
                     raise UnsupportedOperationError(
-                        f"cannot write a non-tensor value into the {'tensor' if meta['k'] == 't' else 'nested'} "
+                        f"cannot write a non-tensor value into the {'tensor' if meta.is_tensor else 'nested'} "
                         f"entry {path!r} of {where} at an index"
                     )
                 owner_bs = store._owner_batch_size(layout, path)
@@ -134,18 +135,17 @@ def write_index(
                         "parent to exist; create it first"
                     )
                 seq += 1
-                meta = {"k": "t", "dtype": _codec.dtype_name(tensor.dtype), "shape": list(shape), "o": [layout.lv + 1, seq]}
-                _chunks.annotate(meta, layout.meta)
+                meta = _chunks.annotate(Entry.tensor(_codec.dtype_name(tensor.dtype), shape, (layout.lv + 1, seq)), layout.meta)
                 nbytes = _codec.tensor_nbytes(shape, tensor.dtype)
                 # a SETRANGE past the limit would fail mid-MULTI
-                conn.check_entry_size(path, nbytes, where, chunk=meta.get("c"))
+                conn.check_entry_size(path, nbytes, where, chunk=meta.chunk)
                 create.append(_backend.Op("zero", path, meta, nbytes=nbytes))
-            elif meta["k"] != "t":
+            elif not meta.is_tensor:
                 raise UnsupportedOperationError(
                     f"entry {path!r} of {where} is a nested tensordict; write a TensorDict into it"
                 )
-            dtype = _codec.dtype_from_name(meta["dtype"])
-            feat_shape = tuple(meta["shape"][nb:])
+            dtype = meta.torch_dtype
+            feat_shape = tuple((meta.shape or ())[nb:])
             payload = _row_payload(value, dtype, tuple(new_bs) + feat_shape, path, where, index)
             row_bytes = _codec.tensor_nbytes(feat_shape, dtype)
             flat, view = _codec.tensor_view(payload)
@@ -174,10 +174,10 @@ def _check_parents(layout: _backend.Layout, path: tuple[str, ...], where: str) -
     """A new key under an entry that is not a nested tensordict: the TypeError TensorDict raises."""
     for i in range(1, len(path)):
         parent = layout.entries.get(path[:i])
-        if parent is not None and parent["k"] != "td":
+        if parent is not None and not parent.is_node:
             raise TypeError(
                 f"cannot write {path!r} in {where} at an index: {path[:i]!r} is a "
-                f"{'tensor' if parent['k'] == 't' else 'non-tensor'} entry, not a nested tensordict"
+                f"{'tensor' if parent.is_tensor else 'non-tensor'} entry, not a nested tensordict"
             )
 
 
@@ -185,7 +185,7 @@ def _nontensor_update(
     path: tuple[str, ...], value: Any, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str,
     policy: Any,
 ) -> Any:
-    def update(old_meta: dict[str, Any] | None, old: bytes | None) -> tuple[dict[str, Any], bytes]:
+    def update(old_meta: Entry | None, old: bytes | None) -> tuple[Entry, bytes]:
         return _values.nontensor_after_index_write(path, old_meta, old, value, rows, batch_size, order, where, policy)
 
     return update

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
+from tdstore._core.layout import Entry
 from tdstore.errors import CorruptMetadataError, DataLostError, EntryNotFoundError, FormatVersionError
 from tdstore.store.host import SharedBase
 
@@ -52,7 +53,7 @@ class LayoutCache(SharedBase):
             where += f", nested key {self._path!r}"
         return where
 
-    def _entry(self, path: tuple[str, ...]) -> dict[str, Any] | None:
+    def _entry(self, path: tuple[str, ...]) -> Entry | None:
         """The registry metadata of ``path``, or None; a miss in the cache is checked against
         the server's layout version first (another client may have added it since)."""
         meta = self._layout().entries.get(path)

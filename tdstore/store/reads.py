@@ -46,11 +46,8 @@ def _large_sizes(layout: _backend.Layout, paths: list[tuple[str, ...]]) -> dict[
     out = {}
     for path in paths:
         meta = layout.entries.get(path)
-        if meta is not None and meta.get("k") == "t":
-            try:
-                out[path] = _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"]))
-            except (KeyError, TypeError, ValueError):
-                continue  # malformed: the read reports it
+        if meta is not None and meta.is_tensor:
+            out[path] = meta.nbytes
     return out
 
 
@@ -76,7 +73,7 @@ class StoreReads(DenseBase):
             if meta is None:
                 raise self._key_error(path)
             meta = _values.check_meta(path, meta, self._where())
-            if meta["k"] == "td":
+            if meta.is_node:
                 out.append(self._sub(path))
                 continue
             out.append(
@@ -129,7 +126,7 @@ class StoreReads(DenseBase):
                         bar.update(bar.total - bar.done)
                     return got
             layout = self._layout()
-            leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
+            leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m.has_data]
             paths = [p for p, _ in leaves]
             if attempt == 0:
                 bar, sizes = _transfer.download_bar(self, leaves, progress)
@@ -184,8 +181,8 @@ class StoreReads(DenseBase):
         if total is None:
             total = 0
             for _, m in self._descendants(layout, self._path):
-                if m["k"] == "t":
-                    total += _codec.tensor_nbytes(tuple(m["shape"]), _codec.dtype_from_name(m["dtype"]))
+                if m.is_tensor:
+                    total += m.nbytes
             layout.memo[key] = total
         return total
 
@@ -199,20 +196,20 @@ class StoreReads(DenseBase):
             raise self._not_found()
         self._check_layout(snap)
         conn.layout = snap  # kept only if no newer layout is cached
-        leaves = [(p, m) for p, m in self._descendants(snap, self._path) if m["k"] != "td"]
-        if blobs is None or any(m.get("c") is not None for _, m in leaves):
+        leaves = [(p, m) for p, m in self._descendants(snap, self._path) if m.has_data]
+        if blobs is None or any(m.chunk is not None for _, m in leaves):
             return None  # too large for one step, or chunked: the optimistic reads go on
         return self._build_tensordict(snap, {p: blobs.get(p) for p, _ in leaves}), snap
 
     def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:
         node = self._node(layout)
         device = self.device
-        root = TensorDict(batch_size=node["batch_size"], device=device, names=node.get("names"))
+        root = TensorDict(batch_size=node.batch_size, device=device, names=node.dim_names)
         n = len(self._path)
         for path, meta in self._descendants(layout, self._path):
             rel = path[n:]
-            if meta["k"] == "td":
-                sub = TensorDict(batch_size=meta["batch_size"], device=device, names=meta.get("names"))
+            if meta.is_node:
+                sub = TensorDict(batch_size=meta.batch_size, device=device, names=meta.dim_names)
                 root._set_tuple(rel, sub, inplace=False, validated=True, non_blocking=False)
                 continue
             value = _values.decode_value(
@@ -274,8 +271,8 @@ class StoreReads(DenseBase):
             for key, value in leaves.items(True, True):
                 path = self._path + _as_path(key)
                 meta = snap.entries[path]
-                value = value.to(_codec.dtype_from_name(meta["dtype"]))
-                if list(value.shape) != meta["shape"]:
+                value = value.to(meta.torch_dtype)
+                if tuple(value.shape) != meta.shape:
                     raise RuntimeError(f"{method.__name__} changed the shape of {path!r} in {self._where()}")
                 flat, view = _codec.tensor_view(value)
                 keep.append(flat)
@@ -308,7 +305,7 @@ class StoreReads(DenseBase):
         tensor entry of the store it is called on). Appends to other sub-stores do not conflict.
         """
         writes = int(snap.wv or 0) - int(snap.meta.get("ac") or 0)
-        under = [p for p, m in snap.entries.items() if m["k"] == "td" and p[: len(self._path)] == self._path]
+        under = [p for p, m in snap.entries.items() if m.is_node and p[: len(self._path)] == self._path]
         subs = [self._path[:i] for i in range(len(self._path) + 1)] + under
         fields = {f"a:{encode_path(p)}": snap.meta.get(f"a:{encode_path(p)}", "") for p in subs}
         return json.dumps({"w": str(writes), "f": fields}, separators=(",", ":"))
@@ -325,11 +322,11 @@ class StoreReads(DenseBase):
         items = [(only, layout.entries[only])] if only is not None else self._descendants(layout, self._path)
         plan = []
         for path, meta in items:
-            if meta["k"] == "t":
-                dtype = _codec.dtype_from_name(meta["dtype"])
-                feat = tuple(meta["shape"][nb:])
+            if meta.is_tensor:
+                dtype = meta.torch_dtype
+                feat = tuple((meta.shape or ())[nb:])
                 plan.append((path, meta, dtype, feat, _codec.tensor_nbytes(feat, dtype)))
-            elif meta["k"] == "nt":
+            elif meta.is_non_tensor:
                 plan.append((path, meta, None, None, None))
         layout.memo[key] = plan
         return plan
@@ -348,10 +345,10 @@ class StoreReads(DenseBase):
                 if got is not None:
                     return got[0][asked]
             layout = self._layout()
-            batch_size = self._node(layout)["batch_size"]
-            if only is not None and layout.entries[only]["k"] == "t":
+            batch_size = list(self._node(layout).batch_size or ())
+            if only is not None and layout.entries[only].is_tensor:
                 # get_at may index past the batch dims, into the entry's own dims
-                shape = layout.entries[only]["shape"]
+                shape = list(layout.entries[only].shape or ())
                 batch_size = shape[: max(len(batch_size), consumed_dims(index, len(shape)))]
             nb = len(batch_size)
             block = contiguous_rows(index, batch_size)
@@ -436,7 +433,7 @@ class StoreReads(DenseBase):
         sizes = layout.memo.get(key)
         if sizes is None:
             sizes = layout.memo[key] = [
-                _codec.tensor_nbytes(tuple(meta["shape"]), dtype) if dtype is not None else None
+                meta.nbytes if dtype is not None else None
                 for _path, meta, dtype, _feat, _row in plan
             ]
         return sizes
@@ -449,9 +446,9 @@ class StoreReads(DenseBase):
                 f"entry {path!r} of {self._where()} is registered but its bytes are gone "
                 "from the server (evicted under a maxmemory policy, or deleted by hand)"
             )
-        what = "bytes" if meta.get("c") is None else "bytes in its last chunk"
+        what = "bytes" if meta.chunk is None else "bytes in its last chunk"
         return CorruptMetadataError(
-            f"entry {path!r} of {self._where()}: expected {bad.expected} {what} for {dtype} {list(meta['shape'])}, "
+            f"entry {path!r} of {self._where()}: expected {bad.expected} {what} for {dtype} {list(meta.shape)}, "
             f"got {bad.got}"
         )
 
@@ -465,8 +462,8 @@ class StoreReads(DenseBase):
         for path, meta in self._descendants(layout, self._path):
             rel = path[n:]
             parent = nodes[rel[:-1]]
-            if meta["k"] == "td":
-                sub_bs = torch.Size(tuple(new_bs) + tuple(meta["batch_size"][nb:]))
+            if meta.is_node:
+                sub_bs = torch.Size(tuple(new_bs) + tuple((meta.batch_size or ())[nb:]))
                 sub = nodes[rel] = TensorDict._new_unsafe(batch_size=sub_bs, device=device)
                 parent._tensordict[rel[-1]] = sub
             else:

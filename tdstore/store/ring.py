@@ -89,7 +89,7 @@ class RingBufferAPI(DenseBase):
 
         def once(_attempt: int) -> torch.Tensor:
             layout = self._layout()
-            batch = torch.Size(self._node(layout)["batch_size"])
+            batch = torch.Size(self._node(layout).batch_size or ())
             if not batch:
                 raise SchemaError(f"extend() needs a store with a batch dim; {self._where()} has none")
             capacity = batch[0]
@@ -101,10 +101,10 @@ class RingBufferAPI(DenseBase):
                 )
             if not 1 <= n <= capacity:
                 raise SchemaError(f"extend() appends 1 to {capacity} rows at once into {self._where()}, got {n}")
-            leaves = {p: m for p, m in self._descendants(layout, self._path) if m["k"] == "t"}
+            leaves = {p: m for p, m in self._descendants(layout, self._path) if m.is_tensor}
             # non-tensor columns are not appended: refuse rather than leave old values beside new rows
             non_tensor = [k for k, v in td.items(True, False) if is_non_tensor(v)]
-            per_row = [p for p, m in self._descendants(layout, self._path) if m["k"] == "nt" and m.get("stack")]
+            per_row = [p for p, m in self._descendants(layout, self._path) if m.is_non_tensor and m.stack]
             if non_tensor or per_row:
                 key = _as_path(non_tensor[0]) if non_tensor else per_row[0][len(self._path) :]
                 name = key[0] if len(key) == 1 else key
@@ -127,8 +127,8 @@ class RingBufferAPI(DenseBase):
             keep = []
             nb = len(batch)
             for path, meta in leaves.items():
-                dtype = _codec.dtype_from_name(meta["dtype"])
-                feat = tuple(meta["shape"][nb:])
+                dtype = meta.torch_dtype
+                feat = tuple((meta.shape or ())[nb:])
                 value = td.get(path[len(self._path) :])
                 if tuple(value.shape) != (n,) + tuple(batch[1:]) + feat:
                     raise SchemaError(

@@ -42,7 +42,7 @@ class StoreKeysView:
             store = self.tensordict
             path = store._path + as_path(key)
             meta = store._entry(path)
-            return meta is not None and not (self.leaves_only and meta["k"] == "td")
+            return meta is not None and not (self.leaves_only and meta.is_node)
         return key in self._keys()
 
     def __repr__(self) -> str:
