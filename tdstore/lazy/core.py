@@ -28,6 +28,7 @@ from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, Tensor
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
+from tdstore._core.layout import Entry
 from tdstore._core.values import is_dims, is_no_default, order_key
 from tdstore.errors import (
     CorruptMetadataError,
@@ -183,9 +184,9 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
             return f"LazyStackedTensorDictStore(td_id={self.td_id!r}, <{type(err).__name__}>)"
         fields = []
         for path, meta in self._children(layout):
-            if meta["k"] == "lt":
-                fields.append(f"{path[-1]}: {meta['dtype']}{'' if 'shape' in meta else ' ragged'}")
-            elif meta["k"] == "td":
+            if meta.kind == "lt":
+                fields.append(f"{path[-1]}: {meta.dtype}{'' if meta.shape is not None else ' ragged'}")
+            elif meta.is_node:
                 fields.append(f"{path[-1]}: LazyStackedTensorDictStore")
             else:
                 fields.append(f"{path[-1]}: NonTensor")
@@ -220,10 +221,10 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
             f"{self._conn.describe()} (deleted with clear_redis(), or a wrong td_id/prefix/db?)"
         )
 
-    def _children(self, layout: _backend.Layout) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    def _children(self, layout: _backend.Layout) -> list[tuple[tuple[str, ...], Entry]]:
         return [(p, m) for p, m in self._descendants(layout) if len(p) == len(self._path) + 1]
 
-    def _descendants(self, layout: _backend.Layout, path: tuple[str, ...] | None = None) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    def _descendants(self, layout: _backend.Layout, path: tuple[str, ...] | None = None) -> list[tuple[tuple[str, ...], Entry]]:
         path = self._path if path is None else path
         key = ("lazy-desc", path)
         memo = layout.memo.get(key)
@@ -250,9 +251,9 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         if not path:
             return bs[:s] + bs[s + 1 :]
         node = layout.entries.get(path)
-        if node is None or node["k"] != "td":
+        if node is None or not node.is_node:
             raise EntryNotFoundError(f"nested key {path!r} no longer exists in {self._where()}")
-        return torch.Size(node["batch_size"])
+        return torch.Size(node.batch_size or ())
 
     def _full_bs(self, elem_bs: torch.Size, layout: _backend.Layout) -> torch.Size:
         bs, s = self._root(layout)
@@ -362,9 +363,9 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         for path, meta in self._descendants(layout):
             if not include_nested and len(path) != n + 1:
                 continue
-            if leaves_only and meta["k"] == "td":
+            if leaves_only and meta.is_node:
                 continue
-            if leaves_only and meta["k"] == "lnt" and (is_leaf is None or not is_leaf(NonTensorStack)):
+            if leaves_only and meta.kind == "lnt" and (is_leaf is None or not is_leaf(NonTensorStack)):
                 continue  # as TensorDict: non-tensor values are leaves only for an is_leaf that says so
             rel = path[n:]
             out.append(rel[0] if len(rel) == 1 else rel)
@@ -375,7 +376,7 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         meta = self._entry(path)
         if meta is None:
             raise self._key_error(path)
-        return {"td": LazyStackedTensorDictStore, "lnt": NonTensorStack}.get(meta["k"], torch.Tensor)
+        return {"td": LazyStackedTensorDictStore, "lnt": NonTensorStack}.get(meta.kind, torch.Tensor)
 
     # ------------------------------------------------------------------ whole-store
     def _clone(self, recurse: bool = True, **kwargs: Any) -> Any:

@@ -21,6 +21,7 @@ from tensordict.utils import is_tensorclass
 from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
 from tdstore._core.indexing import leaf_dims, normalize_index
+from tdstore._core.layout import Entry
 from tdstore.errors import (
     CorruptMetadataError,
     ElementShapeError,
@@ -61,8 +62,8 @@ def plan_index_write(
     full = store._full_bs(elem_bs, layout)
     if isinstance(value, OneLeaf):
         meta = layout.entries.get(base + value.rel)
-        if meta is not None and meta["k"] == "lt" and "shape" in meta:
-            if leaf_dims(normalize_index(index), len(full), 1 + len(meta["shape"])) > len(full):
+        if meta is not None and meta.kind == "lt" and meta.shape is not None:
+            if leaf_dims(normalize_index(index), len(full), 1 + len(meta.shape)) > len(full):
                 # the index reaches the leaf's own dims, as LazyStackedTensorDict.set_at_ does
                 return _leaf_write(store, layout, base + value.rel, value, index, elem_bs, s, n), []
     members, remapped, pick = plan.split_index(index, len(full), s, n)
@@ -74,14 +75,14 @@ def plan_index_write(
     if isinstance(value, OneLeaf):
         path = base + value.rel
         meta = layout.entries.get(path)
-        if meta is None or meta["k"] != "lt":
+        if meta is None or meta.kind != "lt":
             raise store._key_error(path) if meta is None else SchemaError(f"{path!r} of {where} is not a tensor entry")
         tensor_targets[path] = value.value
         source = value.value
     elif isinstance(value, (numbers.Number, torch.Tensor)):
         source = value
         for path, meta in store._descendants(layout):
-            if meta["k"] == "lt":
+            if meta.kind == "lt":
                 tensor_targets[path] = value
     else:
         if isinstance(value, LazyStackedTensorDictStore):
@@ -102,9 +103,9 @@ def plan_index_write(
                     f"key {rel!r} of the value is not in {where}; add it to the whole stack first "
                     "(store[key] = value) and then write elements"
                 )
-            if meta["k"] == "lt":
+            if meta.kind == "lt":
                 tensor_targets[path] = value
-            elif meta["k"] == "lnt":
+            elif meta.kind == "lnt":
                 nontensor_targets.append(path)
             else:
                 raise SchemaError(f"{path!r} of {where} is a nested tensordict, the value holds a leaf there")
@@ -114,7 +115,7 @@ def plan_index_write(
         positions = _position_stack(store, layout, list(tensor_targets), members, elem_bs, s, pick, remapped)
         for path in tensor_targets:
             meta = layout.entries[path]
-            dtype = _codec.dtype_from_name(meta["dtype"])
+            dtype = meta.torch_dtype
             item = dtype.itemsize
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             offsets, _ = store._spans(layout, path)
@@ -136,7 +137,7 @@ def _leaf_write(
 ) -> list[tuple[tuple[str, ...], list[tuple[int, int]], Any]]:
     """The runs of ``set_at_(key, value, index)`` where ``index`` reaches past the batch dims."""
     meta = layout.entries[path]
-    dtype = _codec.dtype_from_name(meta["dtype"])
+    dtype = meta.torch_dtype
     members = list(range(n))
     positions = _position_stack(store, layout, [path], members, elem_bs, s, None, (slice(None),))
     rel = path[len(store._path) :]
@@ -177,7 +178,7 @@ def _position_stack(
     values: dict[tuple[str, ...], dict[int, Any]] = {}
     for path in paths:
         meta = layout.entries[path]
-        item = _codec.dtype_from_name(meta["dtype"]).itemsize
+        item = meta.torch_dtype.itemsize
         offsets, _ = store._spans(layout, path)
         shapes = plan.elem_shapes(meta, n)
         values[path] = {
@@ -187,7 +188,7 @@ def _position_stack(
     wanted = set(paths)
     entries = [
         (p, m) for p, m in store._descendants(layout)
-        if p in wanted or (m["k"] == "td" and any(q[: len(p)] == p for q in wanted))
+        if p in wanted or (m.is_node and any(q[: len(p)] == p for q in wanted))
     ]
     tds = plan.decode_members(entries, values, members, elem_bs, store._path, None)
     if isinstance(pick, int):
@@ -294,13 +295,13 @@ def _nontensor_update(store: Any, path: tuple[str, ...], source: TensorDictBase,
             new[j] = plan.nontensor_item(part.get(key))
     policy = store._conn.pickle_policy
 
-    def update(old_meta: dict[str, Any] | None, old: Any) -> tuple[dict[str, Any], bytes]:
-        if old_meta is None or old_meta.get("k") != "lnt" or old is None:
+    def update(old_meta: Entry | None, old: Any) -> tuple[Entry, bytes]:
+        if old_meta is None or old_meta.kind != "lnt" or old is None:
             raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} changed or lost its bytes during a write")
-        items = _codec.decode_non_tensor(old_meta["enc"], bytes(old), policy)
+        items = _codec.decode_non_tensor(old_meta.enc or "", bytes(old), policy)
         for j, item in new.items():
             items[j] = item
         enc, payload = _codec.encode_non_tensor(items, policy)
-        return {"k": "lnt", "enc": enc, "o": old_meta.get("o")}, payload
+        return Entry("lnt", old_meta.order, enc=enc), payload
 
     return update

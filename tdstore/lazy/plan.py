@@ -5,16 +5,16 @@ No I/O. A lazy store keeps the ``N`` stacked tensordicts ("elements") of a
 data keys (see :mod:`tdstore._core.keys`). The meta hash also holds ``kind = "lazy"`` and
 ``stack_dim``; ``batch_size`` is the full batch size (the stack dim included).
 
-Registry metadata, one JSON object per entry path:
+Registry metadata, one :class:`~tdstore._core.layout.Entry` per entry path (its docstring
+gives the JSON wire format):
 
-* tensor leaf: ``{"k": "lt", "dtype": "float32", "shape": [...], "o": [lv, i]}`` when every
-  element has the same shape, else ``{"k": "lt", "dtype": ..., "shapes": [[...], ...]}``
-  with one shape per element (ragged leaf). Shapes are the elements' own (the stack dim
+* tensor leaf (kind ``"lt"``): a dtype and a shape when every element has the same shape,
+  else one shape per element (ragged leaf). Shapes are the elements' own (the stack dim
   not included). The data key holds the elements' bytes back to back, element 0 first,
   so element ``j`` is one byte span (offsets follow from the shapes).
-* nested tensordict: ``{"k": "td", "batch_size": [...], "names": null, "o": ...}``, the
-  elements' batch size of that node (the same in every element).
-* non-tensor leaf: ``{"k": "lnt", "enc": "json" | "pickle", "o": ...}``; the data key holds
+* nested tensordict (kind ``"td"``): the elements' batch size of that node (the same in
+  every element).
+* non-tensor leaf (kind ``"lnt"``): an encoding; the data key holds
   one encoded list of ``N`` items ``[stack, value]``: ``stack`` 0 is a ``NonTensorData``
   of the element, ``k > 0`` a ``NonTensorStack`` over its first ``k`` batch dims (nested
   lists).
@@ -22,7 +22,6 @@ Registry metadata, one JSON object per entry path:
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_left
 from typing import Any
@@ -67,20 +66,20 @@ def check_lazy_meta(path: tuple[str, ...], meta: Entry, n: int, where: str) -> E
     return meta
 
 
-def elem_shapes(meta: dict[str, Any], n: int) -> list[list[int]]:
+def elem_shapes(meta: Entry, n: int) -> list[list[int]]:
     """The shape of each of the ``n`` elements of a tensor leaf."""
-    if "shape" in meta:
-        return [meta["shape"]] * n
-    return meta["shapes"]
+    if meta.shape is not None:
+        return [list(meta.shape)] * n
+    return [list(s) for s in meta.shapes or ()]
 
 
-def elem_spans(meta: dict[str, Any], n: int) -> tuple[list[int], list[int]]:
+def elem_spans(meta: Entry, n: int) -> tuple[list[int], list[int]]:
     """Byte offset and byte length of each element of a tensor leaf."""
-    item = _codec.dtype_from_name(meta["dtype"]).itemsize
-    if "shape" in meta:
-        size = math.prod(meta["shape"]) * item
+    item = meta.torch_dtype.itemsize
+    if meta.shape is not None:
+        size = math.prod(meta.shape) * item
         return [j * size for j in range(n)], [size] * n
-    sizes = [math.prod(s) * item for s in meta["shapes"]]
+    sizes = [math.prod(s) * item for s in meta.shapes or ()]
     offsets, pos = [], 0
     for size in sizes:
         offsets.append(pos)
@@ -157,12 +156,11 @@ class MemberPlanner:
                 )
         dtype = values[0].dtype
         shapes = [list(v.shape) for v in values]
-        meta: dict[str, Any] = {"k": "lt", "dtype": _codec.dtype_name(dtype)}
-        if all(s == shapes[0] for s in shapes):
-            meta["shape"] = shapes[0]
-        else:
-            meta["shapes"] = shapes
-        meta["o"] = self.order()
+        uniform = all(s == shapes[0] for s in shapes)
+        meta = Entry(
+            "lt", tuple(self.order()), dtype=_codec.dtype_name(dtype), shape=tuple(shapes[0]) if uniform else None,
+            shapes=None if uniform else tuple(tuple(s) for s in shapes),
+        )
         payload = concat_bytes(values)
         self.check_size(path, len(payload))
         self.ops.append(_backend.Op("put", path, meta, payload=payload))
@@ -170,7 +168,7 @@ class MemberPlanner:
     def add_nontensor(self, path: tuple[str, ...], values: list[Any]) -> None:
         enc, payload = _codec.encode_non_tensor([nontensor_item(v) for v in values], self.policy)
         self.check_size(path, len(payload))
-        self.ops.append(_backend.Op("put", path, {"k": "lnt", "enc": enc, "o": self.order()}, payload=payload))
+        self.ops.append(_backend.Op("put", path, Entry("lnt", tuple(self.order()), enc=enc), payload=payload))
 
     def add_node(self, path: tuple[str, ...], values: list[TensorDictBase], owner_bs: torch.Size) -> None:
         sizes = {tuple(v.batch_size) for v in values}
@@ -399,7 +397,7 @@ def _dims_of(item: Any) -> int:
 
 # --------------------------------------------------------------------------- decoding
 def decode_members(
-    layout_entries: list[tuple[tuple[str, ...], dict[str, Any]]],
+    layout_entries: list[tuple[tuple[str, ...], Entry]],
     values: dict[tuple[str, ...], dict[int, Any]],
     members: list[int],
     root_bs: torch.Size,
@@ -412,18 +410,18 @@ def decode_members(
     their children); ``values[path][j]`` is the value of leaf ``path`` in element ``j``.
     """
     # the tree of keys, once: children of each node in insertion order
-    children: dict[tuple[str, ...], list[tuple[tuple[str, ...], dict[str, Any]]]] = {base: []}
+    children: dict[tuple[str, ...], list[tuple[tuple[str, ...], Entry]]] = {base: []}
     for path, meta in layout_entries:
-        if meta["k"] == "td" or path in values:
+        if meta.is_node or path in values:
             children.setdefault(path[:-1], []).append((path, meta))
-            if meta["k"] == "td":
+            if meta.is_node:
                 children.setdefault(path, [])
 
     def build(node: tuple[str, ...], bs: Any, j: int) -> TensorDict:
         source: dict[str, Any] = {}
         for path, meta in children.get(node, ()):
-            if meta["k"] == "td":
-                source[path[-1]] = build(path, meta["batch_size"], j)
+            if meta.is_node:
+                source[path[-1]] = build(path, meta.batch_size, j)
             else:
                 source[path[-1]] = values[path][j]
         return _new_td(source, bs, device)
@@ -439,9 +437,9 @@ def _new_td(source: dict[str, Any], batch_size: Any, device: Any) -> TensorDict:
         return TensorDict(source, batch_size=batch_size, device=device)
 
 
-def decode_nontensor(meta: dict[str, Any], data: bytes, n: int, owner_bs: torch.Size, path: tuple[str, ...], where: str, policy: _codec.PicklePolicy, device: Any) -> list[Any]:
+def decode_nontensor(meta: Entry, data: bytes, n: int, owner_bs: torch.Size, path: tuple[str, ...], where: str, policy: _codec.PicklePolicy, device: Any) -> list[Any]:
     """The ``n`` elements' values of a non-tensor leaf."""
-    items = _codec.decode_non_tensor(meta["enc"], bytes(data), policy)
+    items = _codec.decode_non_tensor(meta.enc or "", bytes(data), policy)
     if not isinstance(items, list) or len(items) != n:
         raise CorruptMetadataError(f"non-tensor entry {path!r} of lazy store {where} does not hold {n} elements")
     out: list[Any] = []
@@ -453,6 +451,3 @@ def decode_nontensor(meta: dict[str, Any], data: bytes, n: int, owner_bs: torch.
             out.append(NonTensorData(data=value, batch_size=owner_bs, device=device))
     return out
 
-
-def meta_json(meta: dict[str, Any]) -> str:
-    return json.dumps(meta, separators=(",", ":"))

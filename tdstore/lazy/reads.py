@@ -18,9 +18,9 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
 from tdstore._backend.optimistic import Retry, optimistic
-from tdstore._core import codec as _codec
 from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.keys import as_path as _as_path
+from tdstore._core.layout import Entry
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import DataLostError, UnsupportedOperationError
 from tdstore.lazy import plan
@@ -54,13 +54,13 @@ class LazyReads(LazyBase):
         spans: list[Any] = []
         for path in paths:
             meta = layout.entries[path]
-            if meta["k"] == "lnt":
+            if meta.kind == "lnt":
                 plans.append((path, [(0, None)]))
                 gathers.append(None)
                 spans.append(None)
                 continue
             offsets, sizes = self._spans(layout, path)
-            if "shape" in meta and sizes[0] and _run_reads.choose_read_rows(len(members), sizes[0] * len(members)) == "gather":
+            if not meta.is_ragged and sizes[0] and _run_reads.choose_read_rows(len(members), sizes[0] * len(members)) == "gather":
                 plans.append((path, []))
                 gathers.append((sizes[0], " ".join(map(str, members))))
                 spans.append("gather")
@@ -106,7 +106,7 @@ class LazyReads(LazyBase):
                 values = plan.decode_nontensor(meta, chunks[0], n, owner, path, self._where(), conn.pickle_policy, device)
                 out[path] = {j: values[j] for j in members}
                 continue
-            dtype = _codec.dtype_from_name(meta["dtype"])
+            dtype = meta.torch_dtype
             shapes = self._shapes(layout, path)
             offsets, sizes = self._spans(layout, path)
             found: dict[int, Any] = {}
@@ -171,11 +171,11 @@ class LazyReads(LazyBase):
             if members is None:
                 members = list(range(bs[s]))
             entries = self._descendants(layout)
-            leaves = [p for p, m in entries if m["k"] != "td"] if paths is None else paths
+            leaves = [p for p, m in entries if m.has_data] if paths is None else paths
             values = self._read_members(layout, leaves, members)  # _Stale: read again
             if paths is not None:
                 wanted = set(paths)
-                entries = [(p, m) for p, m in entries if p in wanted or (m["k"] == "td" and any(q[: len(p)] == p for q in wanted))]
+                entries = [(p, m) for p, m in entries if p in wanted or (m.is_node and any(q[: len(p)] == p for q in wanted))]
             tds = plan.decode_members(entries, values, members, self._elem_bs(layout), self._path, self.device)
             return tds, s
 
@@ -202,12 +202,12 @@ class LazyReads(LazyBase):
             if by_path is not None and snap is not None:
                 layout = snap
                 bs, s = self._root(layout)
-                paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]
+                paths = [p for p, m in self._descendants(layout) if m.has_data]
                 blobs = [by_path.get(p) for p in paths]
             else:
                 layout = self._layout()
                 bs, s = self._root(layout)
-                paths = [p for p, m in self._descendants(layout) if m["k"] != "td"]
+                paths = [p for p, m in self._descendants(layout) if m.has_data]
                 _, _, blobs, snap = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths, with_layout=True))
                 if snap is None:
                     raise self._not_found()
@@ -215,7 +215,7 @@ class LazyReads(LazyBase):
                     raise Retry(stale=True)  # back off, refresh, read again
             items: list[tuple[tuple[str, ...], Any, list[Any]]] = []
             for path, blob in zip(paths, blobs, strict=True):
-                if layout.entries[path]["k"] == "lnt":
+                if layout.entries[path].kind == "lnt":
                     items.append((path, None, [blob]))
                 else:
                     total = sum(self._spans(layout, path)[1])
@@ -238,7 +238,7 @@ class LazyReads(LazyBase):
         """
         tds, s = self._memory_stack(None, None)
         stack = LazyStackedTensorDict(*tds, stack_dim=s)
-        if any(m["k"] == "lt" and "shape" not in m for _, m in self._descendants(self._layout())):
+        if any(m.is_ragged for _, m in self._descendants(self._layout())):
             return stack  # ragged
         try:
             return stack.to_tensordict(retain_none=retain_none)
@@ -269,7 +269,7 @@ class LazyReads(LazyBase):
             meta = self._entry(path)
             if meta is None:
                 raise self._key_error(path)
-            if meta["k"] == "lnt":
+            if meta.kind == "lnt":
                 tds, s = self._memory_stack([path], None)
                 return LazyStackedTensorDict(*tds, stack_dim=s)[path[len(self._path) :]]
             return self._get_path(path, NO_DEFAULT)
@@ -303,7 +303,7 @@ class LazyReads(LazyBase):
         meta = self._entry(path)
         if meta is None:
             return default
-        tds, s = self._memory_stack([p for p, m in self._descendants(self._layout(), path) if m["k"] != "td"] or [path], None)
+        tds, s = self._memory_stack([p for p, m in self._descendants(self._layout(), path) if m.has_data] or [path], None)
         return LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :], **kwargs)
 
     def _get_str(self, key: Any, default: Any, **kwargs: Any) -> Any:
@@ -313,7 +313,7 @@ class LazyReads(LazyBase):
 
     def _get_path(self, path: tuple[str, ...], default: Any, fresh: bool = False) -> Any:
         meta = self._entry(path)
-        if not fresh and (meta is None or meta["k"] == "td" or (meta["k"] == "lt" and "shape" not in meta)):
+        if not fresh and (meta is None or meta.is_node or meta.is_ragged):
             # no bytes are read on these paths to carry the layout version: check it first
             self._fresh_layout()
             return self._get_path(path, default, fresh=True)
@@ -321,12 +321,12 @@ class LazyReads(LazyBase):
             if is_no_default(default):
                 raise self._key_error(path)
             return default
-        if meta["k"] == "td":
+        if meta.is_node:
             return type(self)._handle(self._conn, path, self._device_override, self._cache_metadata)
-        if meta["k"] == "lnt":
+        if meta.kind == "lnt":
             tds, s = self._memory_stack([path], None)
             return LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :])
-        if "shape" not in meta:
+        if meta.is_ragged:
             raise UnsupportedOperationError(
                 f"entry {_shown(path[len(self._path):])!r} of {self._where()} is ragged (its elements differ in shape: "
                 f"{_shape_summary(meta)}), so it is not one tensor. Read it with "
@@ -338,7 +338,7 @@ class LazyReads(LazyBase):
         def once(_attempt: int) -> Any:
             layout = self._layout()
             meta = layout.entries.get(path)
-            if meta is None or meta["k"] != "lt" or "shape" not in meta:
+            if meta is None or meta.kind != "lt" or meta.shape is None:
                 return self._get_path(path, default)
             bs, s = self._root(layout)
             conn = self._conn
@@ -347,10 +347,10 @@ class LazyReads(LazyBase):
                 if lv is None:
                     raise self._not_found()
                 raise Retry(stale=True)  # back off, refresh, read again
-            dtype = _codec.dtype_from_name(meta["dtype"])
-            nbytes = _codec.tensor_nbytes(tuple(meta["shape"]), dtype) * bs[s]
+            dtype = meta.torch_dtype
+            nbytes = meta.nbytes * bs[s]
             raw = self._buffer(replies[0][0], nbytes, path) if nbytes else torch.empty(0, dtype=torch.uint8)
-            tensor = _as_tensor(raw, dtype, [bs[s], *meta["shape"]]).movedim(0, s)
+            tensor = _as_tensor(raw, dtype, [bs[s], *meta.shape]).movedim(0, s)
             if s:
                 tensor = tensor.contiguous()
             device = self.device
@@ -367,9 +367,9 @@ class LazyReads(LazyBase):
             if is_no_default(default):
                 raise self._key_error(path)
             return default
-        if meta["k"] == "lt" and "shape" in meta:
+        if meta.kind == "lt" and meta.shape is not None:
             nb = self.batch_dims
-            if leaf_dims(normalize_index(idx), nb, 1 + len(meta["shape"])) > nb:
+            if leaf_dims(normalize_index(idx), nb, 1 + len(meta.shape)) > nb:
                 # the index reaches the leaf's own dims (`...` expands over all of them), as
                 # LazyStackedTensorDict.get_at does: index the leaf, not the stack
                 tds, s = self._memory_stack([path], None)
@@ -385,9 +385,9 @@ def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> t
     return (raw.view(dtype) if dtype != torch.uint8 else raw).reshape(tuple(shape))
 
 
-def _shape_summary(meta: dict[str, Any]) -> str:
-    shapes = meta["shapes"]
-    shown = ", ".join(str(s) for s in shapes[:4])
+def _shape_summary(meta: Entry) -> str:
+    shapes = meta.shapes or ()
+    shown = ", ".join(str(list(s)) for s in shapes[:4])
     return shown + (f", ... ({len(shapes)} elements)" if len(shapes) > 4 else "")
 
 

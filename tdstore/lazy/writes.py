@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
+from tdstore._core.layout import Entry
 from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import SchemaError, StaleLayoutError, UnsupportedOperationError
@@ -95,7 +97,7 @@ class LazyWrites(LazyBase):
                 isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorData, NonTensorStack, LazyStackedTensorDict))
             )
             entry = self._entry(self._path + path) if nested else None
-            if nested and entry is not None and entry["k"] == "td":
+            if nested and entry is not None and entry.is_node:
                 yield from self._merged_items(value, path)
             else:
                 yield path, value
@@ -119,7 +121,8 @@ class LazyWrites(LazyBase):
                             entries.pop(op.path, None)
                         elif op.op == "move" and op.new_path is not None:
                             entries.pop(op.path, None)
-                            entries[op.new_path] = op.meta or {}
+                            if op.meta is not None:
+                                entries[op.new_path] = op.meta
                         elif op.meta is not None:
                             entries[op.path] = op.meta
                     view = _backend.Layout(layout.lv, layout.meta, entries, layout.wv)
@@ -139,17 +142,17 @@ class LazyWrites(LazyBase):
         for i in range(len(self._path) + 1, len(parent) + 1):
             node = layout.entries.get(parent[:i])
             if node is None:
-                meta = {"k": "td", "batch_size": list(self._elem_bs(layout, parent[: i - 1])), "names": None, "o": [layout.lv + 1, 10**6 * k + i]}
+                meta = Entry.node(self._elem_bs(layout, parent[: i - 1]), None, (layout.lv + 1, 10**6 * k + i))
                 ops.append(_backend.Op("node", parent[:i], meta))
-            elif node["k"] != "td":
+            elif not node.is_node:
                 raise SchemaError(f"cannot set {path!r} in {self._where()}: {parent[:i]!r} is a leaf, not a nested tensordict")
-        owner = self._elem_bs(layout, parent) if not ops else torch.Size(ops[-1].meta["batch_size"])  # type: ignore[index]
+        owner = self._elem_bs(layout, parent) if not ops or ops[-1].meta is None else torch.Size(ops[-1].meta.batch_size or ())
         full = self._full_bs(owner, layout)
         bs, s = self._root(layout)
         members = plan.members_from_value(value, full, s, path, self._where())
         for p, m in layout.entries.items():
             if p[: len(path)] == path:
-                ops.append(_backend.Op("del", p, has_data=m["k"] != "td"))
+                ops.append(_backend.Op("del", p, has_data=m.has_data))
         self._conn.run(_noop)
         new_ops = plan.plan_members(
             path, members, owner, where=self._where(), order_base=layout.lv + 1 + k,
@@ -157,7 +160,7 @@ class LazyWrites(LazyBase):
         )
         existing = layout.entries.get(path)
         if existing is not None and new_ops and new_ops[0].path == path and new_ops[0].meta is not None:
-            new_ops[0].meta = dict(new_ops[0].meta, o=existing.get("o"))  # a replaced key keeps its place
+            new_ops[0].meta = replace(new_ops[0].meta, order=existing.order)  # a replaced key keeps its place
         ops.extend(new_ops)
         return ops
 
@@ -168,7 +171,7 @@ class LazyWrites(LazyBase):
         def ops(layout: _backend.Layout) -> list[_backend.Op]:
             if path not in layout.entries:
                 raise self._key_error(path)
-            return [_backend.Op("del", p, has_data=m["k"] != "td") for p, m in layout.entries.items() if p[: len(path)] == path]
+            return [_backend.Op("del", p, has_data=m.has_data) for p, m in layout.entries.items() if p[: len(path)] == path]
 
         self._commit_ops(ops)
         return self
@@ -185,7 +188,7 @@ class LazyWrites(LazyBase):
             if is_no_default(default):
                 raise self._key_error(path)
             return default
-        tds, s = self._memory_stack([p for p, m in self._descendants(self._layout(), path) if m["k"] != "td"] or [path], None)
+        tds, s = self._memory_stack([p for p, m in self._descendants(self._layout(), path) if m.has_data] or [path], None)
         value = LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :])
         self.del_(key)
         return value
@@ -204,7 +207,7 @@ class LazyWrites(LazyBase):
                 raise KeyError(f"key {new!r} already present in {self._where()}")
             onto_ancestor = old[: len(new)] == new  # what old holds keeps its (longer) batch dims
             if not onto_ancestor and new[: len(old)] != old and all(
-                layout.entries.get(new[:i], {}).get("k") == "td" for i in range(1, len(new))
+                (node := layout.entries.get(new[:i])) is not None and node.is_node for i in range(1, len(new))
             ):
                 if self._elem_bs(layout, old[:-1]) != self._elem_bs(layout, new[:-1]):
                     raise SchemaError(f"cannot rename {old!r} to {new!r} in {self._where()}: their parents' batch sizes differ")
@@ -283,13 +286,13 @@ class LazyWrites(LazyBase):
                 return result  # not in place: a new tensordict, nothing to write
             ops = []
             for path, meta in self._descendants(layout):
-                if meta["k"] != "lt":
+                if meta.kind != "lt":
                     continue
                 rel = path[len(self._path) :]
                 values = [td.get(rel) for td in local.tensordicts]
                 shapes = self._shapes(layout, path)
                 for j, value in enumerate(values):
-                    if list(value.shape) != list(shapes[j]) or _codec.dtype_name(value.dtype) != meta["dtype"]:
+                    if list(value.shape) != list(shapes[j]) or _codec.dtype_name(value.dtype) != meta.dtype:
                         raise SchemaError(
                             f"{method.__name__} changed entry {path!r} of element {j} of {self._where()} to "
                             f"{value.dtype}{list(value.shape)}; an in-place method must keep dtypes and shapes"
