@@ -171,10 +171,14 @@ def list_store_infos(opts: Any, prefix: str | None) -> list[dict[str, Any]]:
     return summaries
 
 
+def _list(dims: tuple[int, ...] | None) -> list[int] | None:
+    return None if dims is None else list(dims)
+
+
 def _parent_batch(layout: _backend.Layout, path: tuple[str, ...]) -> list[int]:
     parent = layout.entries.get(path[:-1]) if len(path) > 1 else None
-    if parent is not None and parent.get("k") == "td":
-        return list(parent.get("batch_size") or [])
+    if parent is not None and parent.is_node:
+        return list(parent.batch_size or [])
     return list(json.loads(layout.meta.get("batch_size") or "[]"))
 
 
@@ -212,22 +216,21 @@ def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
     kind = store_kind(layout)
     manifest = _manifest(strlens.pop()) if kind == "sharded" else None
     lengths = iter(strlens)
-    paths = sorted(layout.entries, key=lambda p: tuple(layout.entries[p].get("o") or [0, 0]))
+    paths = sorted(layout.entries, key=lambda p: layout.entries[p].order_key)
     entries = []
     for path in paths:
         meta = layout.entries[path]
-        k = meta.get("k")
+        k = meta.kind
         row: dict[str, Any] = {"key": list(path), "field": encode_path(path)}
         if k in ("t", "lt"):
             # a lazy leaf has one shape per element when the elements differ (ragged)
-            shape = meta.get("shape") if "shapes" not in meta else {"ragged": meta["shapes"]}
-            row.update(kind="tensor", shape=shape, dtype=meta.get("dtype"), bytes=int(next(lengths)))
+            shape = _list(meta.shape) if meta.shapes is None else {"ragged": [list(s) for s in meta.shapes]}
+            row.update(kind="tensor", shape=shape, dtype=meta.dtype, bytes=int(next(lengths)))
         elif k in ("nt", "lnt"):
-            stack = int(meta.get("stack") or 0)
-            shape = _parent_batch(layout, path)[:stack] if k == "nt" else None
-            row.update(kind="non-tensor", shape=shape, dtype=meta.get("enc"), bytes=int(next(lengths)))
+            shape = _parent_batch(layout, path)[: meta.stack] if k == "nt" else None
+            row.update(kind="non-tensor", shape=shape, dtype=meta.enc, bytes=int(next(lengths)))
         elif k == "td":
-            row.update(kind="tensordict", shape=meta.get("batch_size"), dtype=None, bytes=None)
+            row.update(kind="tensordict", shape=_list(meta.batch_size), dtype=None, bytes=None)
         else:
             row.update(kind=f"unknown ({k!r})", shape=None, dtype=None, bytes=int(next(lengths)))
         entries.append(row)
@@ -250,7 +253,7 @@ def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
         "locked": m.get("lock") == "1",
         # chunk_bytes= of the store (None: one string per entry), and its chunked entries
         "chunking": (
-            {"chunk_bytes": int(m["cb"]), "chunked_entries": sum(1 for e in layout.entries.values() if e.get("c") is not None)}
+            {"chunk_bytes": int(m["cb"]), "chunked_entries": sum(1 for e in layout.entries.values() if e.chunk is not None)}
             if str(m.get("cb") or "").isdigit() else None
         ),
         "ring_total": int(_text(ring) or 0) if ring is not None else None,
