@@ -32,9 +32,9 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core.keys import StoreKeys, decode_path
+from tdstore._core.layout import Entry
 from tdstore.errors import EntryNotFoundError, StoreNotFoundError, UnsupportedOperationError
 from tdstore.testing.counts import add_cases
 
@@ -95,7 +95,7 @@ def check_bookkeeping(client: Any, td_id: str, where: str) -> None:
             continue
         for i in range(1, len(path)):
             assert reg.get(path[:i], {}).get("k") == "td", f"{where}: {path} is registered under {path[:i]} which is no node"
-        chunking = _chunks.of_meta(entry)
+        chunking = Entry.from_json(path, entry).chunking
         data_keys = keys.entry_keys(path, chunking)
         expected.update(data_keys)
         lengths = [client.strlen(k) for k in data_keys]

@@ -27,7 +27,7 @@ from tdstore._backend import memory as _memory
 from tdstore._backend.scripts import ScriptRunner, get_script
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, decode_path, encode_path
-from tdstore._core.layout import SCRIPT_META_FIELDS, Layout, _s, parse_entry, parse_layout, registry_lost
+from tdstore._core.layout import SCRIPT_META_FIELDS, Entry, Layout, _s, parse_entry, parse_layout, registry_lost
 from tdstore.errors import PartialWriteError, translate_response_error
 
 __all__ = [
@@ -365,7 +365,7 @@ class Op:
 
     op: str
     path: tuple[str, ...]
-    meta: Any = None  # an Entry (a JSON object from callers not yet moved to Entry)
+    meta: Entry | None = None
     payload: Any = None  # bytes-like for "put"
     nbytes: int | None = None  # for "zero"
     new_path: tuple[str, ...] | None = None  # for "move"
@@ -402,7 +402,7 @@ def commit_args(
 
     for op in ops:
         field_name = encode_path(op.path)
-        meta_json = _meta_json(op.meta) if op.meta is not None else None
+        meta_json = op.meta.to_json() if op.meta is not None else None
 
         def wire_op(kind: str, **fields: str) -> None:
             wire: dict[str, str] = {"op": kind, "f": field_name}  # noqa: B023 - used at once
@@ -703,7 +703,7 @@ async def write_runs_watched(
                 else:
                     pipe.set(data_key, b"")
             assert op.meta is not None
-            pipe.hset(keys.reg, encode_path(op.path), _meta_json(op.meta))
+            pipe.hset(keys.reg, encode_path(op.path), op.meta.to_json())
         if small:
             key_list, args = _write_runs_args(keys, small, expected, created)
             runner.queue(pipe, "write_runs", key_list, args)  # checks the version, bumps wv
@@ -713,7 +713,7 @@ async def write_runs_watched(
             pipe.setrange(key, offset, data)
         for key, field, new_meta, payload in nt_writes:
             pipe.set(key, payload)
-            pipe.hset(keys.reg, field, _meta_json(new_meta))
+            pipe.hset(keys.reg, field, new_meta.to_json())
         exp_ms = _s(exp)
         if exp_ms:
             # a store with an expiry: the keys this step creates (or SET, which drops a
@@ -734,11 +734,6 @@ async def write_runs_watched(
             raise StaleLayoutError("the layout changed during an indexed write") from None
     _raise_first_error(replies)
     return layout_changed
-
-
-def _meta_json(meta: Any) -> str:
-    """Transitional: the registry JSON of an Entry, or of a JSON object built by a caller not yet moved to Entry."""
-    return json.dumps(meta, separators=(",", ":")) if isinstance(meta, dict) else str(meta.to_json())
 
 
 def _stale_keys(keys: StoreKeys, path: tuple[str, ...], old: Any, new: Any) -> list[str]:

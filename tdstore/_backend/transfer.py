@@ -123,7 +123,7 @@ def _needs_staging(ops: Sequence[Op]) -> bool:
     """Whether ``ops`` zero-fill a chunked entry, or carry :data:`STAGE_CHUNKED_MIN` bytes of chunked entries."""
     total = 0
     for op in ops:
-        if _chunks.of_meta(op.meta) is None:
+        if op.meta is None or op.meta.chunk is None:
             continue
         if op.op == "zero":
             return True

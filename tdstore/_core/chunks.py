@@ -107,17 +107,9 @@ def chunk_size(shape: Sequence[int], itemsize: int, chunk_bytes: int | None) -> 
     return (chunk_bytes // itemsize) * itemsize
 
 
-def annotate(meta: Any, store_meta: Mapping[str, str]) -> Any:
+def annotate(meta: Entry, store_meta: Mapping[str, str]) -> Entry:
     """Adds the chunk size to a new tensor entry's metadata when its store chunks it."""
     cb = store_meta.get("cb")
-    if isinstance(meta, dict):  # transitional: a JSON object built by a caller not yet moved to Entry
-        from tdstore._core import codec as _codec
-
-        if cb and meta.get("k") == "t":
-            size = chunk_size(meta["shape"], _codec.dtype_from_name(meta["dtype"]).itemsize, int(cb))
-            if size is not None:
-                meta["c"] = size
-        return meta
     if cb and meta.is_tensor:
         assert meta.shape is not None
         size = chunk_size(meta.shape, meta.torch_dtype.itemsize, int(cb))
@@ -137,12 +129,8 @@ def chunk_map(entries: Mapping[tuple[str, ...], Entry]) -> dict[tuple[str, ...],
     return out
 
 
-def of_meta(meta: Any) -> Chunking | None:
+def of_meta(meta: Entry | None) -> Chunking | None:
     """The chunking a registry entry describes (None: one string, or no entry)."""
-    if isinstance(meta, dict):  # transitional: a JSON object built by a caller not yet moved to Entry
-        from tdstore._core.layout import Entry as _Entry
-
-        return _Entry.from_json((), meta).chunking
     return None if meta is None else meta.chunking
 
 

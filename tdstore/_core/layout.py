@@ -275,21 +275,6 @@ class Entry:
             raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} has a malformed field 'stack' {stack!r:.200}")
         return cls(kind, _dims(order), enc=enc, stack=stack)
 
-    # ------------------------------------------------------------------ transitional dict reads
-    # (the callers not yet moved to the attributes read the record as the JSON object it was;
-    # removed once every reader is)
-    def __getitem__(self, name: str) -> Any:
-        return self.to_wire()[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.to_wire().get(name, default)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.to_wire()
-
-    def keys(self) -> Any:
-        return self.to_wire().keys()
-
 
 def _list(value: tuple[Any, ...] | None) -> list[Any] | None:
     return None if value is None else list(value)
