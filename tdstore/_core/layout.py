@@ -292,6 +292,16 @@ class Layout:
     #: once per layout: a layout is never changed in place, a new one replaces it
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def batch_size(self) -> list[int]:
+        """The store's batch size: the meta field ``batch_size`` (a JSON list; ``[]`` when
+        absent), parsed once per layout. Validated by the store class (``_check_layout``);
+        JSON that does not parse raises ``ValueError``."""
+        value = self.memo.get("batch_size")
+        if value is None:
+            value = self.memo["batch_size"] = json.loads(self.meta.get("batch_size") or "[]")
+        return value
+
 
 #: Meta hash fields that only the scripts write (commit.lua refuses them as metadata updates).
 SCRIPT_META_FIELDS = frozenset({"lv", "fmt", "lock", "ne", "exp", "ttl"})

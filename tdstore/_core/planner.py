@@ -5,7 +5,6 @@ Also holds the value checks shared by the write paths (which tensors can be stor
 
 from __future__ import annotations
 
-import json
 import numbers
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -77,7 +76,7 @@ class WritePlanner:
 
     def owner_bs(self, path: tuple[str, ...]) -> torch.Size:
         if len(path) == 1:
-            return torch.Size(json.loads(self.layout.meta.get("batch_size", "[]")))
+            return torch.Size(self.layout.batch_size)
         node = self.entries.get(path[:-1])
         assert node is not None, f"the parent of {path!r} is registered before its entries"
         return torch.Size(node.batch_size or ())
