@@ -150,7 +150,7 @@ class TensorDictStore(
                 raise
             # reconnecting: never reset what another process stored
             layout = self._layout(refresh=True)
-            stored = torch.Size(json.loads(layout.meta.get("batch_size", "[]")))
+            stored = torch.Size(layout.batch_size)
             if batch_size is not None and stored != bs:
                 raise SchemaError(
                     f"td_id {td_id!r} already holds a store with batch_size={list(stored)}, "
@@ -288,7 +288,7 @@ class TensorDictStore(
             if root is None:
                 meta = layout.meta
                 root = layout.memo["root"] = Entry.node(
-                    json.loads(meta.get("batch_size", "[]")), json.loads(meta.get("names") or "null"), None
+                    layout.batch_size, json.loads(meta.get("names") or "null"), None
                 )
             return root
         node = layout.entries.get(self._path)
@@ -303,7 +303,7 @@ class TensorDictStore(
     def _owner_batch_size(self, layout: _backend.Layout, path: tuple[str, ...]) -> torch.Size:
         if len(path) <= 1:
             return torch.Size(self._node(layout).batch_size or ()) if not self._path else torch.Size(
-                json.loads(layout.meta.get("batch_size", "[]"))
+                layout.batch_size
             )
         node = layout.entries.get(path[:-1])
         return torch.Size(node.batch_size or ()) if node else torch.Size([])
