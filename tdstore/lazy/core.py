@@ -240,7 +240,7 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         memo = layout.memo.get("lazy-root")
         if memo is None:
             memo = layout.memo["lazy-root"] = (
-                torch.Size(json.loads(layout.meta["batch_size"])), int(layout.meta["stack_dim"])
+                torch.Size(layout.batch_size), int(layout.meta["stack_dim"])
             )
         return memo
 
