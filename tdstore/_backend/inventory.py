@@ -7,7 +7,6 @@ other server operations, and take key names from :class:`~tdstore._core.keys.Sto
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +71,7 @@ async def read_stores(client: Any, candidates: list[tuple[str, str]]) -> list[St
             layout = _backend.parse_layout(meta_raw, reg_raw, k.base)
             if layout is not None and "fmt" in layout.meta:
                 chunk_map = _chunks.chunk_map(layout.entries)
-                json.loads(layout.meta.get("batch_size") or "[]")
+                layout.batch_size  # noqa: B018 - parsed here: damage shows in the listing
         except (ValueError, TypeError, RecursionError) as err:  # CorruptMetadataError is a ValueError
             reading.damage = err
             readings.append(reading)

@@ -144,7 +144,7 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
                     "td_id": k.td_id,
                     "prefix": k.prefix,
                     "kind": store_kind(layout),
-                    "batch_size": json.loads(layout.meta.get("batch_size") or "[]"),
+                    "batch_size": layout.batch_size,
                     "entries": len(reading.leaf_bytes),
                     "bytes": sum(reading.leaf_bytes),
                     "age_s": _age_seconds(layout.meta, now),
@@ -179,7 +179,7 @@ def _parent_batch(layout: _backend.Layout, path: tuple[str, ...]) -> list[int]:
     parent = layout.entries.get(path[:-1]) if len(path) > 1 else None
     if parent is not None and parent.is_node:
         return list(parent.batch_size or [])
-    return list(json.loads(layout.meta.get("batch_size") or "[]"))
+    return list(layout.batch_size)
 
 
 async def _details(client: Any, keys: StoreKeys) -> tuple[Any, ...]:
