@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def annotate(meta: Entry, store_meta: Mapping[str, str]) -> Entry:
         assert meta.shape is not None
         size = chunk_size(meta.shape, meta.torch_dtype.itemsize, int(cb))
         if size is not None:
-            return replace(meta, chunk=size)
+            return meta._replace(chunk=size)
     return meta
 
 

@@ -10,10 +10,11 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal, NamedTuple, TypeGuard
 
 from tdstore._core.chunks import MAX_CHUNKS, Chunking
 from tdstore._core.keys import decode_path
+from tdstore.errors import CorruptMetadataError
 
 __all__ = [
     "Entry", "Kind", "KINDS", "Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry",
@@ -64,9 +65,11 @@ def _dims(value: Any) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+class Entry(NamedTuple):
     """One registry entry: what the JSON object of its registry field says, validated.
+
+    Immutable (a NamedTuple: cheaper to build than a frozen dataclass, and a layout builds one
+    per entry each time it is read); ``entry._replace(...)`` makes a changed copy.
 
     The wire format (one JSON object per entry path; field names are known only to
     :meth:`from_json` and :meth:`to_json`):
@@ -204,8 +207,6 @@ class Entry:
         the store (``where``) and the field, for every value a hand edit (or damage) may leave:
         JSON that does not parse, wrong JSON types, booleans or floats or negative or huge
         dims, an unknown dtype or encoding, a chunking of implausibly many strings."""
-        from tdstore.errors import CorruptMetadataError
-
         if isinstance(raw, (bytes, bytearray, str)):
             try:
                 meta = json.loads(raw)
@@ -331,10 +332,9 @@ def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout
     Damaged data (a key of the wrong type, bytes that are not UTF-8, a registry value that
     is not JSON, JSON nested too deep, a layout version that is not a number) raises
     :class:`~tdstore.errors.CorruptMetadataError` naming the store (``base``) and the field;
-    the entries themselves are checked by the store class (``_check_layout``).
+    so does an entry with a damaged field (:meth:`Entry.from_json`). What depends on the kind
+    of store (its entry kinds, the tree of entries) is checked by the store class (``_check_layout``).
     """
-    from tdstore.errors import CorruptMetadataError
-
     if isinstance(meta_raw, Exception) or isinstance(reg_raw, Exception):
         which, err = ("meta", meta_raw) if isinstance(meta_raw, Exception) else ("reg", reg_raw)
         raise CorruptMetadataError(f"the {which} key of the store {base} cannot be read as a hash: {err}")

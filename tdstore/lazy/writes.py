@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -160,7 +159,7 @@ class LazyWrites(LazyBase):
         )
         existing = layout.entries.get(path)
         if existing is not None and new_ops and new_ops[0].path == path and new_ops[0].meta is not None:
-            new_ops[0].meta = replace(new_ops[0].meta, order=existing.order)  # a replaced key keeps its place
+            new_ops[0].meta = new_ops[0].meta._replace(order=existing.order)  # a replaced key keeps its place
         ops.extend(new_ops)
         return ops
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -334,7 +333,7 @@ class TensorDictStore(
                 names = None
             if not self._path:
                 return [], {"batch_size": json.dumps(list(new_size)), "names": json.dumps(names)}
-            meta = replace(layout.entries[self._path], batch_size=tuple(new_size), names=None if names is None else tuple(names))
+            meta = layout.entries[self._path]._replace(batch_size=tuple(new_size), names=None if names is None else tuple(names))
             return [_backend.Op("node", self._path, meta)], None
 
         self._commit_planned(plan, check_lock=True)
@@ -373,7 +372,7 @@ class TensorDictStore(
             ops = _nested_names_ops(self._descendants(layout, self._path), names, len(self._node(layout).batch_size or ()))
             if not self._path:
                 return ops, {"names": json.dumps(names)}
-            meta = replace(layout.entries[self._path], names=None if names is None else tuple(names))
+            meta = layout.entries[self._path]._replace(names=None if names is None else tuple(names))
             return [_backend.Op("node", self._path, meta), *ops], None
 
         self._commit_planned(plan, check_lock=False)
@@ -771,7 +770,7 @@ def _nested_names_ops(
         if new is not None and all(x is None for x in new):
             new = None
         if new != meta.dim_names:
-            ops.append(_backend.Op("node", path, replace(meta, names=None if new is None else tuple(new))))
+            ops.append(_backend.Op("node", path, meta._replace(names=None if new is None else tuple(new))))
     return ops
 
 
