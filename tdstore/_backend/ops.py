@@ -256,28 +256,33 @@ async def read_entries(
 
 
 def read_entries_direct(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]]
+    client: Any,
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool = True,
+    *,
+    large: Mapping[tuple[str, ...], int] | None = None,
+    device: Any = None,
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
-    """:func:`read_entries` ``with_layout=True`` of entries kept in one string each, on a
-    blocking ``redis.Redis`` (see ``Connection.read``): the same MULTI, without the hop to
-    the IO loop. None when the layout read with them gives one of them chunks (the caller
-    reads again through :func:`read_entries`); any error raises, and the caller does the same.
+    """One try of :func:`read_entries` on a blocking ``redis.Redis`` (see ``Connection.read``):
+    the same MULTI, without the hop to the IO loop, and large entries received straight into
+    their tensors (:func:`tdstore._backend.large.read_pieces_direct`). None when that try
+    does not settle it (an entry's chunking is not the cached one, or a large entry changed
+    meanwhile): the caller reads again through :func:`read_entries`. Any error raises, and
+    the caller does the same.
     """
+    big = {p: n for p, n in (large or {}).items() if n >= _large.READ_MIN and p in paths}
+    chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
+    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
     with client.pipeline(transaction=True) as pipe:
-        pipe.hgetall(keys.meta)
-        pipe.hgetall(keys.reg)
-        pipe.get(keys.wv)
-        for path in paths:
-            pipe.get(keys.plain(path))
+        _entries_build(keys, paths, with_layout, big, entry_keys)(pipe)
         replies = pipe.execute(raise_on_error=False)
-    _raise_first_error(replies)
-    layout = parse_layout(replies[0], replies[1])
-    if layout is not None:
-        layout.wv = _s(replies[2]) or "0"
-    metas = [None if layout is None else layout.entries.get(p) for p in paths]
-    if any(m is not None and _chunks.of_meta(m) is not None for m in metas):
-        return None
-    return (None if layout is None else layout.lv), metas, list(replies[3:]), layout
+    got = _entries_parse(replies, keys, paths, with_layout, big, device, chunking, entry_keys)
+    if isinstance(got, _Pieces):
+        if not _large.read_pieces_direct(client, keys, got.pieces, got.wv, got.lv):
+            return None
+        return got.result
+    return None if isinstance(got, dict) else got
 
 
 #: Reads in pieces tried before falling back to one MULTI (writes kept coming in between).
@@ -287,18 +292,24 @@ _LARGE_TRIES = 3
 _CHUNK_TRIES = _io.MAX_RETRIES
 
 
-async def _read_entries_once(
-    client: Any,
+@dataclass
+class _Pieces:
+    """A read whose large entries are still to be read in pieces into ``result``'s buffers."""
+
+    pieces: list[tuple[tuple[str, ...], Any, Any]]
+    wv: Any
+    lv: Any
+    result: tuple[int | None, list[Any], list[Any], Layout | None]
+
+
+def _entries_build(
     keys: StoreKeys,
     paths: Sequence[tuple[str, ...]],
     with_layout: bool,
     big: Mapping[tuple[str, ...], int],
-    device: Any,
-    chunking: dict[tuple[str, ...], Any],
-) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
-    """One try of :func:`read_entries` with each entry's chunking given: None when a large
-    entry changed meanwhile; the chunking read from the server when it differs."""
-    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
+    entry_keys: list[list[str]],
+) -> Any:
+    """The snapshot commands of one try of :func:`read_entries` (``build(pipe)``)."""
 
     def build(pipe: Any) -> None:
         if with_layout:
@@ -318,7 +329,42 @@ async def _read_entries_once(
         if big and not with_layout:
             pipe.get(keys.wv)
 
-    replies = await read_snapshot(client, keys, build)
+    return build
+
+
+async def _read_entries_once(
+    client: Any,
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool,
+    big: Mapping[tuple[str, ...], int],
+    device: Any,
+    chunking: dict[tuple[str, ...], Any],
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
+    """One try of :func:`read_entries` with each entry's chunking given: None when a large
+    entry changed meanwhile; the chunking read from the server when it differs."""
+    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
+    replies = await read_snapshot(client, keys, _entries_build(keys, paths, with_layout, big, entry_keys))
+    got = _entries_parse(replies, keys, paths, with_layout, big, device, chunking, entry_keys)
+    if isinstance(got, _Pieces):
+        if not await _large.read_pieces(client, keys, got.pieces, got.wv, got.lv):
+            return None
+        return got.result
+    return got
+
+
+def _entries_parse(
+    replies: list[Any],
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool,
+    big: Mapping[tuple[str, ...], int],
+    device: Any,
+    chunking: dict[tuple[str, ...], Any],
+    entry_keys: list[list[str]],
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None:
+    """The result of one try of :func:`read_entries` from its snapshot's replies; a
+    :class:`_Pieces` when large entries are still to be read."""
     if with_layout:
         layout = parse_layout(replies[0], replies[1], keys.base)
     elif paths and isinstance(replies[1], Exception):
@@ -369,9 +415,10 @@ async def _read_entries_once(
                 return None  # not the entry the caller expected (or it is gone): read it whole
             blobs[i] = _large.empty_buffer(size, device)
             pieces.append((path, blobs[i], chunking[path]))
-        if not await _large.read_pieces(client, keys, pieces, wv, lv_raw):
-            return None
+        return _Pieces(pieces, wv, lv_raw, (lv, metas, list(blobs), layout))
     return lv, metas, list(blobs), layout
+
+
 
 
 #: The most bytes a one-step read (:func:`read_all`) returns: every byte goes through the
