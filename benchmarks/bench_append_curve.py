@@ -18,7 +18,8 @@ in alternating order:
 
 Every process of a point connects and makes one untimed call first; then they all start
 at the same instant, run for ``--seconds`` (each loop also stops after ``MAX_CALLS``)
-and report their calls. Throughput = rows appended / (last call's end - start). The
+and report their calls and the p50 / p99 time of a call. Throughput = rows appended /
+(last call's end - start); the samplers' calls/s likewise. The
 server's main-thread CPU (``INFO cpu``: ``used_cpu_user_main_thread +
 used_cpu_sys_main_thread``) is read before and after each point: divided by the appends,
 it is the server's cost per append (samplers included when they run), which caps the
@@ -148,12 +149,16 @@ def _worker(pipe: Connection, seed: int) -> None:
                     time.sleep(max(0.0, min(0.001, t_start - time.monotonic())))
                 t_end = t_start + seconds
                 calls = 0
+                times = []
                 now = time.monotonic()
                 while now < t_end and calls < MAX_CALLS:
                     once()
                     calls += 1
+                    times.append(time.monotonic() - now)
                     now = time.monotonic()
-                pipe.send(("done", calls, now))
+                times.sort()
+                p50, p99 = (times[int(q * (len(times) - 1))] if times else float("nan") for q in (0.5, 0.99))
+                pipe.send(("done", calls, now, p50, p99))
             finally:
                 close()
         except Exception:  # reported to the parent, which stops the run
@@ -183,8 +188,13 @@ class Workers:
             raise RuntimeError(f"benchmark worker failed:\n{msg[1]}")
         return msg
 
-    def point(self, jobs: dict[int, dict[str, Any]], seconds: float, info: Any) -> tuple[float, dict[int, tuple[int, float]], float]:
-        """Runs ``jobs[slot]`` on those workers together; returns (start, {slot: (calls, end)}, server CPU s)."""
+    def point(
+        self, jobs: dict[int, dict[str, Any]], seconds: float, info: Any
+    ) -> tuple[float, dict[int, tuple[Any, ...]], float]:
+        """Runs ``jobs[slot]`` on those workers together.
+
+        Returns the start, ``{slot: (calls, end, p50 s, p99 s of a call)}`` and the server's CPU seconds.
+        """
         pipes = {slot: self.pipes[slot] for slot in jobs}
         for slot, pipe in pipes.items():
             pipe.send(jobs[slot])
@@ -196,7 +206,7 @@ class Workers:
             pipe.send((t_start, seconds))
         outs = {slot: self._recv(pipe, seconds + 120) for slot, pipe in pipes.items()}
         cpu1 = server_cpu(info)
-        return t_start, {slot: (msg[1], msg[2]) for slot, msg in outs.items()}, cpu1 - cpu0
+        return t_start, {slot: msg[1:] for slot, msg in outs.items()}, cpu1 - cpu0
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -236,11 +246,17 @@ def run_point(
     wall = max(outs[s][1] for s in appenders) - t_start
     samples = sum(outs[s][0] for s in sampling)
     s_wall = max((outs[s][1] for s in sampling), default=t_start) - t_start
+
+    def ms(role: list[int], q: int) -> float | None:  # each process's p50 / p99 of a call, median over the processes
+        return statistics.median(outs[s][q] for s in role) * 1e3 if role else None
+
     return {
         "side": side, "appenders": n, "samplers": samplers, "appends": appends, "seconds": wall,
         "rows_per_s": appends * BATCH / wall, "server_cpu_s": cpu,
         "server_us_per_append": cpu / appends * 1e6 if appends else float("nan"),
         "server_busy": cpu / wall, "samples_per_s": samples / s_wall if samplers and s_wall > 0 else None,
+        "append_p50_ms": ms(appenders, 2), "append_p99_ms": ms(appenders, 3),
+        "sample_p50_ms": ms(sampling, 2), "sample_p99_ms": ms(sampling, 3),
     }
 
 
@@ -260,7 +276,7 @@ def _setup(srv: Any, tr: str) -> tuple[dict[str, Any], TensorDictStore, dict[str
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of each figure over the rounds of one point."""
     out = dict(runs[0])
-    for key in ("rows_per_s", "server_us_per_append", "server_busy", "samples_per_s"):
+    for key in ("rows_per_s", "server_us_per_append", "server_busy", "samples_per_s", "sample_p99_ms"):
         if runs[0][key] is not None:
             out[key] = statistics.median(r[key] for r in runs)
     return out
@@ -298,6 +314,7 @@ def _curve(
                     f"{_fmt(BATCH * 1e6 / us_t)} / {_fmt(BATCH * 1e6 / us_r)}",
                     f"{t['server_busy'] * 100:.0f}% / {r['server_busy'] * 100:.0f}%",
                     f"{_fmt(t['samples_per_s'], '.1f')} / {_fmt(r['samples_per_s'], '.1f')}",
+                    f"{_fmt(t['sample_p99_ms'], '.0f')} / {_fmt(r['sample_p99_ms'], '.0f')}",
                 ])
                 print(f"  {kind} {tr} samplers={s} N={n}: " + " | ".join(table[-1][3:]), flush=True)
     finally:
@@ -356,7 +373,8 @@ def main() -> None:
 def _print_table(kind: str, banner: str, table: list[list[str]]) -> None:
     headers = ["transport", "samplers", "appenders", "tdstore rows/s", "raw rows/s", f"ratio (goal >= {GOAL}x)",
                "server µs/append tdstore", "raw", "ratio",
-               "server-bound rows/s tdstore / raw", "server busy tdstore / raw", "sample() calls/s tdstore / raw"]
+               "server-bound rows/s tdstore / raw", "server busy tdstore / raw", "sample() calls/s tdstore / raw",
+               "sample() p99 ms tdstore / raw"]
     print(f"\n### aggregate appends, {kind}\n")
     print("| " + " | ".join(headers) + " |")
     print("|" + "|".join("---" if i < 1 else "--:" for i in range(len(headers))) + "|")
