@@ -23,9 +23,11 @@ and report their calls and the p50 / p99 time of a call. Throughput = rows appen
 server's main-thread CPU (``INFO cpu``: ``used_cpu_user_main_thread +
 used_cpu_sys_main_thread``) is read before and after each point: divided by the appends,
 it is the server's cost per append (samplers included when they run), which caps the
-aggregate rate at ``16 * 1e6 / (µs per append)`` rows/s on any machine. On a small VM
-the clients compete with the server for the same cores, so that figure, not the measured
-curve, predicts a big machine.
+aggregate rate at ``16 * 1e6 / (µs per append)`` rows/s on any machine. Each appender
+also reports its own CPU time (``time.process_time()``: every thread of the process), the
+client's cost per append. On a small VM the clients compete with the server for the same
+cores, so the measured curve mostly shows the client's cost; the server's figure, not the
+curve, predicts a machine with a core for every client.
 
 The worker processes are forked once, before any server or connection exists, and serve
 every point (starting 18 Python processes that import torch per point would take longer
@@ -150,15 +152,17 @@ def _worker(pipe: Connection, seed: int) -> None:
                 t_end = t_start + seconds
                 calls = 0
                 times = []
+                cpu0 = time.process_time()  # this process, all threads (tdstore's IO thread too)
                 now = time.monotonic()
                 while now < t_end and calls < MAX_CALLS:
                     once()
                     calls += 1
                     times.append(time.monotonic() - now)
                     now = time.monotonic()
+                cpu = time.process_time() - cpu0
                 times.sort()
                 p50, p99 = (times[int(q * (len(times) - 1))] if times else float("nan") for q in (0.5, 0.99))
-                pipe.send(("done", calls, now, p50, p99))
+                pipe.send(("done", calls, now, p50, p99, cpu))
             finally:
                 close()
         except Exception:  # reported to the parent, which stops the run
@@ -193,7 +197,8 @@ class Workers:
     ) -> tuple[float, dict[int, tuple[Any, ...]], float]:
         """Runs ``jobs[slot]`` on those workers together.
 
-        Returns the start, ``{slot: (calls, end, p50 s, p99 s of a call)}`` and the server's CPU seconds.
+        Returns the start, ``{slot: (calls, end, p50 s, p99 s of a call, CPU s of the process)}`` and
+        the server's CPU seconds.
         """
         pipes = {slot: self.pipes[slot] for slot in jobs}
         for slot, pipe in pipes.items():
@@ -254,6 +259,7 @@ def run_point(
         "side": side, "appenders": n, "samplers": samplers, "appends": appends, "seconds": wall,
         "rows_per_s": appends * BATCH / wall, "server_cpu_s": cpu,
         "server_us_per_append": cpu / appends * 1e6 if appends else float("nan"),
+        "client_us_per_append": sum(outs[s][4] for s in appenders) / appends * 1e6 if appends else float("nan"),
         "server_busy": cpu / wall, "samples_per_s": samples / s_wall if samplers and s_wall > 0 else None,
         "append_p50_ms": ms(appenders, 2), "append_p99_ms": ms(appenders, 3),
         "sample_p50_ms": ms(sampling, 2), "sample_p99_ms": ms(sampling, 3),
@@ -276,7 +282,8 @@ def _setup(srv: Any, tr: str) -> tuple[dict[str, Any], TensorDictStore, dict[str
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of each figure over the rounds of one point."""
     out = dict(runs[0])
-    for key in ("rows_per_s", "server_us_per_append", "server_busy", "samples_per_s", "sample_p99_ms"):
+    for key in ("rows_per_s", "server_us_per_append", "client_us_per_append", "server_busy", "samples_per_s",
+                "sample_p99_ms"):
         if runs[0][key] is not None:
             out[key] = statistics.median(r[key] for r in runs)
     return out
@@ -312,6 +319,7 @@ def _curve(
                     f"{ratio:.2f}x {'ok' if ratio >= GOAL else 'MISS'}",
                     _fmt(us_t), _fmt(us_r), f"{us_t / us_r:.2f}x",
                     f"{_fmt(BATCH * 1e6 / us_t)} / {_fmt(BATCH * 1e6 / us_r)}",
+                    f"{_fmt(t['client_us_per_append'])} / {_fmt(r['client_us_per_append'])}",
                     f"{t['server_busy'] * 100:.0f}% / {r['server_busy'] * 100:.0f}%",
                     f"{_fmt(t['samples_per_s'], '.1f')} / {_fmt(r['samples_per_s'], '.1f')}",
                     f"{_fmt(t['sample_p99_ms'], '.0f')} / {_fmt(r['sample_p99_ms'], '.0f')}",
@@ -373,7 +381,7 @@ def main() -> None:
 def _print_table(kind: str, banner: str, table: list[list[str]]) -> None:
     headers = ["transport", "samplers", "appenders", "tdstore rows/s", "raw rows/s", f"ratio (goal >= {GOAL}x)",
                "server µs/append tdstore", "raw", "ratio",
-               "server-bound rows/s tdstore / raw", "server busy tdstore / raw", "sample() calls/s tdstore / raw",
+               "server-bound rows/s tdstore / raw", "client CPU µs/append tdstore / raw", "server busy tdstore / raw", "sample() calls/s tdstore / raw",
                "sample() p99 ms tdstore / raw"]
     print(f"\n### aggregate appends, {kind}\n")
     print("| " + " | ".join(headers) + " |")
@@ -382,7 +390,8 @@ def _print_table(kind: str, banner: str, table: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
     print(f"\n{banner}. Rows of {ROW_BYTES:,} B, {BATCH} a call; server µs/append: main-thread CPU (INFO cpu) "
           "over the point / appends (samplers' reads included when they run); server-bound rows/s: "
-          f"{BATCH} x 1e6 / µs per append, the rate at which that CPU fills one core; busy: the CPU / wall time.")
+          f"{BATCH} x 1e6 / µs per append, the rate at which that CPU fills one core; client CPU: the appending "
+          "processes' CPU (all threads) / appends; busy: the server's CPU / wall time.")
 
 
 if __name__ == "__main__":
