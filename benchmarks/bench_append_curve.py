@@ -1,17 +1,18 @@
 """Aggregate append throughput of N appending processes, with and without samplers (issue 16 goal 2).
 
-    python benchmarks/bench_append_curve.py                      # Redis 7 and Valkey 8, unix socket (~4 min)
-    python benchmarks/bench_append_curve.py --quick              # ~1 s a point (~2 min)
+    python benchmarks/bench_append_curve.py                      # Redis 7 and Valkey 8, unix socket (~3 min)
+    python benchmarks/bench_append_curve.py --quick              # one round of 1 s points (~1 min)
     python benchmarks/bench_append_curve.py --transport both --json curve.json
 
 For each server, transport, number of appenders N (``--appenders``, default 1,2,4,8,16)
 and number of samplers (``--samplers``, default 0,2), two points run, tdstore's and raw's,
-in alternating order:
+``--rounds`` times (default 2, the order alternating; the table gives the medians):
 
 * tdstore: N processes call ``store.extend(td)`` of 16 rows (obs 84x84x3 uint8 = 21,168 B,
   action 4 float32, reward float32) on one ``from_schema`` ring of 4096 rows, while the
   samplers call ``store.sample(256)``;
-* raw: N processes do what a careful redis-py user writes for the same bytes, without
+* raw: N processes do what a careful redis-py user writes for the same bytes (blocking
+  ``redis.Redis``, which costs less client CPU per call here than ``redis.asyncio``), without
   tdstore's guarantees: ``INCRBY`` of a cursor key, then a MULTI of one SETRANGE per
   entry (two where the batch wraps); the samplers ``GET`` the cursor, then read 256
   random rows of each entry in one MULTI (768 GETRANGEs) and build the tensors.
