@@ -34,7 +34,7 @@ from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
-from tdstore._core.values import NO_DEFAULT, is_no_default
+from tdstore._core.values import NO_DEFAULT
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -44,18 +44,19 @@ from tdstore.errors import (
 )
 from tdstore.store.api import StoreAPI
 from tdstore.store.compat import StoreCompat014
+from tdstore.store.handle import StoreHandle, entries_below
 from tdstore.store.layout_cache import LayoutCache
 from tdstore.store.lifetime import LifetimeAPI, ttl_ms
 from tdstore.store.reads import StoreReads
 from tdstore.store.ring import RingBufferAPI
 from tdstore.store.unsupported import StoreUnsupported
-from tdstore.store.views import StoreKeysView
 
 __all__ = ["TensorDictStore"]
 
 
 class TensorDictStore(
-    LayoutCache, StoreAPI, StoreReads, RingBufferAPI, LifetimeAPI, StoreUnsupported, StoreCompat014, TensorDictBase
+    LayoutCache, StoreHandle, StoreAPI, StoreReads, RingBufferAPI, LifetimeAPI, StoreUnsupported, StoreCompat014,
+    TensorDictBase,
 ):
     """A TensorDict whose entries live on a Redis-compatible server.
 
@@ -73,18 +74,6 @@ class TensorDictStore(
         >>> td.clear_redis()
         >>> td.close()
     """
-
-    # hooks of TensorDictBase (0.15) for backends whose reads return copies
-    _reads_return_copies = True
-    _leaves_built_on_read = True
-    _storage_holds_no_gradients = True
-    _contiguous_via_to_tensordict = True
-    _masking_on_dense_copy = True
-    _masked_select_on_dense_copy = True
-    _map_on_dense_copies = True
-    _update_stores_copy_of_self = True
-    _pin_memory_unsupported = True
-    _setitem_key_inplace = False
 
     def __init__(
         self,
@@ -201,27 +190,19 @@ class TensorDictStore(
     def _td_id(self) -> str:
         return self._conn.keys.td_id
 
-    def __repr__(self) -> str:
-        if self._conn.closed:
-            return f"TensorDictStore(td_id={self.td_id!r}, prefix={self.prefix!r}, closed)"
-        try:
-            layout = self._layout()
-        except Exception as err:  # noqa: BLE001 - repr must not raise
-            return f"TensorDictStore(td_id={self.td_id!r}, prefix={self.prefix!r}, <{type(err).__name__}>)"
-        fields = []
-        for path, meta in self._children(layout, self._path):
-            key = path[-1]
-            if meta["k"] == "t":
-                fields.append(f"{key}: {meta['dtype']}{meta['shape']}")
-            elif meta["k"] == "td":
-                fields.append(f"{key}: TensorDictStore{meta['batch_size']}")
-            else:
-                fields.append(f"{key}: NonTensor")
-        return (
-            f"TensorDictStore(td_id={self.td_id!r}, prefix={self.prefix!r}, "
-            f"batch_size={list(self.batch_size)}, device={self.device}, "
-            f"backend={self._backend_label!r}, fields={{{', '.join(fields)}}})"
-        )
+    _repr_name = "TensorDictStore"
+
+    def _repr_ident(self) -> str:
+        return f"td_id={self.td_id!r}, prefix={self.prefix!r}"
+
+    def _repr_details(self) -> str:
+        return f"batch_size={list(self.batch_size)}, device={self.device}, backend={self._backend_label!r}"
+
+    @staticmethod
+    def _repr_field(meta: dict[str, Any]) -> str:
+        if meta["k"] == "t":
+            return f"{meta['dtype']}{meta['shape']}"
+        return f"TensorDictStore{meta['batch_size']}" if meta["k"] == "td" else "NonTensor"
 
     # ------------------------------------------------------------------ layout
     def _check_layout(self, layout: _backend.Layout) -> None:
@@ -259,25 +240,11 @@ class TensorDictStore(
 
     @staticmethod
     def _children(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
-        memo = layout.memo.get(("children", path))
-        if memo is not None:
-            return memo
-        n = len(path)
-        items = [(p, m) for p, m in layout.entries.items() if len(p) == n + 1 and p[:n] == path]
-        items.sort(key=lambda item: _values.order_key(item[1]))
-        layout.memo[("children", path)] = items
-        return items
+        return entries_below(layout, path, children=True)
 
     @staticmethod
     def _descendants(layout: _backend.Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
-        memo = layout.memo.get(("descendants", path))
-        if memo is not None:
-            return memo
-        n = len(path)
-        items = [(p, m) for p, m in layout.entries.items() if len(p) > n and p[:n] == path]
-        items.sort(key=lambda item: (len(item[0]), _values.order_key(item[1])))
-        layout.memo[("descendants", path)] = items
-        return items
+        return entries_below(layout, path, depth_first=True)
 
     def _node(self, layout: _backend.Layout | None = None) -> dict[str, Any]:
         layout = layout if layout is not None else self._layout()
@@ -395,96 +362,13 @@ class TensorDictStore(
     def _has_names(self) -> bool:
         return self._node().get("names") is not None
 
-    def _rename_subtds(self, names: Any) -> None:
-        return None
-
-    @property
-    def _is_locked(self) -> bool:  # type: ignore[override]
-        return self._layout().meta.get("lock") == "1"
-
-    @_is_locked.setter
-    def _is_locked(self, value: bool) -> None:
-        if getattr(self, "_conn", None) is None or self._conn.closed:
-            return
-        layout = self._fresh_layout()
-        if (layout.meta.get("lock") == "1") == bool(value):
-            return
-        self._commit_planned(lambda _layout: ([], {"lock": "1" if value else "0"}), check_lock=False, expected_any=True)
-
-    @property
-    def is_locked(self) -> bool:
-        return self._fresh_layout().meta.get("lock") == "1"
-
-    @is_locked.setter
-    def is_locked(self, value: bool) -> None:
-        if value:
-            self.lock_()
-        else:
-            self.unlock_()
-
-    def lock_(self) -> TensorDictStore:
-        """Locks the store on the server: every process sees it locked until ``unlock_()``."""
-        if self._conn.closed:
-            raise self._conn.closed_error()
-        self._is_locked = True
-        return self
-
-    def unlock_(self) -> TensorDictStore:
-        """Unlocks the store on the server."""
-        if self._conn.closed:
-            raise self._conn.closed_error()
-        self._is_locked = False
-        return self
-
-    def is_contiguous(self) -> bool:
-        return False
-
-    def is_shared(self) -> bool:
-        return False
-
-    def is_memmap(self) -> bool:
-        return False
-
-    def detach_(self) -> TensorDictBase:
-        return self
-
-    def entry_class(self, key: Any) -> type:
-        path = self._path + _as_path(key)
-        meta = self._entry(path)
-        if meta is None:
-            raise self._key_error(path)
+    def _class_of(self, meta: dict[str, Any]) -> type:
+        """The class the entry of registry metadata ``meta`` reads as (``entry_class``)."""
         if meta["k"] == "td":
             return type(self)
         if meta["k"] == "nt":
             return NonTensorStack if meta.get("stack") else NonTensorData
         return torch.Tensor
-
-    # ------------------------------------------------------------------ keys
-    def keys(
-        self,
-        include_nested: bool = False,
-        leaves_only: bool = False,
-        is_leaf: Callable[[type], bool] | None = None,
-        *,
-        sort: bool = False,
-    ) -> StoreKeysView:
-        return StoreKeysView(self, include_nested, leaves_only, is_leaf, sort)
-
-    def _key_list(self, include_nested: bool, leaves_only: bool, is_leaf: Callable[[type], bool] | None) -> list[Any]:
-        layout = self._fresh_layout()
-        n = len(self._path)
-        items = self._descendants(layout, self._path) if include_nested else self._children(layout, self._path)
-        out = []
-        for path, meta in items:
-            if leaves_only and meta["k"] == "td":
-                continue
-            if is_leaf is not None and meta["k"] == "nt" and leaves_only:
-                cls = NonTensorStack if meta.get("stack") else NonTensorData
-                if not is_leaf(cls):
-                    continue
-            rel = path[n:]
-            out.append(rel[0] if len(rel) == 1 else rel)
-        return out
 
     # ------------------------------------------------------------------ reads
     def _get_str(self, key: Any, default: Any, **kwargs: Any) -> Any:
@@ -493,10 +377,8 @@ class TensorDictStore(
     _get_tuple = _get_str
 
     def _get_path(self, path: tuple[str, ...], default: Any) -> Any:
-        meta = self._entry(path)
+        meta = self._entry_or_default(path, default)
         if meta is None:
-            if is_no_default(default):
-                raise self._key_error(path)
             return default
         if meta["k"] == "td":
             return self._sub(path)
@@ -519,10 +401,8 @@ class TensorDictStore(
 
     def _get_at_str(self, key: Any, idx: Any, default: Any, **kwargs: Any) -> Any:
         path = self._path + _as_path(key)
-        meta = self._entry(path)
+        meta = self._entry_or_default(path, default)
         if meta is None:
-            if is_no_default(default):
-                raise self._key_error(path)
             return default
         if meta["k"] == "td":
             return self._sub(path)[idx]
