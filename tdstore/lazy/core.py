@@ -73,21 +73,6 @@ class LazyStackedTensorDictStore(
             self.close()
             raise
 
-    def _init_handle(self, conn: Any, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool) -> None:
-        self._conn = conn
-        self._path = path
-        self._cleared_meta: dict[str, str] | None = None
-        self._device_override = device
-        self._cache_metadata = bool(cache_metadata)
-        self._is_shared = False
-        self._is_memmap = False
-
-    @classmethod
-    def _handle(cls, conn: Any, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool) -> LazyStackedTensorDictStore:
-        self = cls.__new__(cls)
-        self._init_handle(conn, path, device, cache_metadata)
-        return self
-
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_lazy_stack(cls, td: LazyStackedTensorDict, *, td_id: str | None = None, device: Any = None, **kwargs: Any) -> LazyStackedTensorDictStore:
@@ -168,17 +153,8 @@ class LazyStackedTensorDictStore(
     # ------------------------------------------------------------------ identity
     _repr_name = "LazyStackedTensorDictStore"
 
-    def _repr_ident(self) -> str:
-        return f"td_id={self.td_id!r}"
-
     def _repr_details(self) -> str:
         return f"batch_size={list(self.batch_size)}, stack_dim={self.stack_dim}"
-
-    @staticmethod
-    def _repr_field(meta: dict[str, Any]) -> str:
-        if meta["k"] == "lt":
-            return f"{meta['dtype']}{'' if 'shape' in meta else ' ragged'}"
-        return "LazyStackedTensorDictStore" if meta["k"] == "td" else "NonTensor"
 
     # ------------------------------------------------------------------ layout
     def _check_layout(self, layout: _backend.Layout) -> None:

@@ -151,34 +151,11 @@ class TensorDictStore(
                 ) from None
 
     def _init_handle(
-        self,
-        conn: Connection,
-        path: tuple[str, ...],
-        device: torch.device | None,
-        cache_metadata: bool,
-        backend: str,
+        self, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
     ) -> None:
-        self._conn = conn
-        self._path = path
-        self._device_override = device
-        self._cache_metadata = bool(cache_metadata)
-        self._backend_label = backend
-        self._is_shared = False
-        self._is_memmap = False
-        self._cleared_meta: dict[str, str] | None = None
-
-    @classmethod
-    def _handle(
-        cls,
-        conn: Connection,
-        path: tuple[str, ...] = (),
-        device: torch.device | None = None,
-        cache_metadata: bool = True,
-        backend: str = "redis",
-    ) -> TensorDictStore:
-        self = cls.__new__(cls)
-        self._init_handle(conn, path, device, cache_metadata, backend)
-        return self
+        """``more``: the backend label (``backend=``)."""
+        StoreHandle._init_handle(self, conn, path, device, cache_metadata)
+        self._backend_label = more[0] if more else "redis"
 
     def _sub(self, path: tuple[str, ...]) -> TensorDictStore:
         return type(self)._handle(
@@ -192,17 +169,8 @@ class TensorDictStore(
 
     _repr_name = "TensorDictStore"
 
-    def _repr_ident(self) -> str:
-        return f"td_id={self.td_id!r}, prefix={self.prefix!r}"
-
     def _repr_details(self) -> str:
         return f"batch_size={list(self.batch_size)}, device={self.device}, backend={self._backend_label!r}"
-
-    @staticmethod
-    def _repr_field(meta: dict[str, Any]) -> str:
-        if meta["k"] == "t":
-            return f"{meta['dtype']}{meta['shape']}"
-        return f"TensorDictStore{meta['batch_size']}" if meta["k"] == "td" else "NonTensor"
 
     # ------------------------------------------------------------------ layout
     def _check_layout(self, layout: _backend.Layout) -> None:

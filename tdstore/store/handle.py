@@ -24,6 +24,8 @@ from tdstore.store.views import StoreKeysView
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from tdstore._backend.connection import Connection
+
 __all__ = ["StoreHandle", "entries_below"]
 
 _Entries = list[tuple[tuple[str, ...], dict[str, Any]]]
@@ -67,10 +69,32 @@ class StoreHandle(SharedBase):
     #: the class name ``repr`` shows
     _repr_name: str
 
+    # ------------------------------------------------------------------ handles
+    def _init_handle(
+        self, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
+    ) -> None:
+        """Sets up a handle on ``conn`` at the nested ``path``; ``more``: what the host class adds."""
+        self._conn = conn
+        self._path = path
+        self._device_override = device
+        self._cache_metadata = bool(cache_metadata)
+        self._is_shared = False
+        self._is_memmap = False
+        self._cleared_meta: dict[str, str] | None = None
+
+    @classmethod
+    def _handle(
+        cls, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
+    ) -> Self:
+        """A handle on ``conn`` (no server round trip): what sub-handles, ``to(device)`` and unpickling make."""
+        self = cls.__new__(cls)
+        self._init_handle(conn, path, device, cache_metadata, *more)
+        return self
+
     # ------------------------------------------------------------------ identity
     def __repr__(self) -> str:
         name = self._repr_name
-        ident = self._repr_ident()
+        ident = f"td_id={self.td_id!r}, prefix={self.prefix!r}"
         if self._conn.closed:
             return f"{name}({ident}, closed)"
         try:
@@ -79,6 +103,11 @@ class StoreHandle(SharedBase):
             return f"{name}({ident}, <{type(err).__name__}>)"
         fields = ", ".join(f"{path[-1]}: {self._repr_field(meta)}" for path, meta in self._children(layout, self._path))
         return f"{name}({ident}, {self._repr_details()}, fields={{{fields}}})"
+
+    def _repr_field(self, meta: dict[str, Any]) -> str:
+        if self._class_of(meta) is torch.Tensor:
+            return f"{meta['dtype']}{meta['shape'] if 'shape' in meta else ' ragged'}"
+        return f"{self._repr_name}{meta['batch_size']}" if meta["k"] == "td" else "NonTensor"
 
     # ------------------------------------------------------------------ lock
     @property

@@ -66,6 +66,15 @@ class StoreHost(Protocol):
 
     def _entry_or_default(self, path: tuple[str, ...], default: Any) -> dict[str, Any] | None: ...
 
+    def _init_handle(
+        self, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
+    ) -> None: ...
+
+    @classmethod
+    def _handle(
+        cls, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
+    ) -> Any: ...
+
     def _key_list(self, include_nested: bool, leaves_only: bool, is_leaf: Any) -> list[Any]: ...
 
     def _clear_store(self) -> dict[str, Any] | None: ...
@@ -82,11 +91,7 @@ class StoreHost(Protocol):
 
     def close(self) -> None: ...
 
-    def _repr_ident(self) -> str: ...
-
     def _repr_details(self) -> str: ...
-
-    def _repr_field(self, meta: dict[str, Any]) -> str: ...
 
 
 class DenseHost(StoreHost, Protocol):
@@ -101,20 +106,6 @@ class DenseHost(StoreHost, Protocol):
 
     @property
     def names(self) -> Any: ...
-
-    @classmethod
-    def _handle(
-        cls,
-        conn: Connection,
-        path: tuple[str, ...] = (),
-        device: torch.device | None = None,
-        cache_metadata: bool = True,
-        backend: str = "redis",
-    ) -> Any: ...
-
-    def _init_handle(
-        self, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, backend: str
-    ) -> None: ...
 
     def _sub(self, path: tuple[str, ...]) -> Any: ...
 
@@ -158,9 +149,6 @@ class LazyHost(StoreHost, Protocol):
 
     @property
     def stack_dim(self) -> int: ...
-
-    @classmethod
-    def _handle(cls, conn: Any, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool) -> Any: ...
 
     def _root(self, layout: Layout) -> tuple[torch.Size, int]: ...
 
