@@ -27,8 +27,8 @@ API_TEXT = Path(__file__).parent / "data" / "api" / "TensorDictStore.txt"
 _SIGNATURE = re.compile(r"^(?:classmethod )?(?:class tensordict\.store\.)?(?P<name>\w+)\((?P<params>.*)\)(?: → .*)?#$")
 
 
-def _api_signatures() -> dict[str, list[ast.arg | Any]]:
-    out: dict[str, Any] = {}
+def _api_signatures() -> dict[str, ast.arguments]:
+    out: dict[str, ast.arguments] = {}
     for line in API_TEXT.read_text().splitlines():
         match = _SIGNATURE.match(line)
         if match is None:
@@ -47,9 +47,9 @@ def _expected(args: ast.arguments) -> tuple[list[tuple[str, str, Any]], bool]:
     positional = args.posonlyargs + args.args
     pos_defaults: list[Any] = [inspect.Parameter.empty] * (len(positional) - len(args.defaults)) + list(args.defaults)
     out = []
-    for arg, default in list(zip(positional, pos_defaults))[1:]:
+    for arg, default in list(zip(positional, pos_defaults, strict=True))[1:]:
         out.append((arg.arg, "POSITIONAL_OR_KEYWORD", default))
-    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults):
+    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
         out.append((arg.arg, "KEYWORD_ONLY", kw_default if kw_default is not None else inspect.Parameter.empty))
     return [
         (name, kind, d if d is inspect.Parameter.empty else ast.literal_eval(d)) for name, kind, d in out
