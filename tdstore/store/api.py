@@ -1,9 +1,9 @@
 """The store's constructors, lifecycle and whole-store methods (a mixin of TensorDictStore).
 
-Kept apart from ``store.py`` so that each module stays small: this one holds what a
+Kept apart from ``store/core.py`` so that each module stays small: this one holds what a
 TensorDict user calls on the store as a whole (``from_*``, ``update``, ``pop``,
-``rename_key_``, ``clone``, ``close``, ``clear_redis``, pickling), ``store.py`` the
-per-entry semantics.
+``rename_key_``, ``clone``, ``clear_redis``, pickling), ``core.py`` the per-entry
+semantics, ``writes.py`` the whole-entry writes and ``handle.py`` what the lazy store shares.
 """
 
 from __future__ import annotations

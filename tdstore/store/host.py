@@ -1,10 +1,11 @@
 """What the mixins of the store classes need of the class they are mixed into.
 
-``TensorDictStore`` is assembled from mixins (``StoreAPI``, ``StoreReads``, ``RingBufferAPI``,
-``LifetimeAPI``, ...) and ``LazyStackedTensorDictStore`` from others (``LazyReads``,
-``LazyWrites``); both share ``LayoutCache``. A mixin calls methods and reads attributes that its
-host defines. The protocols here declare them, so that the type checker checks each mixin against
-them instead of taking every attribute on trust.
+``TensorDictStore`` is assembled from mixins (``StoreAPI``, ``StoreWrites``, ``StoreReads``,
+``RingBufferAPI``, ``LifetimeAPI``, ...) and ``LazyStackedTensorDictStore`` from others
+(``LazyReads``, ``LazyWrites``); both share ``LayoutCache`` and ``StoreHandle``
+(:mod:`tdstore.store.handle`). A mixin calls methods and reads attributes that its host defines.
+The protocols here declare them, so that the type checker checks each mixin against them instead
+of taking every attribute on trust.
 
 At run time the mixins derive from ``object``: the protocols are used only by the type checker
 (``if TYPE_CHECKING``), through :data:`DenseBase` and :data:`LazyBase`. The members that come from
