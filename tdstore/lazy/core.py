@@ -156,6 +156,10 @@ class LazyStackedTensorDictStore(
     def _repr_details(self) -> str:
         return f"batch_size={list(self.batch_size)}, stack_dim={self.stack_dim}"
 
+    def _node_batch_size(self, meta: dict[str, Any], layout: _backend.Layout) -> list[int]:
+        """The batch size of the nested lazy stack whose registry metadata is ``meta`` (its elements' and the stack dim)."""
+        return list(self._full_bs(torch.Size(meta["batch_size"]), layout))
+
     # ------------------------------------------------------------------ layout
     def _check_layout(self, layout: _backend.Layout) -> None:
         where = self._where()

@@ -167,6 +167,11 @@ class TensorDictStore(
     def _repr_details(self) -> str:
         return f"batch_size={list(self.batch_size)}, device={self.device}, backend={self._backend_label!r}"
 
+    @staticmethod
+    def _node_batch_size(meta: dict[str, Any], layout: _backend.Layout) -> list[int]:
+        """The batch size of the nested tensordict whose registry metadata is ``meta``."""
+        return list(meta["batch_size"])
+
     # ------------------------------------------------------------------ layout
     def _check_layout(self, layout: _backend.Layout) -> None:
         self._check_store_meta(layout, self._where())

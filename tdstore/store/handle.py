@@ -101,13 +101,13 @@ class StoreHandle(SharedBase):
             layout = self._layout()
         except Exception as err:  # noqa: BLE001 - repr must not raise
             return f"{name}({ident}, <{type(err).__name__}>)"
-        fields = ", ".join(f"{path[-1]}: {self._repr_field(meta)}" for path, meta in self._children(layout, self._path))
+        fields = ", ".join(f"{p[-1]}: {self._repr_field(meta, layout)}" for p, meta in self._children(layout, self._path))
         return f"{name}({ident}, {self._repr_details()}, fields={{{fields}}})"
 
-    def _repr_field(self, meta: dict[str, Any]) -> str:
+    def _repr_field(self, meta: dict[str, Any], layout: _backend.Layout) -> str:
         if self._class_of(meta) is torch.Tensor:
             return f"{meta['dtype']}{meta['shape'] if 'shape' in meta else ' ragged'}"
-        return f"{self._repr_name}{meta['batch_size']}" if meta["k"] == "td" else "NonTensor"
+        return f"{self._repr_name}{self._node_batch_size(meta, layout)}" if meta["k"] == "td" else "NonTensor"
 
     # ------------------------------------------------------------------ lock
     @property

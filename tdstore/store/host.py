@@ -96,6 +96,8 @@ class StoreHost(Protocol):
 
     def _repr_details(self) -> str: ...
 
+    def _node_batch_size(self, meta: dict[str, Any], layout: Layout) -> list[int]: ...
+
 
 class DenseHost(StoreHost, Protocol):
     """What the mixins of :class:`~tdstore.TensorDictStore` need beyond :class:`StoreHost`."""
