@@ -1,12 +1,15 @@
-"""What every store handle does the same way, dense or lazy: the TensorDictBase hooks,
-the lock, the key list and ``entry_class``, the checks of a rename, and the trivial
-overrides (``is_shared``, ``detach_``, ``close``, ``==``, the context manager).
+"""What every store handle does the same way, dense or lazy: the TensorDictBase hooks, making
+a handle (``_init_handle``, ``_handle``), ``repr``, the lock, the key list, ``entry_class`` and
+the entry lookup of reads, the listing of registry entries (:func:`entries_below`), the checks
+of a rename, and the trivial overrides (``is_shared``, ``detach_``, ``close``, ``==``, the
+context manager).
 
 :class:`StoreHandle` is a mixin of both :class:`~tdstore.TensorDictStore` and
 :class:`~tdstore.LazyStackedTensorDictStore`. What differs between them is asked of the
-host class: ``_class_of(meta)`` (the class an entry reads as) and
-``_nontensors_are_leaves`` (whether ``keys(leaves_only=True)`` lists non-tensor entries
-when no ``is_leaf`` is given).
+host class: ``_class_of(meta)`` (the class an entry reads as), ``_nontensors_are_leaves``
+(whether ``keys(leaves_only=True)`` lists non-tensor entries when no ``is_leaf`` is given),
+and for ``repr`` ``_repr_name``, ``_repr_details()`` and ``_node_batch_size(meta, layout)``.
+The methods both refuse are made by :func:`tdstore.store.unsupported.refuse`.
 """
 
 from __future__ import annotations
