@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
 
@@ -499,19 +499,29 @@ class Op:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired, TypedDict, Unpack
+
+    class CommitOptions(TypedDict):
+        """The keyword arguments of :func:`commit_args` and :func:`commit` (see lua/commit.lua)."""
+
+        expected: str  # the layout version planned with; "" any; "new" a store that does not exist yet
+        bump: bool  # whether the layout version moves on (a key change)
+        check_lock: bool  # refuse when the store is locked
+        meta_updates: NotRequired[dict[str, str] | None]  # fields of the meta hash to set
+        expected_wv: NotRequired[str]  # the write version planned with ("" any)
+        ttl_ms: NotRequired[int | None]  # the lifetime of a new store
+        expected_cas: NotRequired[str]  # a compare-and-set of appends to other sub-stores
+
+
 def commit_args(
-    keys: StoreKeys,
-    ops: Sequence[Op],
-    *,
-    expected: str,
-    bump: bool,
-    check_lock: bool,
-    meta_updates: dict[str, str] | None = None,
-    expected_wv: str = "",
-    ttl_ms: int | None = None,
-    expected_cas: str = "",
+    keys: StoreKeys, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> tuple[list[str], list[str], list[tuple[str, Any]]]:
     """KEYS and ARGV of the commit script for ``ops``, and the ``(tmp key, bytes)`` of its "put" ops."""
+    expected = options["expected"]
+    meta_updates = options.get("meta_updates")
+    ttl_ms = options.get("ttl_ms")
+    expected_cas = options.get("expected_cas", "")
     key_list: list[str] = [keys.meta, keys.reg, keys.wv]
     tmp_payloads: list[tuple[str, Any]] = []
     wire_ops: list[dict[str, str]] = []
@@ -598,12 +608,12 @@ def commit_args(
         meta_updates = {**(meta_updates or {}), "created": str(int(time.time() * 1000))}
     args = [
         expected,
-        "1" if bump else "0",
-        "1" if check_lock else "0",
+        "1" if options["bump"] else "0",
+        "1" if options["check_lock"] else "0",
         json.dumps(meta_updates, separators=(",", ":")) if meta_updates else "",
         json.dumps(wire_ops, separators=(",", ":")),
         FORMAT_VERSION,
-        expected_wv,
+        options.get("expected_wv", ""),
         # a new store starts at a random layout version (see lua/commit.lua, ARGV[8])
         str(secrets.randbits(40) * 1024) if expected == "new" else "0",
     ]
@@ -616,18 +626,7 @@ def commit_args(
 
 
 async def commit(
-    client: Any,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    ops: Sequence[Op],
-    *,
-    expected: str,
-    bump: bool,
-    check_lock: bool,
-    meta_updates: dict[str, str] | None = None,
-    expected_wv: str = "",
-    ttl_ms: int | None = None,
-    expected_cas: str = "",
+    client: Any, keys: StoreKeys, runner: ScriptRunner, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> int:
     """Applies ``ops`` in one atomic step; returns the new layout version.
 
@@ -636,10 +635,7 @@ async def commit(
     ``ttl_ms``: the lifetime of a new store (``expected="new"``); every key it creates
     expires then (see lua/expire.lua).
     """
-    key_list, args, tmp_payloads = commit_args(
-        keys, ops, expected=expected, bump=bump, check_lock=check_lock, meta_updates=meta_updates,
-        expected_wv=expected_wv, ttl_ms=ttl_ms, expected_cas=expected_cas,
-    )
+    key_list, args, tmp_payloads = commit_args(keys, ops, **options)
     await _memory.check_ops(client, keys, ops)  # refuses what would take the server past maxmemory
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
