@@ -46,7 +46,7 @@ from tdstore.errors import (
     clause,
 )
 
-__all__ = ["Connection", "DEFAULT_MAX_BULK"]
+__all__ = ["Connection", "DEFAULT_MAX_BULK", "open_connection"]
 
 T = TypeVar("T")
 
@@ -665,3 +665,56 @@ def connection_defaults(host: str, port: int, unix_socket_path: str | None) -> t
     if parsed.scheme == "unix":
         return host, port, parsed.path
     return parsed.hostname or host, parsed.port or port, None
+
+
+def open_connection(
+    *,
+    td_id: str,
+    host: str = "localhost",
+    port: int = 6379,
+    db: int = 0,
+    unix_socket_path: str | None = None,
+    client: Any = None,
+    prefix: str = "tensordict",
+    timeout: float = _io.DEFAULT_TIMEOUT,
+    allow_pickle: bool | None = None,
+    pickle_key: bytes | str | None = None,
+    retry: Any = None,
+    progress: bool | None = None,
+    **redis_kwargs: Any,
+) -> Connection:
+    """The connection of a store handle, from the connection keywords of ``TensorDictStore``.
+
+    Both store classes open theirs here (the dense class in ``__init__``, the lazy one in
+    its constructors). Nothing is sent: the client connects on the first call.
+    """
+    host, port, unix_socket_path = connection_defaults(host, port, unix_socket_path)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    conn = Connection(
+        host=host,
+        port=port,
+        db=db,
+        unix_socket_path=unix_socket_path,
+        client=client,
+        prefix=prefix,
+        td_id=td_id,
+        timeout=timeout,
+        redis_kwargs=redis_kwargs,
+        pickle_policy=_pickle_policy(allow_pickle, pickle_key),
+        retry=retry,
+    )
+    conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
+    return conn
+
+
+def _pickle_policy(allow: bool | None, key: bytes | str | None) -> Any:
+    """The store's pickle policy: the arguments where given, else the process-wide default."""
+    from tdstore._core import codec as _codec
+
+    default = _codec.default_pickle_policy()
+    if allow is None and key is None:
+        return default
+    if isinstance(key, str):
+        key = key.encode()
+    return _codec.PicklePolicy(default.allow if allow is None else bool(allow), key if key is not None else default.key)
