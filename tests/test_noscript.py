@@ -16,6 +16,7 @@ from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._backend.scripts import get_script, script_names
+from tdstore.testing.fixtures import StoreFixtures
 
 
 def _loaded(server, store) -> set[str]:
@@ -35,57 +36,49 @@ def _tmp_keys(server) -> list[bytes]:
     return [key for key in server.sync_client().keys("*") if b":tmp:" in key or key.endswith(b":tmp")]
 
 
-def test_a_plain_script_call_reloads_its_script(server):
-    store = TensorDictStore(batch_size=[4], **server.connection_kwargs())
-    store["a"] = torch.arange(4.0)
-    _flush(server, store)
-    store.lock_()  # one EVALSHA of commit (ScriptRunner.call)
-    assert store.is_locked
-    assert _loaded(server, store) == {"commit"}  # that script alone
-    store.unlock_()
-    store.clear_redis()
-    store.close()
+class TestScriptsForgotten(StoreFixtures):
+    """``make(batch_size=[n])`` (tdstore.testing's fixture) makes a store on the test's server."""
 
+    def test_a_plain_script_call_reloads_its_script(self, server, make):
+        store = make(batch_size=[4])
+        store["a"] = torch.arange(4.0)
+        _flush(server, store)
+        store.lock_()  # one EVALSHA of commit (ScriptRunner.call)
+        assert _loaded(server, store) == {"commit"}  # that script alone
+        assert store.is_locked
+        store.unlock_()
 
-def test_a_pipelined_read_reloads_and_reads_again(server):
-    store = TensorDictStore(batch_size=[24], **server.connection_kwargs())
-    x = torch.arange(24 * 3, dtype=torch.float32).reshape(24, 3)
-    y = torch.arange(24, dtype=torch.int64) * 10
-    store["x"], store["y"] = x, y
-    index = torch.arange(22, -1, -2)  # 12 scattered rows: read by the gather script
-    _flush(server, store)
-    got = store[index]  # gather scripts queued in one snapshot (ScriptRunner.run_pipeline)
-    assert torch.equal(got["x"], x[index]) and torch.equal(got["y"], y[index])
-    assert _loaded(server, store) == set(script_names())  # every script, loaded at once
-    store.clear_redis()
-    store.close()
+    def test_a_pipelined_read_reloads_and_reads_again(self, server, make):
+        store = make(batch_size=[24])
+        store["a"] = torch.arange(24.0)
+        x = torch.arange(24 * 3, dtype=torch.float32).reshape(24, 3)
+        store["x"] = x
+        index = torch.arange(22, -1, -2)  # 12 scattered rows: read by the gather script
+        _flush(server, store)
+        got = store[index]  # gather scripts queued in one snapshot (ScriptRunner.run_pipeline)
+        assert _loaded(server, store) == set(script_names())  # every script, loaded at once
+        assert torch.equal(got["x"], x[index]) and torch.equal(got["a"], torch.arange(24.0)[index])
 
+    def test_a_commit_in_a_multi_reloads_and_leaves_no_tmp_key(self, server, make):
+        store = make(batch_size=[4])
+        store["a"] = torch.arange(4.0)
+        _flush(server, store)
+        value = torch.arange(4 * 5, dtype=torch.float32).reshape(4, 5)
+        store["b"] = value  # SETs of tmp keys and the commit script in one MULTI (ScriptRunner.run_pipeline)
+        assert _loaded(server, store) == set(script_names())
+        assert _tmp_keys(server) == []  # the first try's tmp keys are deleted, not left to their TTL
+        assert torch.equal(store["b"], value) and torch.equal(store["a"], torch.arange(4.0))
 
-def test_a_commit_in_a_multi_reloads_and_leaves_no_tmp_key(server):
-    store = TensorDictStore(batch_size=[4], **server.connection_kwargs())
-    store["a"] = torch.arange(4.0)
-    _flush(server, store)
-    value = torch.arange(4 * 5, dtype=torch.float32).reshape(4, 5)
-    store["b"] = value  # SETs of tmp keys and the commit script in one MULTI (ScriptRunner.run_pipeline)
-    assert torch.equal(store["b"], value) and torch.equal(store["a"], torch.arange(4.0))
-    assert _loaded(server, store) == set(script_names())
-    assert _tmp_keys(server) == []  # the first try's tmp keys are deleted, not left to their TTL
-    store.clear_redis()
-    store.close()
-
-
-def test_an_indexed_write_in_a_multi_loads_its_script_before(server):
-    store = TensorDictStore(batch_size=[6], **server.connection_kwargs())
-    store["a"] = torch.zeros(6)
-    _flush(server, store)
-    # creates the entry "b" in the same MULTI as the row writes: write_runs_watched, whose small
-    # runs go through the write_runs script (ScriptRunner.ensure_loaded before MULTI)
-    store[1:3] = TensorDict(a=torch.ones(2), b=torch.full((2,), 5.0), batch_size=[2])
-    assert torch.equal(store["a"], torch.tensor([0.0, 1, 1, 0, 0, 0]))
-    assert torch.equal(store["b"], torch.tensor([0.0, 5, 5, 0, 0, 0]))
-    assert "write_runs" in _loaded(server, store)
-    store.clear_redis()
-    store.close()
+    def test_an_indexed_write_in_a_multi_loads_its_script_before(self, server, make):
+        store = make(batch_size=[6])
+        store["a"] = torch.arange(6.0)
+        _flush(server, store)
+        # creates the entry "b" in the same MULTI as the row writes: write_runs_watched, whose small
+        # runs go through the write_runs script (ScriptRunner.ensure_loaded before MULTI)
+        store[1:3] = TensorDict(a=torch.ones(2), b=torch.full((2,), 5.0), batch_size=[2])
+        assert _loaded(server, store) == {"write_runs"}
+        assert torch.equal(store["a"], torch.tensor([0.0, 1, 1, 3, 4, 5]))
+        assert torch.equal(store["b"], torch.tensor([0.0, 5, 5, 0, 0, 0]))
 
 
 def test_a_lazy_element_write_and_read_after_a_flush(server):

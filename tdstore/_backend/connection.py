@@ -692,17 +692,8 @@ def open_connection(
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     conn = Connection(
-        host=host,
-        port=port,
-        db=db,
-        unix_socket_path=unix_socket_path,
-        client=client,
-        prefix=prefix,
-        td_id=td_id,
-        timeout=timeout,
-        redis_kwargs=redis_kwargs,
-        pickle_policy=_pickle_policy(allow_pickle, pickle_key),
-        retry=retry,
+        host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, prefix=prefix, td_id=td_id,
+        timeout=timeout, redis_kwargs=redis_kwargs, pickle_policy=_pickle_policy(allow_pickle, pickle_key), retry=retry,
     )
     conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
     return conn

@@ -160,22 +160,14 @@ def _script(err: BaseException, ctx: Context | None) -> BaseException:
 
 # -- the tables ----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Rule:
-    """One row of :data:`RULES`: errors of class ``error`` (not ``unless``) matching ``pattern`` become ``raises``.
-
-    ``raises`` is the documented outcome (None: the error is raised as it is); ``make``
-    builds it, ``when`` (if given) must also hold, ``example`` is a message the row matches.
-    """
+class _Row:
+    """A row of either table: errors of class ``error`` (and not ``unless``) whose message matches ``pattern``."""
 
     name: str
     error: tuple[type[BaseException], ...]
-    raises: type[BaseException] | None
     pattern: str = ""
     unless: tuple[type[BaseException], ...] = ()
-    make: Callable[[BaseException, Any], BaseException] | None = None
-    when: Callable[[BaseException, Any], bool] | None = None
-    needs_store: bool = True
-    stage: str = "run"
+    #: a message the row matches (tests/test_translate.py builds ``error[0](example)``)
     example: str = ""
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
@@ -190,37 +182,53 @@ class Rule:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rule(_Row):
+    """One row of :data:`RULES`: a matching error becomes ``raises`` (None: it is raised as it is).
+
+    ``make`` builds it, ``when`` (if given) must also hold; ``needs_store``: the message
+    names the store, so the row applies only where the connection is given; ``stage``:
+    ``"run"``, or ``"setup"`` for the first command of a new client.
+    """
+
+    raises: type[BaseException] | None
+    make: Callable[[BaseException, Any], BaseException] | None = None
+    when: Callable[[BaseException, Any], bool] | None = None
+    needs_store: bool = True
+    stage: str = "run"
+
+
 #: Server and connection errors -> tdstore exceptions; the first matching row wins.
 RULES: tuple[Rule, ...] = (
     # first contact (Connection._setup): the command that authenticates and makes the TLS handshake
-    Rule("credentials refused", (redis.exceptions.AuthenticationError,), ServerAuthError, make=_auth,
+    Rule("credentials refused", (redis.exceptions.AuthenticationError,), raises=ServerAuthError, make=_auth,
          stage="setup", example="WRONGPASS invalid username-password pair or user is disabled."),
-    Rule("TLS handshake failed", (redis.exceptions.ConnectionError,), ServerTLSError, make=_tls, when=is_tls_failure,
+    Rule("TLS handshake failed", (redis.exceptions.ConnectionError,), raises=ServerTLSError, make=_tls, when=is_tls_failure,
          stage="setup", example="Error 1 connecting to localhost:6380. [SSL: CERTIFICATE_VERIFY_FAILED] certificate "
          "verify failed."),
     # refused before anything was sent by tdstore's own memory guard: its message says why
-    Rule("refused by the memory guard", (WouldExceedMaxmemoryError,), None, needs_store=False,
+    Rule("refused by the memory guard", (WouldExceedMaxmemoryError,), raises=None, needs_store=False,
          example="TensorDictStore(td_id='x') refused a write: it would take the server past its maxmemory"),
     # a MULTI whose commands the server refused to queue; over maxmemory, Redis 7 and Valkey
     # refuse every queued command. Nothing of it ran.
-    Rule("MULTI refused over maxmemory", (redis.exceptions.ExecAbortError,), ServerOutOfMemoryError,
+    Rule("MULTI refused over maxmemory", (redis.exceptions.ExecAbortError,), raises=ServerOutOfMemoryError,
          make=_out_of_memory, when=_over_maxmemory,
          example="EXECABORT Transaction discarded because of previous errors."),
-    Rule("write refused over maxmemory", (redis.exceptions.OutOfMemoryError,), ServerOutOfMemoryError,
+    Rule("write refused over maxmemory", (redis.exceptions.OutOfMemoryError,), raises=ServerOutOfMemoryError,
          make=_out_of_memory, example="OOM command not allowed when used memory > 'maxmemory'."),
-    Rule("ACL refused", (redis.exceptions.NoPermissionError,), ServerPermissionError, make=_permission,
+    Rule("ACL refused", (redis.exceptions.NoPermissionError,), raises=ServerPermissionError, make=_permission,
          example="NOPERM this user has no permissions to access one of the keys used as arguments"),
     # Redis 6 and KeyDB (no script flags) refuse a script at its first write when over
     # maxmemory; the scripts validate before writing, so nothing was applied
-    Rule("script write refused over maxmemory", (redis.exceptions.ResponseError,), ServerOutOfMemoryError,
+    Rule("script write refused over maxmemory", (redis.exceptions.ResponseError,), raises=ServerOutOfMemoryError,
          pattern="OOM command not allowed", unless=(redis.exceptions.ExecAbortError,), make=_out_of_memory,
          example="Error running script (call to f_0123): @user_script:9: @user_script: 9: -OOM command not "
          "allowed when used memory > 'maxmemory'."),
-    Rule("socket timeout", (redis.exceptions.TimeoutError,), TimeoutError, make=_timeout,
+    Rule("socket timeout", (redis.exceptions.TimeoutError,), raises=TimeoutError, make=_timeout,
          example="Timeout reading from socket"),
     # the scripts' own errors: ``TDS_<CODE> message`` (Redis 6 and KeyDB wrap it)
     *(
-        Rule(f"script error {code}", (redis.exceptions.ResponseError,), cls, pattern=rf"{code}\b",
+        Rule(f"script error {code}", (redis.exceptions.ResponseError,), raises=cls, pattern=rf"{code}\b",
              make=_script, needs_store=False, example=f"{code} an example message")
         for code, cls in LUA_ERRORS.items()
     ),
@@ -258,53 +266,42 @@ def translate(
     return exc
 
 
-@dataclass(frozen=True)
-class RetryRule:
-    """One row of :data:`RETRY_RULES`: errors of class ``error`` whose message matches ``pattern`` are ``retry``."""
+@dataclass(frozen=True, kw_only=True)
+class RetryRule(_Row):
+    """One row of :data:`RETRY_RULES`: a matching failure is retried as ``retry``."""
 
-    name: str
-    error: tuple[type[BaseException], ...]
     retry: str | None
-    pattern: str = ""
-    example: str = ""
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_regex", re.compile(self.pattern, re.S))
-
-    def matches(self, err: BaseException) -> bool:
-        return isinstance(err, self.error) and (not self.pattern or self._regex.search(str(err)) is not None)
 
 
 _LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 #: Failures -> retry class; the first matching row wins, no row: ``None`` (never retried).
 RETRY_RULES: tuple[RetryRule, ...] = (
-    RetryRule("server loading its data", (redis.exceptions.BusyLoadingError,), "unsent",
+    RetryRule("server loading its data", (redis.exceptions.BusyLoadingError,), retry="unsent",
               example="Redis is loading the dataset in memory"),
     # another client's script runs past busy-reply-threshold (lua-time-limit): the server
     # refuses every command but SCRIPT KILL until it ends, and a MULTI it refused a
     # command of is discarded whole (EXECABORT), so nothing of this operation was applied
-    RetryRule("server busy running a script", (redis.exceptions.ResponseError,), "unsent",
+    RetryRule("server busy running a script", (redis.exceptions.ResponseError,), retry="unsent",
               pattern="(?=.*BUSY )(?=.*busy running a script)",
               example="BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT."),
     # redis-py's report of a connection lost during WATCH, before MULTI: nothing was written
-    RetryRule("connection lost while watching", (redis.exceptions.WatchError,), "unsent",
+    RetryRule("connection lost while watching", (redis.exceptions.WatchError,), retry="unsent",
               pattern="occurred while watching",
               example="A ConnectionError occurred while watching one or more keys"),
     # wrong credentials or certificates, already diagnosed: retrying cannot help
-    RetryRule("credentials refused", (redis.exceptions.AuthenticationError, TDStoreError), None,
+    RetryRule("credentials refused", (redis.exceptions.AuthenticationError, TDStoreError), retry=None,
               example="invalid username-password pair"),
     # a TLS configuration problem, not a lost server
-    RetryRule("TLS misconfigured", _LOST, None, pattern="(?i)certificate|wrong version number|tlsv1 alert",
+    RetryRule("TLS misconfigured", _LOST, retry=None, pattern="(?i)certificate|wrong version number|tlsv1 alert",
               example="Error 1 connecting to h:1. [SSL: WRONG_VERSION_NUMBER] wrong version number."),
-    RetryRule("could not connect", _LOST, "unsent", pattern="connecting to|Timeout connecting",
+    RetryRule("could not connect", _LOST, retry="unsent", pattern="connecting to|Timeout connecting",
               example="Error 111 connecting to 127.0.0.1:6379. Connection refused."),
     # a slow server, not a lost one: reported as the call's timeout
-    RetryRule("slow server", (redis.exceptions.TimeoutError,), None, example="Timeout reading from socket"),
-    RetryRule("connection lost in flight", (redis.exceptions.ConnectionError,), "unknown",
+    RetryRule("slow server", (redis.exceptions.TimeoutError,), retry=None, example="Timeout reading from socket"),
+    RetryRule("connection lost in flight", (redis.exceptions.ConnectionError,), retry="unknown",
               example="Connection closed by server."),
-    RetryRule("socket reset in flight", (ConnectionResetError, BrokenPipeError, ConnectionAbortedError), "unknown",
+    RetryRule("socket reset in flight", (ConnectionResetError, BrokenPipeError, ConnectionAbortedError), retry="unknown",
               example="Connection reset by peer"),
 )
 

@@ -113,19 +113,9 @@ class TensorDictStore(
         if batch_size is not None and any(not isinstance(d, int) or d < 0 for d in torch.Size(batch_size)):
             raise SchemaError(f"batch_size must hold non-negative ints, got {list(batch_size)}")
         conn = open_connection(
-            host=host,
-            port=port,
-            db=db,
-            unix_socket_path=unix_socket_path,
-            client=client,
-            prefix=prefix,
-            td_id=td_id if td_id is not None else new_td_id(),
-            timeout=timeout,
-            allow_pickle=allow_pickle,
-            pickle_key=pickle_key,
-            retry=retry,
-            progress=progress,
-            **redis_kwargs,
+            host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, prefix=prefix,
+            td_id=td_id if td_id is not None else new_td_id(), timeout=timeout, allow_pickle=allow_pickle,
+            pickle_key=pickle_key, retry=retry, progress=progress, **redis_kwargs,
         )
         device = torch.device(device) if device is not None else None
         self._init_handle(conn, (), device, cache_metadata, backend)
