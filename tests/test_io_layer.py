@@ -28,7 +28,6 @@ ALLOWED_DIRS = ("_backend/", "server/", "testing/")
 ALLOWED_FILES = ("cli/bench.py",)
 #: (file, method): calls outside the I/O layer that stay, and why
 KNOWN = {
-    ("cli/serve.py", "save"): "tdstore serve saves the private server it started before stopping it",
     ("store/ring.py", "get"): "ring_state's read_snapshot builder (store/ring.py belongs to the append work)",
     ("store/ring.py", "hget"): "the same builder",
 }
