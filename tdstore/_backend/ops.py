@@ -24,10 +24,11 @@ import redis.exceptions
 from tdstore._backend import large as _large
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
-from tdstore._backend.scripts import ScriptRunner, get_script
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, decode_path, encode_path
-from tdstore.errors import PartialWriteError, translate_response_error
+from tdstore.errors import PartialWriteError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -135,7 +136,7 @@ async def _exec(pipe: Any) -> list[Any]:
     try:
         return await pipe.execute(raise_on_error=False)
     except redis.exceptions.ResponseError as err:
-        exc = translate_response_error(err)
+        exc = translate(err)
         if exc is err:
             raise
         raise exc from err
@@ -460,7 +461,7 @@ async def read_all(
 def _raise_first_error(replies: list[Any]) -> None:
     for reply in replies:
         if isinstance(reply, redis.exceptions.ResponseError):
-            exc = translate_response_error(reply)
+            exc = translate(reply)
             raise exc from (reply if exc is not reply else None)
         if isinstance(reply, Exception):
             raise reply
@@ -642,34 +643,35 @@ async def commit(
     if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
         # grown on the server step by step before the commit: tdstore._backend.transfer.commit does it
         raise AssertionError("zero-filled chunks must be committed through tdstore._backend.transfer.commit")
-    for attempt in range(2):
+
+    async def send() -> list[Any]:
         async with client.pipeline(transaction=True) as pipe:
             for tmp, payload in tmp_payloads:
                 pipe.set(tmp, payload, px=TMP_TTL_MS)
             runner.queue(pipe, "commit", key_list, args)
             async with _large.streamed(pipe, sum(_nbytes(p) for _, p in tmp_payloads)):
-                replies = await _exec(pipe)
-        result = replies[-1]
-        if isinstance(result, redis.exceptions.NoScriptError) and attempt == 0:
-            # the SETs ran: remove the tmp keys now rather than wait for their TTL
-            await client.delete(*[tmp for tmp, _ in tmp_payloads])
-            await runner.load_all(client)
-            continue
-        for reply in replies[:-1]:
-            if isinstance(reply, Exception) and not isinstance(result, Exception):
-                raise PartialWriteError(f"a SET of the commit failed: {reply}")
-        if isinstance(result, Exception):
-            if isinstance(result, redis.exceptions.ResponseError):
-                exc = translate_response_error(result)
-                if exc is not result:
-                    # say why a tmp key went missing, e.g. the server is out of memory
-                    set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
-                    if set_errors and isinstance(exc, PartialWriteError):
-                        exc = PartialWriteError(f"{exc}: {set_errors[0]}")
-                    raise exc from result
-            raise result
-        return int(result)
-    raise AssertionError("unreachable")
+                return await _exec(pipe)
+
+    async def undo(replies: list[Any]) -> None:
+        # the SETs ran: remove the tmp keys now rather than wait for their TTL
+        await client.delete(*[tmp for tmp, _ in tmp_payloads])
+
+    replies = await runner.run_pipeline(client, send, undo)
+    result = replies[-1]
+    for reply in replies[:-1]:
+        if isinstance(reply, Exception) and not isinstance(result, Exception):
+            raise PartialWriteError(f"a SET of the commit failed: {reply}")
+    if isinstance(result, Exception):
+        if isinstance(result, redis.exceptions.ResponseError):
+            exc = translate(result)
+            if exc is not result:
+                # say why a tmp key went missing, e.g. the server is out of memory
+                set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
+                if set_errors and isinstance(exc, PartialWriteError):
+                    exc = PartialWriteError(f"{exc}: {set_errors[0]}")
+                raise exc from result
+        raise result
+    return int(result)
 
 
 
@@ -812,8 +814,8 @@ async def write_runs_watched(
                 "writing " + ", ".join(repr(g[0][0] if len(g[0]) == 1 else g[0]) for g in groups[:3]), via=pipe,
             )
         small = [g for g in groups if not large(g[1])]
-        if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
-            await pipe.script_load(get_script("write_runs").text(runner.shebang))
+        if small:
+            await runner.ensure_loaded(pipe, "write_runs")
         pipe.multi()
         for op in creates:
             chunking = _chunks.of_meta(op.meta)

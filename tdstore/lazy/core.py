@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase
 
+from tdstore._backend import connection as _connection
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import new_td_id
 from tdstore._core.values import is_dims, is_no_default
@@ -61,12 +62,11 @@ class LazyStackedTensorDictStore(
 
     def __init__(self, *, td_id: str, **kwargs: Any) -> None:
         """Connects to the lazy store ``td_id`` (same connection arguments as ``TensorDictStore``)."""
-        from tdstore.store import TensorDictStore
-
         device = kwargs.pop("device", None)
         cache_metadata = kwargs.pop("cache_metadata", True)
-        handle = TensorDictStore(td_id=td_id, _create=False, **kwargs)
-        self._init_handle(handle._conn, (), torch.device(device) if device is not None else None, cache_metadata)
+        kwargs.pop("chunk_bytes", None)  # a dense store's chunking, read from the server; a lazy one has none
+        conn = _open(td_id, kwargs)
+        self._init_handle(conn, (), torch.device(device) if device is not None else None, cache_metadata)
         try:
             self._layout(refresh=True)
         except BaseException:
@@ -81,8 +81,6 @@ class LazyStackedTensorDictStore(
         Keyword arguments are those of ``TensorDictStore`` (``host``, ``port``,
         ``unix_socket_path``, ``prefix``, ``client``, ...).
         """
-        from tdstore.store import TensorDictStore
-
         if not isinstance(td, LazyStackedTensorDict):
             raise TypeError(
                 f"from_lazy_stack expects a LazyStackedTensorDict, got {type(td).__name__}; "
@@ -96,9 +94,9 @@ class LazyStackedTensorDictStore(
                 "a LazyStackedTensorDictStore keeps one string per leaf and takes no chunk_bytes; stack the "
                 "elements (torch.stack) into a TensorDictStore to chunk them (see docs/chunked.md)"
             )
-        handle = TensorDictStore(td_id=td_id if td_id is not None else new_td_id(), _create=False, **kwargs)
+        conn = _open(td_id if td_id is not None else new_td_id(), kwargs)
         store_device = torch.device(device) if device is not None else td.device
-        self = cls._handle(handle._conn, (), None, cache_metadata)
+        self = cls._handle(conn, (), None, cache_metadata)
         try:
             self._create(td, store_device)
         except BaseException:
@@ -347,3 +345,15 @@ def _unpickle(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> A
 
 async def _noop(client: Any) -> None:
     return None
+
+
+#: Keywords of ``TensorDictStore`` about creating a dense store: a lazy store takes them
+#: (code written for either class may pass them) and has no use for them.
+_DENSE_ONLY = ("backend", "batch_size", "names", "expire", "_create")
+
+
+def _open(td_id: str, kwargs: dict[str, Any]) -> Any:
+    """The connection of a lazy store handle, from the connection keywords of ``TensorDictStore``."""
+    for name in _DENSE_ONLY:
+        kwargs.pop(name, None)
+    return _connection.open_connection(td_id=td_id, **kwargs)

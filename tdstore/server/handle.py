@@ -518,6 +518,18 @@ class ServerHandle:
     def _stop_process(self, *, save: bool) -> None:
         self._kill_process(graceful=True, save=save)
 
+    def save(self, *, timeout: float = 600.0) -> None:
+        """An RDB snapshot into the server's ``dir`` now (``SAVE``: returns once it is written).
+
+        Raises:
+            redis.exceptions.RedisError: The server could not write it (or did not answer in ``timeout`` s).
+        """
+        client = self.sync_client(socket_timeout=timeout)
+        try:
+            client.save()
+        finally:
+            client.close()
+
     def stop(self) -> None:
         """Stop the server and remove its temporary directory.
 

@@ -20,11 +20,10 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from tdstore._backend import ops as _backend
-from tdstore._backend.connection import Connection, connection_defaults
+from tdstore._backend.connection import Connection, open_connection
 from tdstore._backend.loop import DEFAULT_TIMEOUT
 from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
-from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
@@ -95,29 +94,17 @@ class TensorDictStore(
         _create: bool = True,
         **redis_kwargs: Any,
     ) -> None:
-        host, port, unix_socket_path = connection_defaults(host, port, unix_socket_path)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         if batch_size is not None and any(not isinstance(d, int) or d < 0 for d in torch.Size(batch_size)):
             raise SchemaError(f"batch_size must hold non-negative ints, got {list(batch_size)}")
-        conn = Connection(
-            host=host,
-            port=port,
-            db=db,
-            unix_socket_path=unix_socket_path,
-            client=client,
-            prefix=prefix,
-            td_id=td_id if td_id is not None else new_td_id(),
-            timeout=timeout,
-            redis_kwargs=redis_kwargs,
-            pickle_policy=_pickle_policy(allow_pickle, pickle_key),
-            retry=retry,
+        conn = open_connection(
+            host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, prefix=prefix,
+            td_id=td_id if td_id is not None else new_td_id(), timeout=timeout, allow_pickle=allow_pickle,
+            pickle_key=pickle_key, retry=retry, progress=progress, **redis_kwargs,
         )
         device = torch.device(device) if device is not None else None
         self._init_handle(conn, (), device, cache_metadata, backend)
         # expire=: the lifetime given to the store when this call creates it (seconds)
         self._create_ttl_ms = ttl_ms(expire, self._where())
-        conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
         # chunk_bytes=: the chunking given to the store when this call creates it
         conn.chunk_bytes = _chunks.check_chunk_bytes(
             chunk_bytes if chunk_bytes is not None else _chunks.env_chunk_bytes(), self._where()
@@ -397,11 +384,3 @@ def _nested_names_ops(
     return ops
 
 
-def _pickle_policy(allow: bool | None, key: bytes | str | None) -> Any:
-    """The store's pickle policy: the arguments where given, else the process-wide default."""
-    default = _codec.default_pickle_policy()
-    if allow is None and key is None:
-        return default
-    if isinstance(key, str):
-        key = key.encode()
-    return _codec.PicklePolicy(default.allow if allow is None else bool(allow), key if key is not None else default.key)
