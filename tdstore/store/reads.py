@@ -18,6 +18,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
 from tdstore._backend import transfer as _transfer
+from tdstore._backend.lease import ReadLease
 from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
@@ -117,17 +118,20 @@ class StoreReads(DenseBase):
         conn = self._conn
         bar: Progress | None = None
         staged_tries = 0
+        one_step = True
 
         def once(attempt: int) -> tuple[TensorDict, _backend.Layout]:
-            nonlocal bar, staged_tries
-            if attempt >= ONE_STEP_AFTER:
+            nonlocal bar, staged_tries, one_step
+            if attempt >= ONE_STEP_AFTER and one_step:
                 # writers keep changing the layout between the layout read and the data
-                # read: read both in one step (bounded wait, whatever the churn)
+                # read: read both in one step (bounded wait, whatever the churn); a large or
+                # chunked store takes a read lease instead (optimistic(lease=...))
                 got = self._snapshot_one_step()
                 if got is not None:
                     if bar is not None:
                         bar.update(bar.total - bar.done)
                     return got
+                one_step = False
             layout = self._layout()
             leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m["k"] != "td"]
             paths = [p for p, _ in leaves]
@@ -172,7 +176,8 @@ class StoreReads(DenseBase):
 
         try:
             # a body that sees the layout changed raises Retry (no backoff: reading again is the wait)
-            return optimistic(once, where=self._where, what="to_tensordict()", retry_on=())
+            lease = ReadLease(conn, lambda: self._leaf_bytes(self._layout()))
+            return optimistic(once, where=self._where, what="to_tensordict()", retry_on=(), lease=lease)
         finally:
             if bar is not None:
                 bar.close()
@@ -427,7 +432,7 @@ class StoreReads(DenseBase):
                 return values[only]
             return self._assemble(layout, new_bs, nb, values)
 
-        return optimistic(once, where=self._where, what="an indexed read", retry_on=())
+        return optimistic(once, where=self._where, what="an indexed read", retry_on=(), lease=ReadLease(conn))
 
     @staticmethod
     def _entry_sizes(layout: _backend.Layout, plan: list[tuple[Any, ...]]) -> list[int | None]:
