@@ -115,7 +115,7 @@ def optimistic(
             except retry_on as exc:
                 if getattr(exc, "gave_up", False):
                     raise
-                left = getattr(exc, "lease_busy", None)
+                left = _lease.busy_ms(exc)
                 if left is not None and waited < _lease.WRITER_WAIT_MAX:
                     # a reader's lease holds the layout still: wait for it, not a try spent
                     delay = min(0.02, left / 1000 + 0.001)

@@ -344,14 +344,17 @@ class StoreReads(DenseBase):
         asked = index
         index = normalize_index(index)
         device = self.device
+        one_step = [True]
 
         def once(attempt: int) -> Any:
-            if attempt >= ONE_STEP_AFTER and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
+            if attempt >= ONE_STEP_AFTER and one_step[0] and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
                 # the layout keeps changing between the plan and the read: a small store is
-                # read whole in one step and indexed in memory (bounded wait under churn)
+                # read whole in one step and indexed in memory (bounded wait under churn);
+                # a larger one takes a read lease (optimistic(lease=...))
                 got = self._snapshot_one_step()
                 if got is not None:
                     return got[0][asked]
+                one_step[0] = False
             layout = self._layout()
             batch_size = self._node(layout)["batch_size"]
             if only is not None and layout.entries[only]["k"] == "t":
