@@ -12,7 +12,6 @@ reader that dies holding a lease delays layout changes by at most the lease's le
 from __future__ import annotations
 
 import multiprocessing
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -21,6 +20,7 @@ import _starve_workers as w
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
+from test_threads import _run_threads
 
 import tdstore.lazy.reads as lazy_reads
 import tdstore.store.reads as store_reads
@@ -74,38 +74,17 @@ def tries(monkeypatch):
 def _churn(request, server, td_id: str, lazy: bool, readers: list[Any]) -> list[BaseException]:
     """Runs ``readers`` (callables of ``stop``) in threads while writers churn the store's layout."""
     conn = server.connection_kwargs()
-    errors: list[BaseException] = []
-    stop = threading.Event()
     futures = []
-    nthreads = 2
-    if server.kind != "fakeredis":
+    nthreads = 4
+    if server.kind != "fakeredis":  # fakeredis lives in this process: threads only
         pool = request.getfixturevalue("pool")
         futures = [pool.submit(w.churn, conn, td_id, f"p{j}_", lazy, ROWS, CHURN_S) for j in range(2)]
-    else:
-        nthreads = 4
+        nthreads = 2
 
-    def writer(name: str) -> None:
-        w.churn(conn, td_id, name, lazy, ROWS, CHURN_S)
+    def writer(name: str):
+        return lambda stop: w.churn(conn, td_id, name, lazy, ROWS, CHURN_S)
 
-    def wrap(fn, *args):
-        def body():
-            try:
-                fn(*args)
-            except BaseException as err:  # noqa: BLE001 - reported below
-                errors.append(err)
-                stop.set()
-
-        return body
-
-    threads = [threading.Thread(target=wrap(writer, f"t{j}_"), daemon=True) for j in range(nthreads)]
-    threads += [threading.Thread(target=wrap(r, stop), daemon=True) for r in readers]
-    for t in threads:
-        t.start()
-    time.sleep(CHURN_S)
-    stop.set()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    errors = _run_threads([writer(f"t{j}_") for j in range(nthreads)] + readers, seconds=CHURN_S)
     for f in futures:
         assert f.result(timeout=120) > 0
     return errors

@@ -9,27 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from .shim import LUA_VERSIONS
+from . import test_expire
 from .test_expire import NOW, ClockRedis
-from .test_scripts import CK, META, OTHER, D, commit_argv, expect_error, make_store, put, set_tmp, state
+from .test_scripts import CK, META, D, commit_argv, expect_error, make_store, put, set_tmp, state
+
+# the fixtures of test_expire: the shim with a clock (TIME, PEXPIREAT), under each Lua version
+r = test_expire.r
+lua_version = test_expire.lua_version
 
 pytestmark = pytest.mark.lua
 
 RL = b"td:{s}:rl"
 LK = [RL, META]  # KEYS of lease.lua
-
-
-@pytest.fixture(params=LUA_VERSIONS, ids=[f"lua{v}" for v in LUA_VERSIONS])
-def lua_version(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def r() -> ClockRedis:
-    shim = ClockRedis()
-    for key, value in OTHER.items():
-        shim.data[key] = dict(value) if isinstance(value, dict) else value
-    return shim
 
 
 class TestLease:
