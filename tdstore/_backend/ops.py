@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
 
@@ -25,10 +25,11 @@ from tdstore._backend import large as _large
 from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
-from tdstore._backend.scripts import ScriptRunner, get_script
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, decode_path, encode_path
-from tdstore.errors import PartialWriteError, translate_response_error
+from tdstore.errors import PartialWriteError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -136,7 +137,7 @@ async def _exec(pipe: Any) -> list[Any]:
     try:
         return await pipe.execute(raise_on_error=False)
     except redis.exceptions.ResponseError as err:
-        exc = translate_response_error(err)
+        exc = translate(err)
         if exc is err:
             raise
         raise exc from err
@@ -257,28 +258,33 @@ async def read_entries(
 
 
 def read_entries_direct(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]]
+    client: Any,
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool = True,
+    *,
+    large: Mapping[tuple[str, ...], int] | None = None,
+    device: Any = None,
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
-    """:func:`read_entries` ``with_layout=True`` of entries kept in one string each, on a
-    blocking ``redis.Redis`` (see ``Connection.read``): the same MULTI, without the hop to
-    the IO loop. None when the layout read with them gives one of them chunks (the caller
-    reads again through :func:`read_entries`); any error raises, and the caller does the same.
+    """One try of :func:`read_entries` on a blocking ``redis.Redis`` (see ``Connection.read``):
+    the same MULTI, without the hop to the IO loop, and large entries received straight into
+    their tensors (:func:`tdstore._backend.large.read_pieces_direct`). None when that try
+    does not settle it (an entry's chunking is not the cached one, or a large entry changed
+    meanwhile): the caller reads again through :func:`read_entries`. Any error raises, and
+    the caller does the same.
     """
+    big = {p: n for p, n in (large or {}).items() if n >= _large.READ_MIN and p in paths}
+    chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
+    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
     with client.pipeline(transaction=True) as pipe:
-        pipe.hgetall(keys.meta)
-        pipe.hgetall(keys.reg)
-        pipe.get(keys.wv)
-        for path in paths:
-            pipe.get(keys.plain(path))
+        _entries_build(keys, paths, with_layout, big, entry_keys)(pipe)
         replies = pipe.execute(raise_on_error=False)
-    _raise_first_error(replies)
-    layout = parse_layout(replies[0], replies[1])
-    if layout is not None:
-        layout.wv = _s(replies[2]) or "0"
-    metas = [None if layout is None else layout.entries.get(p) for p in paths]
-    if any(m is not None and _chunks.of_meta(m) is not None for m in metas):
-        return None
-    return (None if layout is None else layout.lv), metas, list(replies[3:]), layout
+    got = _entries_parse(replies, keys, paths, with_layout, big, device, chunking, entry_keys)
+    if isinstance(got, _Pieces):
+        if not _large.read_pieces_direct(client, keys, got.pieces, got.wv, got.lv):
+            return None
+        return got.result
+    return None if isinstance(got, dict) else got
 
 
 #: Reads in pieces tried before falling back to one MULTI (writes kept coming in between).
@@ -288,18 +294,24 @@ _LARGE_TRIES = 3
 _CHUNK_TRIES = _io.MAX_RETRIES
 
 
-async def _read_entries_once(
-    client: Any,
+@dataclass
+class _Pieces:
+    """A read whose large entries are still to be read in pieces into ``result``'s buffers."""
+
+    pieces: list[tuple[tuple[str, ...], Any, Any]]
+    wv: Any
+    lv: Any
+    result: tuple[int | None, list[Any], list[Any], Layout | None]
+
+
+def _entries_build(
     keys: StoreKeys,
     paths: Sequence[tuple[str, ...]],
     with_layout: bool,
     big: Mapping[tuple[str, ...], int],
-    device: Any,
-    chunking: dict[tuple[str, ...], Any],
-) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
-    """One try of :func:`read_entries` with each entry's chunking given: None when a large
-    entry changed meanwhile; the chunking read from the server when it differs."""
-    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
+    entry_keys: list[list[str]],
+) -> Any:
+    """The snapshot commands of one try of :func:`read_entries` (``build(pipe)``)."""
 
     def build(pipe: Any) -> None:
         if with_layout:
@@ -319,7 +331,42 @@ async def _read_entries_once(
         if big and not with_layout:
             pipe.get(keys.wv)
 
-    replies = await read_snapshot(client, keys, build)
+    return build
+
+
+async def _read_entries_once(
+    client: Any,
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool,
+    big: Mapping[tuple[str, ...], int],
+    device: Any,
+    chunking: dict[tuple[str, ...], Any],
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
+    """One try of :func:`read_entries` with each entry's chunking given: None when a large
+    entry changed meanwhile; the chunking read from the server when it differs."""
+    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
+    replies = await read_snapshot(client, keys, _entries_build(keys, paths, with_layout, big, entry_keys))
+    got = _entries_parse(replies, keys, paths, with_layout, big, device, chunking, entry_keys)
+    if isinstance(got, _Pieces):
+        if not await _large.read_pieces(client, keys, got.pieces, got.wv, got.lv):
+            return None
+        return got.result
+    return got
+
+
+def _entries_parse(
+    replies: list[Any],
+    keys: StoreKeys,
+    paths: Sequence[tuple[str, ...]],
+    with_layout: bool,
+    big: Mapping[tuple[str, ...], int],
+    device: Any,
+    chunking: dict[tuple[str, ...], Any],
+    entry_keys: list[list[str]],
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None:
+    """The result of one try of :func:`read_entries` from its snapshot's replies; a
+    :class:`_Pieces` when large entries are still to be read."""
     if with_layout:
         layout = parse_layout(replies[0], replies[1], keys.base)
     elif paths and isinstance(replies[1], Exception):
@@ -370,9 +417,10 @@ async def _read_entries_once(
                 return None  # not the entry the caller expected (or it is gone): read it whole
             blobs[i] = _large.empty_buffer(size, device)
             pieces.append((path, blobs[i], chunking[path]))
-        if not await _large.read_pieces(client, keys, pieces, wv, lv_raw):
-            return None
+        return _Pieces(pieces, wv, lv_raw, (lv, metas, list(blobs), layout))
     return lv, metas, list(blobs), layout
+
+
 
 
 #: The most bytes a one-step read (:func:`read_all`) returns: every byte goes through the
@@ -414,7 +462,7 @@ async def read_all(
 def _raise_first_error(replies: list[Any]) -> None:
     for reply in replies:
         if isinstance(reply, redis.exceptions.ResponseError):
-            exc = translate_response_error(reply)
+            exc = translate(reply)
             raise exc from (reply if exc is not reply else None)
         if isinstance(reply, Exception):
             raise reply
@@ -453,19 +501,29 @@ class Op:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired, TypedDict, Unpack
+
+    class CommitOptions(TypedDict):
+        """The keyword arguments of :func:`commit_args` and :func:`commit` (see lua/commit.lua)."""
+
+        expected: str  # the layout version planned with; "" any; "new" a store that does not exist yet
+        bump: bool  # whether the layout version moves on (a key change)
+        check_lock: bool  # refuse when the store is locked
+        meta_updates: NotRequired[dict[str, str] | None]  # fields of the meta hash to set
+        expected_wv: NotRequired[str]  # the write version planned with ("" any)
+        ttl_ms: NotRequired[int | None]  # the lifetime of a new store
+        expected_cas: NotRequired[str]  # a compare-and-set of appends to other sub-stores
+
+
 def commit_args(
-    keys: StoreKeys,
-    ops: Sequence[Op],
-    *,
-    expected: str,
-    bump: bool,
-    check_lock: bool,
-    meta_updates: dict[str, str] | None = None,
-    expected_wv: str = "",
-    ttl_ms: int | None = None,
-    expected_cas: str = "",
+    keys: StoreKeys, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> tuple[list[str], list[str], list[tuple[str, Any]]]:
     """KEYS and ARGV of the commit script for ``ops``, and the ``(tmp key, bytes)`` of its "put" ops."""
+    expected = options["expected"]
+    meta_updates = options.get("meta_updates")
+    ttl_ms = options.get("ttl_ms")
+    expected_cas = options.get("expected_cas", "")
     key_list: list[str] = [keys.meta, keys.reg, keys.wv]
     tmp_payloads: list[tuple[str, Any]] = []
     wire_ops: list[dict[str, str]] = []
@@ -552,18 +610,18 @@ def commit_args(
         meta_updates = {**(meta_updates or {}), "created": str(int(time.time() * 1000))}
     args = [
         expected,
-        "1" if bump else "0",
-        "1" if check_lock else "0",
+        "1" if options["bump"] else "0",
+        "1" if options["check_lock"] else "0",
         json.dumps(meta_updates, separators=(",", ":")) if meta_updates else "",
         json.dumps(wire_ops, separators=(",", ":")),
         FORMAT_VERSION,
-        expected_wv,
+        options.get("expected_wv", ""),
         # a new store starts at a random layout version (see lua/commit.lua, ARGV[8])
         str(secrets.randbits(40) * 1024) if expected == "new" else "0",
     ]
     if ttl_ms is not None and expected == "new":
         args.append(str(int(ttl_ms)))  # ARGV[9], sent only when set: older callers send 8
-    if bump and expected != "new":
+    if options["bump"] and expected != "new":
         key_list.append(keys.rl)  # last: readers' leases refuse the change meanwhile (TDS_BUSY)
     if expected_cas:
         # ARGV[10]: a compare-and-set that appends to other sub-stores leave alone (lua/commit.lua)
@@ -572,18 +630,7 @@ def commit_args(
 
 
 async def commit(
-    client: Any,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    ops: Sequence[Op],
-    *,
-    expected: str,
-    bump: bool,
-    check_lock: bool,
-    meta_updates: dict[str, str] | None = None,
-    expected_wv: str = "",
-    ttl_ms: int | None = None,
-    expected_cas: str = "",
+    client: Any, keys: StoreKeys, runner: ScriptRunner, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> int:
     """Applies ``ops`` in one atomic step; returns the new layout version.
 
@@ -592,46 +639,44 @@ async def commit(
     ``ttl_ms``: the lifetime of a new store (``expected="new"``); every key it creates
     expires then (see lua/expire.lua).
     """
-    key_list, args, tmp_payloads = commit_args(
-        keys, ops, expected=expected, bump=bump, check_lock=check_lock, meta_updates=meta_updates,
-        expected_wv=expected_wv, ttl_ms=ttl_ms, expected_cas=expected_cas,
-    )
+    key_list, args, tmp_payloads = commit_args(keys, ops, **options)
     await _memory.check_ops(client, keys, ops)  # refuses what would take the server past maxmemory
     if not tmp_payloads:
         return await _lease.call_commit(client, runner, key_list, args)  # waits out readers' leases
     if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
         # grown on the server step by step before the commit: tdstore._backend.transfer.commit does it
         raise AssertionError("zero-filled chunks must be committed through tdstore._backend.transfer.commit")
-    for attempt in range(2):
+
+    async def send() -> list[Any]:
         async with client.pipeline(transaction=True) as pipe:
             for tmp, payload in tmp_payloads:
                 pipe.set(tmp, payload, px=TMP_TTL_MS)
             runner.queue(pipe, "commit", key_list, args)
             async with _large.streamed(pipe, sum(_nbytes(p) for _, p in tmp_payloads)):
-                replies = await _exec(pipe)
-        result = replies[-1]
-        if isinstance(result, redis.exceptions.NoScriptError) and attempt == 0:
-            # the SETs ran: remove the tmp keys now rather than wait for their TTL
-            await client.delete(*[tmp for tmp, _ in tmp_payloads])
-            await runner.load_all(client)
-            continue
-        for reply in replies[:-1]:
-            if isinstance(reply, Exception) and not isinstance(result, Exception):
-                raise PartialWriteError(f"a SET of the commit failed: {reply}")
-        if isinstance(result, Exception):
-            if isinstance(result, redis.exceptions.ResponseError):
-                exc = translate_response_error(result)
-                if _lease.busy_ms(exc) is not None:  # readers' leases: the tmp keys are kept, wait
-                    return await _lease.call_commit(client, runner, key_list, args, [t for t, _ in tmp_payloads], exc)
-                if exc is not result:
-                    # say why a tmp key went missing, e.g. the server is out of memory
-                    set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
-                    if set_errors and isinstance(exc, PartialWriteError):
-                        exc = PartialWriteError(f"{exc}: {set_errors[0]}")
-                    raise exc from result
-            raise result
-        return int(result)
-    raise AssertionError("unreachable")
+                return await _exec(pipe)
+
+    async def undo(replies: list[Any]) -> None:
+        # the SETs ran: remove the tmp keys now rather than wait for their TTL
+        await client.delete(*[tmp for tmp, _ in tmp_payloads])
+
+    replies = await runner.run_pipeline(client, send, undo)
+    result = replies[-1]
+    for reply in replies[:-1]:
+        if isinstance(reply, Exception) and not isinstance(result, Exception):
+            raise PartialWriteError(f"a SET of the commit failed: {reply}")
+    if isinstance(result, Exception):
+        if isinstance(result, redis.exceptions.ResponseError):
+            exc = translate(result)
+            if _lease.busy_ms(exc) is not None:  # readers' leases: the tmp keys are kept, wait
+                return await _lease.call_commit(client, runner, key_list, args, [t for t, _ in tmp_payloads], exc)
+            if exc is not result:
+                # say why a tmp key went missing, e.g. the server is out of memory
+                set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
+                if set_errors and isinstance(exc, PartialWriteError):
+                    exc = PartialWriteError(f"{exc}: {set_errors[0]}")
+                raise exc from result
+        raise result
+    return int(result)
 
 
 
@@ -780,8 +825,8 @@ async def write_runs_watched(
             if left is not None:
                 raise _lease.busy_error(keys, left)
         small = [g for g in groups if not large(g[1])]
-        if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
-            await pipe.script_load(get_script("write_runs").text(runner.shebang))
+        if small:
+            await runner.ensure_loaded(pipe, "write_runs")
         pipe.multi()
         for op in creates:
             chunking = _chunks.of_meta(op.meta)

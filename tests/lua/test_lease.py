@@ -13,9 +13,7 @@ from . import test_expire
 from .test_expire import NOW, ClockRedis
 from .test_scripts import CK, META, D, commit_argv, expect_error, make_store, put, set_tmp, state
 
-# the fixtures of test_expire: the shim with a clock (TIME, PEXPIREAT), under each Lua version
-r = test_expire.r
-lua_version = test_expire.lua_version
+r = test_expire.r  # the shim with a clock (TIME, PEXPIREAT); lua_version comes from conftest.py
 
 pytestmark = pytest.mark.lua
 
