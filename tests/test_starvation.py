@@ -200,6 +200,15 @@ def test_lazy_reads_are_not_starved(server, request, tries):
 def test_a_dead_readers_lease_delays_layout_changes_by_at_most_its_length(server, monkeypatch):
     """A lease taken and never dropped (its reader died): layout changes wait for it to end,
     at most its length; writes that keep the layout do not wait; no key is left behind."""
+    _dead_lease(server, monkeypatch)
+
+
+def test_leases_on_a_cluster(cluster_server, monkeypatch):
+    """The same on a Redis Cluster: the lease key lives in the store's slot."""
+    _dead_lease(cluster_server, monkeypatch)
+
+
+def _dead_lease(server, monkeypatch):
     monkeypatch.setattr(_lease, "LEASE_MS", 600)
     store = TensorDictStore(batch_size=[4], **server.connection_kwargs())
     store["x"] = torch.zeros(4)
