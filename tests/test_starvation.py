@@ -260,3 +260,10 @@ def test_a_released_lease_frees_writers_at_once(server):
     store["new"] = torch.ones(4)
     assert time.perf_counter() - t0 < 0.3
     store.clear_redis()
+
+
+def test_lease_length():
+    """A lease covers its read at 50 MB/s, from 2 s up to 60 s (what a dead reader can hold writers back)."""
+    assert _lease.lease_ms(0) == _lease.LEASE_MS == 2000
+    assert _lease.lease_ms(100 * 10**6) == 4000
+    assert _lease.lease_ms(10**12) == _lease.LEASE_MAX_MS == 60_000

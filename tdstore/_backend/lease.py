@@ -15,7 +15,8 @@ The bounds (see docs/guarantees.md, "Reads under layout churn"):
 
 * a reader: :data:`LEASE_AFTER` optimistic tries, one lease call, at most two tries;
 * a writer: waits while leases are live, each at most its length (:func:`lease_ms`:
-  :data:`LEASE_MS` plus the time to read the store at :data:`LEASE_BYTES_PER_MS`); readers take
+  :data:`LEASE_MS` plus the time to read the store at :data:`LEASE_BYTES_PER_MS`, at most
+  :data:`LEASE_MAX_MS`); readers take
   one only after losing :data:`LEASE_AFTER` tries to layout changes, and drop it when done, so
   a lease of a reader that died delays writers by at most its length. A writer gives up waiting
   after :data:`WRITER_WAIT_MAX` seconds (``StaleLayoutError``, which its optimistic loop retries).
@@ -41,6 +42,7 @@ __all__ = [
     "LEASE_AFTER",
     "LEASE_MS",
     "LEASE_BYTES_PER_MS",
+    "LEASE_MAX_MS",
     "WRITER_WAIT_MAX",
     "ReadLease",
     "lease_ms",
@@ -54,8 +56,11 @@ __all__ = [
 LEASE_AFTER = 4
 #: The length of a lease (ms) for a small read ...
 LEASE_MS = 2000
-#: ... plus one ms per this many bytes the read returns (50 MB/s), so a long read keeps it.
+#: ... plus one ms per this many bytes the read returns (50 MB/s), so a long read keeps it ...
 LEASE_BYTES_PER_MS = 50_000
+#: ... up to this length (ms): what a reader that died can hold writers back (a try that
+#: reads for longer may still be outrun once its lease ends; it renews the lease on its next try).
+LEASE_MAX_MS = 60_000
 #: Seconds a writer waits for readers' leases to end before it gives up (``StaleLayoutError``).
 WRITER_WAIT_MAX = 30.0
 #: The longest single wait of a writer between two tries (seconds).
@@ -66,7 +71,7 @@ _BUSY_RE = re.compile(r"TDS_BUSY\b.*? for (\d+) ms")
 
 def lease_ms(nbytes: int) -> int:
     """The length of a lease for a read of ``nbytes`` bytes."""
-    return LEASE_MS + max(0, int(nbytes)) // LEASE_BYTES_PER_MS
+    return min(LEASE_MS + max(0, int(nbytes)) // LEASE_BYTES_PER_MS, max(LEASE_MS, LEASE_MAX_MS))
 
 
 class ReadLease:
