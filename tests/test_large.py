@@ -130,13 +130,13 @@ def test_write_between_snapshot_and_pieces_reads_again(real_server, stores, smal
             raw.set(keys.data(("x",)), second.numpy().tobytes())
             raw.incr(keys.wv)
 
-    async def racing(client, keys_, entries, wv, lv):
+    async def racing(client, read):
         race()
-        return await real_loop(client, keys_, entries, wv, lv)
+        return await real_loop(client, read)
 
-    def racing_direct(client, keys_, entries, wv, lv):
+    def racing_direct(client, read):
         race()
-        return real_direct(client, keys_, entries, wv, lv)
+        return real_direct(client, read)
 
     monkeypatch.setattr(_large, "read_pieces", racing)
     monkeypatch.setattr(_large, "read_pieces_direct", racing_direct)
@@ -375,11 +375,11 @@ def test_direct_piece_read_of_a_shrunk_entry_reads_again(real_server, stores, sm
     real_direct = _large.read_pieces_direct
     results = []
 
-    def shrinking(client, keys_, entries, wv, lv):
+    def shrinking(client, read):
         if not results:
             raw.setrange(keys.data(("x",)), 0, b"")  # no-op write, then cut the string short
             raw.set(keys.data(("x",)), b"\0" * 100)
-        got = real_direct(client, keys_, entries, wv, lv)
+        got = real_direct(client, read)
         results.append(got)
         if len(results) == 1:
             raw.set(keys.data(("x",)), torch.full((4, 64), 5.0).numpy().tobytes())

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import types
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
@@ -38,7 +39,7 @@ from tdstore._core.keys import StoreKeys
 if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
     import torch
 
-__all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "read_pieces", "read_pieces_direct", "empty_buffer"]
+__all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "PieceRead", "read_pieces", "read_pieces_direct", "empty_buffer"]
 
 #: Entries at least this large (bytes) are read in pieces (:func:`read_pieces`).
 READ_MIN = 32 * 1024 * 1024
@@ -151,46 +152,56 @@ async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
 # --------------------------------------------------------------------------- #
 
 
-def _piece_commands(
-    keys: StoreKeys, entries: Sequence[tuple[tuple[str, ...], torch.Tensor, Any]]
-) -> tuple[list[tuple[Any, ...]], list[tuple[torch.Tensor, int, int]]]:
-    """The GETRANGE of every piece, then the two versions; and where each piece goes."""
-    commands: list[tuple[Any, ...]] = []
-    targets: list[tuple[torch.Tensor, int, int]] = []
-    for path, buf, chunking in entries:
-        size = buf.numel()
-        if chunking is None:
-            segments = [(keys.plain(path), 0, size)]
-        else:
-            segments = [(keys.chunk(path, k), k * chunking.size, chunking.length(k)) for k in range(chunking.count)]
-        for key, base, length in segments:
-            for offset in range(0, length, READ_PIECE):
-                end = min(offset + READ_PIECE, length)
-                commands.append(("GETRANGE", key, offset, end - 1))
-                targets.append((buf, base + offset, base + end))
-    commands.append(("GET", keys.wv))
-    commands.append(("HGET", keys.meta, "lv"))
-    return commands, targets
+@dataclass
+class PieceRead:
+    """A read of large entries in GETRANGE pieces, checked against the snapshot it belongs to.
+
+    ``entries``: ``(path, flat uint8 buffer, chunking)``, ``chunking`` the entry's
+    :class:`~tdstore._core.chunks.Chunking` or None for one string. ``wv``, ``lv``: the write
+    and layout versions (raw replies) of the snapshot the entry sizes come from.
+    """
+
+    keys: StoreKeys
+    entries: Sequence[tuple[tuple[str, ...], torch.Tensor, Any]]
+    wv: Any
+    lv: Any
+
+    def commands(self) -> tuple[list[tuple[Any, ...]], list[tuple[torch.Tensor, int, int]]]:
+        """The GETRANGE of every piece, then the two versions; and where each piece goes."""
+        keys = self.keys
+        commands: list[tuple[Any, ...]] = []
+        targets: list[tuple[torch.Tensor, int, int]] = []
+        for path, buf, chunking in self.entries:
+            size = buf.numel()
+            if chunking is None:
+                segments = [(keys.plain(path), 0, size)]
+            else:
+                segments = [(keys.chunk(path, k), k * chunking.size, chunking.length(k)) for k in range(chunking.count)]
+            for key, base, length in segments:
+                for offset in range(0, length, READ_PIECE):
+                    end = min(offset + READ_PIECE, length)
+                    commands.append(("GETRANGE", key, offset, end - 1))
+                    targets.append((buf, base + offset, base + end))
+        commands.append(("GET", keys.wv))
+        commands.append(("HGET", keys.meta, "lv"))
+        return commands, targets
+
+    def settled(self, complete: bool, versions: list[Any]) -> bool:
+        """Whether every piece came back whole and both versions are still the snapshot's."""
+        wv_now, lv_now = versions
+        return complete and wv_now == self.wv and lv_now is not None and _same(lv_now, self.lv)
 
 
-async def read_pieces(
-    client: Any,
-    keys: StoreKeys,
-    entries: Sequence[tuple[tuple[str, ...], torch.Tensor, Any]],
-    wv: Any,
-    lv: Any,
-) -> bool:
-    """Reads each entry ``(path, flat uint8 buffer, chunking)`` into its buffer, in GETRANGE pieces.
+async def read_pieces(client: Any, read: PieceRead) -> bool:
+    """Reads each entry of ``read`` into its buffer, in GETRANGE pieces.
 
-    ``chunking``: the entry's :class:`~tdstore._core.chunks.Chunking`, or None for one string.
-    ``wv``, ``lv``: the write and layout versions (raw replies) of the snapshot the entry
-    sizes come from. Returns True when both are unchanged after the last piece (the
-    buffers then hold that snapshot's bytes), False when a write came in between or a
-    piece came back short (the entry changed or is gone): the caller reads again.
+    Returns True when the versions are unchanged after the last piece (the buffers then
+    hold that snapshot's bytes), False when a write came in between or a piece came back
+    short (the entry changed or is gone): the caller reads again.
     """
     import torch
 
-    commands, targets = _piece_commands(keys, entries)
+    commands, targets = read.commands()
     pool = client.connection_pool
     conn = await pool.get_connection()
     clean = False
@@ -222,7 +233,6 @@ async def read_pieces(
                         complete = False  # short: the entry changed or is gone
                 del reply
                 n += 1
-        wv_now, lv_now = replies
         clean = True
     finally:
         if not clean:
@@ -230,16 +240,10 @@ async def read_pieces(
         await pool.release(conn)
     if error is not None:
         raise error
-    return complete and wv_now == wv and lv_now is not None and _same(lv_now, lv)
+    return read.settled(complete, replies)
 
 
-def read_pieces_direct(
-    client: Any,
-    keys: StoreKeys,
-    entries: Sequence[tuple[tuple[str, ...], torch.Tensor, Any]],
-    wv: Any,
-    lv: Any,
-) -> bool:
+def read_pieces_direct(client: Any, read: PieceRead) -> bool:
     """:func:`read_pieces` on a blocking ``redis.Redis``, from the calling thread, with no copy.
 
     The same commands, windows and check; but the replies are parsed here, from the
@@ -247,7 +251,7 @@ def read_pieces_direct(
     the buffer (``socket.recv_into``): one copy from the kernel, where ``read_pieces``
     makes hiredis's buffer, a ``bytes`` object and then the buffer (and no hop to the IO loop).
     """
-    commands, targets = _piece_commands(keys, entries)
+    commands, targets = read.commands()
     views = {id(buf): buf.numpy().data for buf, _, _ in targets}
     pool = client.connection_pool
     conn = pool.get_connection()
@@ -277,7 +281,6 @@ def read_pieces_direct(
                 if isinstance(got, BaseException):
                     error = error or got  # read every reply before raising: the connection stays usable
                 n += 1
-        wv_now, lv_now = versions
         clean = True
     except TimeoutError:
         raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
@@ -289,7 +292,7 @@ def read_pieces_direct(
         pool.release(conn)
     if error is not None:
         raise error
-    return complete and wv_now == wv and lv_now is not None and _same(lv_now, lv)
+    return read.settled(complete, versions)
 
 
 class _RawReplies:

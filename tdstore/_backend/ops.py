@@ -208,14 +208,24 @@ async def set_ring_total(client: Any, keys: StoreKeys, total: int) -> None:
         await pipe.execute()
 
 
+if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack
+
+    class ReadOptions(TypedDict, total=False):
+        """The keyword arguments of :func:`read_entries` and :func:`read_entries_direct`."""
+
+        large: Mapping[tuple[str, ...], int] | None  # the byte size the caller expects of some entries
+        device: Any  # the store's device (pinned buffers for CUDA)
+
+
+def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tuple[dict[tuple[str, ...], int], Any]:
+    """The entries among ``paths`` to read in pieces, with their expected sizes; and the device."""
+    large = options.get("large") or {}
+    return {p: n for p, n in large.items() if n >= _large.READ_MIN and p in paths}, options.get("device")
+
+
 async def read_entries(
-    client: Any,
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool = False,
-    *,
-    large: Mapping[tuple[str, ...], int] | None = None,
-    device: Any = None,
+    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None]:
     """Reads entries whole, with their metadata, in one snapshot.
 
@@ -228,7 +238,7 @@ async def read_entries(
         (layout version, raw registry metadata per path (None when absent), bytes per
         path (None when absent), the full layout when ``with_layout``).
     """
-    big = {p: n for p, n in (large or {}).items() if n >= _large.READ_MIN and p in paths}
+    big, device = _big_entries(paths, options)
     # the chunking each entry is read with: the cached layout's, then the one read with
     # the bytes if that differs (the entry was re-created meanwhile)
     chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
@@ -236,7 +246,7 @@ async def read_entries(
     async def once(big: Mapping[tuple[str, ...], int]) -> Any:
         nonlocal chunking
         for attempt in range(1, _CHUNK_TRIES + 1):
-            got = await _read_entries_once(client, keys, paths, with_layout, big, device, chunking)
+            got = await _read_entries_once(client, _EntriesTry(keys, paths, with_layout, big, device, chunking))
             if not isinstance(got, dict):
                 return got
             chunking = got
@@ -258,13 +268,7 @@ async def read_entries(
 
 
 def read_entries_direct(
-    client: Any,
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool = True,
-    *,
-    large: Mapping[tuple[str, ...], int] | None = None,
-    device: Any = None,
+    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = True, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
     """One try of :func:`read_entries` on a blocking ``redis.Redis`` (see ``Connection.read``):
     the same MULTI, without the hop to the IO loop, and large entries received straight into
@@ -273,15 +277,15 @@ def read_entries_direct(
     meanwhile): the caller reads again through :func:`read_entries`. Any error raises, and
     the caller does the same.
     """
-    big = {p: n for p, n in (large or {}).items() if n >= _large.READ_MIN and p in paths}
+    big, device = _big_entries(paths, options)
     chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
-    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
+    attempt = _EntriesTry(keys, paths, with_layout, big, device, chunking)
     with client.pipeline(transaction=True) as pipe:
-        _entries_build(keys, paths, with_layout, big, entry_keys)(pipe)
+        attempt.build(pipe)
         replies = pipe.execute(raise_on_error=False)
-    got = _entries_parse(replies, keys, paths, with_layout, big, device, chunking, entry_keys)
+    got = attempt.parse(replies)
     if isinstance(got, _Pieces):
-        if not _large.read_pieces_direct(client, keys, got.pieces, got.wv, got.lv):
+        if not _large.read_pieces_direct(client, got.read):
             return None
         return got.result
     return None if isinstance(got, dict) else got
@@ -298,22 +302,30 @@ _CHUNK_TRIES = _io.MAX_RETRIES
 class _Pieces:
     """A read whose large entries are still to be read in pieces into ``result``'s buffers."""
 
-    pieces: list[tuple[tuple[str, ...], Any, Any]]
-    wv: Any
-    lv: Any
+    read: _large.PieceRead
     result: tuple[int | None, list[Any], list[Any], Layout | None]
 
 
-def _entries_build(
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool,
-    big: Mapping[tuple[str, ...], int],
-    entry_keys: list[list[str]],
-) -> Any:
-    """The snapshot commands of one try of :func:`read_entries` (``build(pipe)``)."""
+@dataclass
+class _EntriesTry:
+    """One try of :func:`read_entries`, with each entry's chunking given: its snapshot
+    commands and the meaning of their replies, without I/O (the IO loop's and the direct
+    client's reads send the same)."""
 
-    def build(pipe: Any) -> None:
+    keys: StoreKeys
+    paths: Sequence[tuple[str, ...]]
+    with_layout: bool
+    big: Mapping[tuple[str, ...], int]
+    device: Any
+    chunking: dict[tuple[str, ...], Any]
+    entry_keys: list[list[str]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.entry_keys = [self.keys.entry_keys(p, self.chunking[p]) for p in self.paths]
+
+    def build(self, pipe: Any) -> None:
+        """Queues the snapshot's commands."""
+        keys, paths, with_layout, big, entry_keys = self.keys, self.paths, self.with_layout, self.big, self.entry_keys
         if with_layout:
             pipe.hgetall(keys.meta)
             pipe.hgetall(keys.reg)
@@ -331,94 +343,77 @@ def _entries_build(
         if big and not with_layout:
             pipe.get(keys.wv)
 
-    return build
+
+    def parse(self, replies: list[Any]) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None:
+        """The result from the snapshot's replies: a :class:`_Pieces` when large entries are
+        still to be read, the chunking read from the server when it differs, None when a large
+        entry is not the one expected."""
+        keys, paths, with_layout, big, device, chunking = self.keys, self.paths, self.with_layout, self.big, self.device, self.chunking
+        if with_layout:
+            layout = parse_layout(replies[0], replies[1], keys.base)
+        elif paths and isinstance(replies[1], Exception):
+            layout = parse_layout({}, replies[1], keys.base)  # raises: the registry is not a hash
+        _raise_first_error(replies)
+        if with_layout:
+            if layout is not None:
+                layout.wv = _s(replies[2]) or "0"
+            lv = None if layout is None else layout.lv
+            metas = [None if layout is None else layout.entries.get(p) for p in paths]
+            parts, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
+        else:
+            lv_text = _s(replies[0])
+            if lv_text is not None and not lv_text.isdigit():
+                parse_layout({b"lv": replies[0]}, {}, keys.base)  # raises: a malformed layout version
+            lv = None if lv_text is None else int(lv_text)
+            metas = [parse_entry(p, m, keys.base) if m is not None else None for p, m in zip(paths, replies[1], strict=True)] if paths else []
+            layout = None
+            parts = replies[2:] if not big else replies[2:-1]
+            wv, lv_raw = (replies[-1] if big else None), replies[0]
+        if lv is not None:
+            found = {p: _chunks.of_meta(m) for p, m in zip(paths, metas, strict=True) if m is not None}
+            if any(found[p] != chunking[p] for p in found):
+                return {p: found.get(p) for p in paths}
+        blobs: list[Any] = []
+        pos = 0
+        for path, names in zip(paths, self.entry_keys, strict=True):
+            got = parts[pos : pos + len(names)]
+            pos += len(names)
+            if path in big:
+                blobs.append(sum(got) if all(isinstance(g, int) for g in got) else None)
+            elif len(got) == 1:
+                blobs.append(got[0])
+            else:
+                blobs.append(None if any(g is None for g in got) else b"".join(got))
+        if big and lv is not None:
+            from tdstore._core import codec as _codec
+
+            pieces: list[tuple[tuple[str, ...], Any, Any]] = []
+            for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
+                if path not in big:
+                    continue
+                size = big[path]
+                if (
+                    not isinstance(meta, dict) or meta.get("k") != "t" or blobs[i] != size
+                    or _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])) != size
+                ):
+                    return None  # not the entry the caller expected (or it is gone): read it whole
+                blobs[i] = _large.empty_buffer(size, device)
+                pieces.append((path, blobs[i], chunking[path]))
+            return _Pieces(_large.PieceRead(keys, pieces, wv, lv_raw), (lv, metas, list(blobs), layout))
+        return lv, metas, list(blobs), layout
 
 
 async def _read_entries_once(
-    client: Any,
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool,
-    big: Mapping[tuple[str, ...], int],
-    device: Any,
-    chunking: dict[tuple[str, ...], Any],
+    client: Any, attempt: _EntriesTry
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
-    """One try of :func:`read_entries` with each entry's chunking given: None when a large
-    entry changed meanwhile; the chunking read from the server when it differs."""
-    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
-    replies = await read_snapshot(client, keys, _entries_build(keys, paths, with_layout, big, entry_keys))
-    got = _entries_parse(replies, keys, paths, with_layout, big, device, chunking, entry_keys)
+    """One try of :func:`read_entries`: None when a large entry changed meanwhile; the
+    chunking read from the server when it differs."""
+    got = attempt.parse(await read_snapshot(client, attempt.keys, attempt.build))
     if isinstance(got, _Pieces):
-        if not await _large.read_pieces(client, keys, got.pieces, got.wv, got.lv):
+        if not await _large.read_pieces(client, got.read):
             return None
         return got.result
     return got
-
-
-def _entries_parse(
-    replies: list[Any],
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool,
-    big: Mapping[tuple[str, ...], int],
-    device: Any,
-    chunking: dict[tuple[str, ...], Any],
-    entry_keys: list[list[str]],
-) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None:
-    """The result of one try of :func:`read_entries` from its snapshot's replies; a
-    :class:`_Pieces` when large entries are still to be read."""
-    if with_layout:
-        layout = parse_layout(replies[0], replies[1], keys.base)
-    elif paths and isinstance(replies[1], Exception):
-        layout = parse_layout({}, replies[1], keys.base)  # raises: the registry is not a hash
-    _raise_first_error(replies)
-    if with_layout:
-        if layout is not None:
-            layout.wv = _s(replies[2]) or "0"
-        lv = None if layout is None else layout.lv
-        metas = [None if layout is None else layout.entries.get(p) for p in paths]
-        parts, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
-    else:
-        lv_text = _s(replies[0])
-        if lv_text is not None and not lv_text.isdigit():
-            parse_layout({b"lv": replies[0]}, {}, keys.base)  # raises: a malformed layout version
-        lv = None if lv_text is None else int(lv_text)
-        metas = [parse_entry(p, m, keys.base) if m is not None else None for p, m in zip(paths, replies[1], strict=True)] if paths else []
-        layout = None
-        parts = replies[2:] if not big else replies[2:-1]
-        wv, lv_raw = (replies[-1] if big else None), replies[0]
-    if lv is not None:
-        found = {p: _chunks.of_meta(m) for p, m in zip(paths, metas, strict=True) if m is not None}
-        if any(found[p] != chunking[p] for p in found):
-            return {p: found.get(p) for p in paths}
-    blobs: list[Any] = []
-    pos = 0
-    for path, names in zip(paths, entry_keys, strict=True):
-        got = parts[pos : pos + len(names)]
-        pos += len(names)
-        if path in big:
-            blobs.append(sum(got) if all(isinstance(g, int) for g in got) else None)
-        elif len(got) == 1:
-            blobs.append(got[0])
-        else:
-            blobs.append(None if any(g is None for g in got) else b"".join(got))
-    if big and lv is not None:
-        from tdstore._core import codec as _codec
-
-        pieces: list[tuple[tuple[str, ...], Any, Any]] = []
-        for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
-            if path not in big:
-                continue
-            size = big[path]
-            if (
-                not isinstance(meta, dict) or meta.get("k") != "t" or blobs[i] != size
-                or _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])) != size
-            ):
-                return None  # not the entry the caller expected (or it is gone): read it whole
-            blobs[i] = _large.empty_buffer(size, device)
-            pieces.append((path, blobs[i], chunking[path]))
-        return _Pieces(pieces, wv, lv_raw, (lv, metas, list(blobs), layout))
-    return lv, metas, list(blobs), layout
 
 
 
