@@ -55,12 +55,18 @@ Errors:
   TDS_STALE    the layout version differs from ARGV[1]
   TDS_CONFLICT the write version differs from ARGV[7]
   TDS_LOCKED   ARGV[3] is "1" and the store is locked
+  TDS_BUSY     ARGV[2] is "1" and a reader holds a lease on the layout (see lease.lua): the
+               client waits and calls again; the tmp keys are kept for that call
   TDS_PARTIAL  a tmp key of a "put" is missing (its SET was refused); every tmp key is deleted
   TDS_BADARG   an op is malformed
 
-On every error the tmp keys of the "put" ops are deleted and nothing else changes.
+When the last of KEYS is the store's read-lease hash (<prefix>:{<td_id>}:rl), a layout change
+(ARGV[2] "1") is refused while a reader's lease on it is live (TDS_BUSY).
+
+On every error but TDS_BUSY the tmp keys of the "put" ops are deleted and nothing else changes.
 ]]
 --@include lib/common.lua
+--@include lib/lease.lua
 
 local meta_key, reg_key, wv_key = KEYS[1], KEYS[2], KEYS[3]
 local expected, bump, check_lock = ARGV[1], ARGV[2], ARGV[3]
@@ -184,6 +190,11 @@ else
   if check_lock == '1' and rcall('HGET', meta_key, 'lock') == '1' then
     drop_tmps()
     return fail('TDS_LOCKED', 'the store at ' .. meta_key .. ' is locked')
+  end
+  -- a reader holds the layout still (lease.lua): the client waits and calls again
+  local leased = bump == '1' and KEYS[#KEYS] == string.sub(meta_key, 1, -5) .. 'rl' and lease_left(KEYS[#KEYS])
+  if leased then
+    return fail('TDS_BUSY', 'a read lease holds the layout of ' .. meta_key .. ' for ' .. int_str(leased) .. ' ms')
   end
 end
 

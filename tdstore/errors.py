@@ -254,6 +254,7 @@ LUA_ERRORS: dict[str, type[TDStoreError]] = {
     "TDS_PARTIAL": PartialWriteError,
     "TDS_BADARG": SchemaError,
     "TDS_RANGE": SchemaError,
+    "TDS_BUSY": StaleLayoutError,  # a reader's lease holds the layout still (lua/lease.lua); writers wait
 }
 
 _CODE_RE = re.compile(r"(TDS_[A-Z]+) ?(.*)", re.S)

@@ -345,7 +345,7 @@ class Connection:
             self._client_node = node = node or route.node or route.startup[0]
             kwargs.update(host=node[0], port=node[1])
         pool = self._pool_class(connection_class=self._connection_class, **kwargs)
-        return self._client_class(connection_pool=pool)
+        return _io.track(self._client_class(connection_pool=pool))  # disconnected at exit
 
     def node_client(self, node: tuple[str, int] | None) -> Any:
         """The client to cluster master ``node`` (on the IO loop); replaces the one to another node."""

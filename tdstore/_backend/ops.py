@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import redis.exceptions
 
 from tdstore._backend import large as _large
+from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend.scripts import ScriptRunner
@@ -535,6 +536,8 @@ def commit_args(
     ]
     if ttl_ms is not None and expected == "new":
         args.append(str(int(ttl_ms)))  # ARGV[9], sent only when set: older callers send 8
+    if options["bump"] and expected != "new":
+        key_list.append(keys.rl)  # last: readers' leases refuse the change meanwhile (TDS_BUSY)
     if expected_cas:
         # ARGV[10]: a compare-and-set that appends to other sub-stores leave alone (lua/commit.lua)
         args.extend([""] * (9 - len(args)) + [expected_cas])
@@ -554,7 +557,7 @@ async def commit(
     key_list, args, tmp_payloads = commit_args(keys, ops, **options)
     await _memory.check_ops(client, keys, ops)  # refuses what would take the server past maxmemory
     if not tmp_payloads:
-        return int(await runner.call(client, "commit", key_list, args))
+        return await _lease.call_commit(client, runner, key_list, args)  # waits out readers' leases
     if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
         # grown on the server step by step before the commit: tdstore._backend.transfer.commit does it
         raise AssertionError("zero-filled chunks must be committed through tdstore._backend.transfer.commit")
@@ -579,6 +582,8 @@ async def commit(
     if isinstance(result, Exception):
         if isinstance(result, redis.exceptions.ResponseError):
             exc = translate(result)
+            if _lease.busy_ms(exc) is not None:  # readers' leases: the tmp keys are kept, wait
+                return await _lease.call_commit(client, runner, key_list, args, [t for t, _ in tmp_payloads], exc)
             if exc is not result:
                 # say why a tmp key went missing, e.g. the server is out of memory
                 set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
@@ -728,6 +733,12 @@ async def write_runs_watched(
                 client, keys, sent, _memory.alloc_size(sent + _memory.KEY_OVERHEAD),
                 "writing " + ", ".join(repr(g[0][0] if len(g[0]) == 1 else g[0]) for g in groups[:3]), via=pipe,
             )
+        if layout_changed:
+            # readers' leases hold the layout still (tdstore/_backend/lease.py): optimistic() waits
+            await pipe.watch(keys.rl)
+            left = await _lease.leased(pipe, keys)
+            if left is not None:
+                raise _lease.busy_error(keys, left)
         small = [g for g in groups if not large(g[1])]
         if small:
             await runner.ensure_loaded(pipe, "write_runs")

@@ -20,6 +20,12 @@ that have always raised ``WriteConflictError``) saying ``the layout of <store> k
 during <operation>; gave up after <n> tries``. That error is marked (``gave_up``), so an
 outer optimistic loop lets it through rather than multiply the tries.
 
+Reads pass ``lease=`` (a :class:`~tdstore._backend.lease.ReadLease`): after
+``LEASE_AFTER`` lost tries the loop takes it, so that writers cannot change the layout
+until the read returns (a bounded wait, whatever the churn; see
+:mod:`tdstore._backend.lease`). A writer refused by such a lease (an error marked
+``lease_busy``) waits here without spending a try, for at most ``WRITER_WAIT_MAX`` seconds.
+
 The IO loop's own retries (NOSCRIPT reloads, a read's chunk tries, the staged transfer
 restarts inside a read) are not this pattern: they run on the IO loop, where sleeping would
 block it, and each retries one server step rather than a whole plan.
@@ -27,9 +33,11 @@ block it, and each retries one server step rather than a whole plan.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore.errors import StaleLayoutError
 
@@ -71,6 +79,7 @@ def optimistic(
     retry_on: tuple[type[BaseException], ...] = (StaleLayoutError,),
     backoff: Callable[[int], None] = _io.backoff,
     error: type[Exception] = StaleLayoutError,
+    lease: _lease.ReadLease | None = None,
 ) -> _T:
     """Returns ``attempt_fn(attempt)`` for the first attempt (0, 1, ...) that neither raises
     one of ``retry_on`` nor :class:`Retry`.
@@ -88,17 +97,36 @@ def optimistic(
         backoff: The wait after a stale attempt, given its number (default the IO loop's
             randomized :func:`~tdstore._backend.loop.backoff`).
         error: The exception class given up with (``StaleLayoutError``).
+        lease: A read's lease, taken (and renewed) before every attempt from
+            :data:`~tdstore._backend.lease.LEASE_AFTER` on, and dropped when the loop ends.
     """
-    for attempt in range(tries):
-        try:
-            return attempt_fn(attempt)
-        except Retry as signal:
-            if not signal.stale:
-                continue
-        except retry_on as exc:
-            if getattr(exc, "gave_up", False):
-                raise
-        backoff(attempt)
-        if on_stale is not None:
-            on_stale()
-    raise give_up(where, what, tries, error)
+    attempt = 0
+    waited = 0.0
+    try:
+        while attempt < tries:
+            if lease is not None and attempt >= _lease.LEASE_AFTER:
+                lease.take()
+            try:
+                return attempt_fn(attempt)
+            except Retry as signal:
+                if not signal.stale:
+                    attempt += 1
+                    continue
+            except retry_on as exc:
+                if getattr(exc, "gave_up", False):
+                    raise
+                left = _lease.busy_ms(exc)
+                if left is not None and waited < _lease.WRITER_WAIT_MAX:
+                    # a reader's lease holds the layout still: wait for it, not a try spent
+                    delay = min(0.02, left / 1000 + 0.001)
+                    time.sleep(delay)
+                    waited += delay
+                    continue
+            backoff(attempt)
+            if on_stale is not None:
+                on_stale()
+            attempt += 1
+        raise give_up(where, what, tries, error)
+    finally:
+        if lease is not None:
+            lease.release()

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tdstore._backend import lease as _lease
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend.ops import Layout, Op, ZeroBytes, byte_view, parse_layout
@@ -220,7 +221,7 @@ async def commit_staged(
         what = progress.what
         progress.set_status(f"{what} (committing)")
         # the script deletes every tmp key of its "put" ops when it refuses the commit
-        lv = int(await runner.call(client, "commit", key_list, args))
+        lv = await _lease.call_commit(client, runner, key_list, args)  # waits out readers' leases
         progress.set_status(what)
         return lv
     except BaseException:

@@ -103,7 +103,7 @@ def new_td_id() -> str:
 class StoreKeys:
     """Builds the server keys of one store."""
 
-    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "chunks")
+    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "rl", "chunks")
 
     def __init__(self, prefix: str, td_id: str) -> None:
         self.prefix = validate_prefix(prefix)
@@ -113,6 +113,8 @@ class StoreKeys:
         self.reg = f"{self.base}:reg"
         self.wv = f"{self.base}:wv"
         self.ring = f"{self.base}:ring"
+        #: readers' leases on the layout (lua/lease.lua, tdstore/_backend/lease.py)
+        self.rl = f"{self.base}:rl"
         #: the chunking of each chunked entry of the layout last cached (see tdstore._core.chunks);
         #: replaced as a whole with every new layout
         self.chunks: dict[tuple[str, ...], Any] = {}

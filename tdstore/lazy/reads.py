@@ -17,6 +17,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
+from tdstore._backend.lease import ReadLease
 from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.keys import as_path as _as_path
@@ -147,6 +148,11 @@ class LazyReads(LazyBase):
             data = bytearray(data)
         return torch.frombuffer(data, dtype=torch.uint8)
 
+    def _lease_bytes(self) -> int:
+        """The bytes of the stack's tensor leaves (the length of a read lease, see optimistic())."""
+        layout = self._layout()
+        return sum(sum(self._spans(layout, p)[1]) for p, m in self._descendants(layout) if m["k"] == "lt")
+
     def _spans(self, layout: _backend.Layout, path: tuple[str, ...]) -> tuple[list[int], list[int]]:
         return self._per_element(layout, "lazy-spans", path, plan.elem_spans)
 
@@ -181,7 +187,8 @@ class LazyReads(LazyBase):
             return tds, s
 
         return optimistic(
-            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=(_Stale,)
+            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=(_Stale,),
+            lease=ReadLease(self._conn, self._lease_bytes),
         )
 
     def _snapshot(self) -> tuple[LazyStackedTensorDict, _backend.Layout, str]:
@@ -227,7 +234,8 @@ class LazyReads(LazyBase):
             return LazyStackedTensorDict(*tds, stack_dim=s), layout, snap.wv
 
         return optimistic(
-            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=()
+            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=(),
+            lease=ReadLease(self._conn, self._lease_bytes),
         )
 
     def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
@@ -358,7 +366,8 @@ class LazyReads(LazyBase):
             return tensor.to(device) if device is not None and device.type != "cpu" else tensor
 
         return optimistic(
-            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=()
+            once, where=self._where, what="a read", on_stale=lambda: self._layout(refresh=True), retry_on=(),
+            lease=ReadLease(self._conn, self._lease_bytes),
         )
 
     def _get_at_str(self, key: Any, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:

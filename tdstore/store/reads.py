@@ -19,6 +19,7 @@ from tdstore._backend import large as _large
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
 from tdstore._backend import transfer as _transfer
+from tdstore._backend.lease import ReadLease
 from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
@@ -128,17 +129,20 @@ class StoreReads(DenseBase):
         conn = self._conn
         bar: Progress | None = None
         staged_tries = 0
+        one_step = True
 
         def once(attempt: int) -> tuple[TensorDict, _backend.Layout]:
-            nonlocal bar, staged_tries
-            if attempt >= ONE_STEP_AFTER:
+            nonlocal bar, staged_tries, one_step
+            if attempt >= ONE_STEP_AFTER and one_step:
                 # writers keep changing the layout between the layout read and the data
-                # read: read both in one step (bounded wait, whatever the churn)
+                # read: read both in one step (bounded wait, whatever the churn); a large or
+                # chunked store takes a read lease instead (optimistic(lease=...))
                 got = self._snapshot_one_step()
                 if got is not None:
                     if bar is not None:
                         bar.update(bar.total - bar.done)
                     return got
+                one_step = False
             layout = self._layout()
             leaves = [(p, m) for p, m in self._descendants(layout, self._path) if m.has_data]
             paths = [p for p, _ in leaves]
@@ -186,7 +190,8 @@ class StoreReads(DenseBase):
 
         try:
             # a body that sees the layout changed raises Retry (no backoff: reading again is the wait)
-            return optimistic(once, where=self._where, what="to_tensordict()", retry_on=())
+            lease = ReadLease(conn, lambda: self._leaf_bytes(self._layout()))
+            return optimistic(once, where=self._where, what="to_tensordict()", retry_on=(), lease=lease)
         finally:
             if bar is not None:
                 bar.close()
@@ -353,14 +358,17 @@ class StoreReads(DenseBase):
         asked = index
         index = normalize_index(index)
         device = self.device
+        one_step = [True]
 
         def once(attempt: int) -> Any:
-            if attempt >= ONE_STEP_AFTER and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
+            if attempt >= ONE_STEP_AFTER and one_step[0] and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
                 # the layout keeps changing between the plan and the read: a small store is
-                # read whole in one step and indexed in memory (bounded wait under churn)
+                # read whole in one step and indexed in memory (bounded wait under churn);
+                # a larger one takes a read lease (optimistic(lease=...))
                 got = self._snapshot_one_step()
                 if got is not None:
                     return got[0][asked]
+                one_step[0] = False
             layout = self._layout()
             batch_size = list(self._node(layout).batch_size or ())
             if only is not None and layout.entries[only].is_tensor:
@@ -441,7 +449,7 @@ class StoreReads(DenseBase):
                 return values[only]
             return self._assemble(layout, new_bs, nb, values)
 
-        return optimistic(once, where=self._where, what="an indexed read", retry_on=())
+        return optimistic(once, where=self._where, what="an indexed read", retry_on=(), lease=ReadLease(conn))
 
     @staticmethod
     def _entry_sizes(layout: _backend.Layout, plan: list[tuple[Any, ...]]) -> list[int | None]:
