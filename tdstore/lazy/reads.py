@@ -151,7 +151,7 @@ class LazyReads(LazyBase):
     def _lease_bytes(self) -> int:
         """The bytes of the stack's tensor leaves (the length of a read lease, see optimistic())."""
         layout = self._layout()
-        return sum(sum(self._spans(layout, p)[1]) for p, m in self._descendants(layout) if m["k"] == "lt")
+        return sum(sum(self._spans(layout, p)[1]) for p, m in self._descendants(layout) if m.kind == "lt")
 
     def _spans(self, layout: _backend.Layout, path: tuple[str, ...]) -> tuple[list[int], list[int]]:
         return self._per_element(layout, "lazy-spans", path, plan.elem_spans)
