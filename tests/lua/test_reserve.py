@@ -158,3 +158,13 @@ def test_errors_change_nothing(r: LuaRedis, lua_version: str, code: str, change:
     elif change == "bad cursor":
         r.data[RING] = b"-1"
     expect_error(r, code, "reserve", [*KEYS, D("x")], args, lua_version)
+
+
+#: the behaviour test of each error code of reserve.lua (see test_scripts.py)
+RESERVE_ERROR_TESTS = {
+    "TDS_NOSTORE": test_errors_change_nothing,
+    "TDS_STALE": test_errors_change_nothing,
+    "TDS_NOENTRY": test_chunked_entry_keys_are_checked,
+    "TDS_RANGE": test_chunked_entry_keys_are_checked,
+    "TDS_BADARG": test_errors_change_nothing,
+}
