@@ -46,8 +46,15 @@ Errors:
 ]]
 --@include lib/common.lua
 
-local err = check_layout(KEYS[1], ARGV[1])
-if err then return err end
+-- (check_layout of lib/common.lua, with the expiry read in the same call)
+local meta = rcall('HMGET', KEYS[1], 'lv', 'exp')
+if not meta[1] then
+  return fail('TDS_NOSTORE', 'no store at ' .. KEYS[1])
+end
+if meta[1] ~= ARGV[1] then
+  return fail('TDS_STALE', 'layout version is ' .. meta[1] .. ', client assumed ' .. ARGV[1])
+end
+local exp = meta[2] or ''
 
 local n = tonumber(ARGV[2])
 local capacity = tonumber(ARGV[3])
@@ -102,8 +109,6 @@ if next_key ~= #KEYS + 1 then
   return fail('TDS_BADARG', 'KEYS holds ' .. (#KEYS + 1 - next_key) .. ' keys that no group uses')
 end
 
-local exp = rcall('HGET', KEYS[1], 'exp') or ''
-
 if mode == 'keep' then
   local held = rcall('HGET', KEYS[4], id)
   if not held then return {-1, exp} end
@@ -115,10 +120,14 @@ if mode == 'keep' then
   return {tonumber(start), exp}
 end
 
-local cursor = tonumber(rcall('GET', KEYS[2]) or '0')
-if cursor == nil or cursor < 0 or cursor ~= math.floor(cursor) then
+-- the last check: the INCRBY of the cursor is this script's first write (an INCRBY of a
+-- key that is not an integer changes nothing)
+local moved = redis.pcall('INCRBY', KEYS[2], int_str(n))
+if type(moved) ~= 'number' or moved < n then
+  if type(moved) == 'number' then rcall('INCRBY', KEYS[2], int_str(-n)) end
   return fail('TDS_BADARG', 'the cursor of ' .. KEYS[1] .. ' is not a row count')
 end
+local cursor = moved - n
 
 -- a ring appended to before the flags existed (or whose cursor was set by the client):
 -- its first min(cursor, capacity) rows count as written
@@ -141,7 +150,6 @@ for i = 1, #held, 2 do
 end
 if fenced then rcall('INCR', KEYS[5]) end
 rcall('HSET', KEYS[4], id, int_str(cursor) .. ':' .. int_str(n) .. ':' .. int_str(capacity))
-rcall('SET', KEYS[2], int_str(cursor + n))
 
 -- clear the flags of the rows (SETRANGE pads a new key with zeros: unflagged)
 local first = math.min(n, capacity - start)

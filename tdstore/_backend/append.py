@@ -5,7 +5,8 @@
    clears the rows' "written" flags (``keys.flags``, one byte per row).
 2. **Write**: a MULTI of the rows' SETRANGEs (each chunk's, for a chunked entry), the
    SETRANGE that sets the rows' flags, the HDEL of the reservation, the write version's INCR
-   and the append counters' HINCRBYs (in ``keys.appends``, not the meta hash), then EXEC.
+   and the HINCRBY of the append counter of the sub-store appended to (``keys.appends``,
+   not the meta hash: the number of appends is the sum of its fields), then EXEC.
 
 The connection WATCHes the meta hash and the fence counter from before the reserve until
 EXEC. The meta hash changes with every layout change and never with an append, so
@@ -128,7 +129,6 @@ class AppendPlan:
             out.append(("SETRANGE", keys.flags, 0, b"\x01" * (n - first)))
         out.append(("HDEL", keys.inflight, self.res.id))
         out.append(("INCR", keys.wv))
-        out.append(("HINCRBY", keys.appends, "ac", 1))
         out.append(("HINCRBY", keys.appends, "a:" + encode_path(self.sub), 1))
         if exp:
             # both may be created here: they expire with the store (the meta hash is WATCHed)

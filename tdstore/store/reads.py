@@ -321,7 +321,7 @@ class StoreReads(DenseBase):
             return x.decode() if isinstance(x, bytes) else str(x)
 
         got = {text(k): text(v) for k, v in counters.items()}
-        writes = int(text(wv or 0)) - int(got.get("ac") or 0)
+        writes = int(text(wv or 0)) - sum(int(v) for v in got.values())  # less every append
         under = [p for p, m in snap.entries.items() if m["k"] == "td" and p[: len(self._path)] == self._path]
         subs = [self._path[:i] for i in range(len(self._path) + 1)] + under
         fields = {f"a:{encode_path(p)}": got.get(f"a:{encode_path(p)}", "") for p in subs}

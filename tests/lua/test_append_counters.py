@@ -2,7 +2,8 @@
 (issue 16 goal 5: appends do not conflict with a read-modify-write of other entries).
 
 The appends of ``extend()`` now count in the hash ``<base>:ac`` (tdstore/_backend/append.py),
-which commit.lua reads; extend.lua, kept for its own tests, still counts in the meta hash."""
+which commit.lua reads (the number of appends is the sum of its fields); extend.lua, kept
+for its own tests, still counts in the meta hash."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def test_extend_without_the_counter_leaves_meta_alone(r: LuaRedis, lua_version: 
 )
 def test_commit_cas(r: LuaRedis, lua_version: str, stored_wv: str, ac: str, field: str, sent: str, ok: bool) -> None:
     make_store(r, entries={"a": b"old"}, wv=stored_wv)
-    r.data[AC] = {b"ac": ac.encode(), b"a:buf": field.encode()}
+    # ac appends in all: field of them into "buf", the others into a sub-store "other"
+    r.data[AC] = {b"a:buf": field.encode(), b"a:other": str(int(ac) - int(field)).encode()}
     tmp = set_tmp(r, "1", b"new")
     keys = [*CK, tmp, D("a")]
     argv = commit_cas(sent, ops=[put("a", 4, 5)], bump="0")

@@ -144,6 +144,7 @@ def test_chunked_entry_keys_are_checked(r: LuaRedis, lua_version: str) -> None:
         ("TDS_BADARG", None, argv(1)[:-1]),  # half a group
         ("TDS_BADARG", None, argv(1, groups=())),  # a key without its group
         ("TDS_BADARG", "bad cursor", argv(1)),
+        ("TDS_BADARG", "text cursor", argv(1)),
     ],
 )
 def test_errors_change_nothing(r: LuaRedis, lua_version: str, code: str, change: str | None, args: list[Any]) -> None:
@@ -157,6 +158,8 @@ def test_errors_change_nothing(r: LuaRedis, lua_version: str, code: str, change:
         r.data[D("x")] = b"abc"
     elif change == "bad cursor":
         r.data[RING] = b"-1"
+    elif change == "text cursor":
+        r.data[RING] = b"1.5"
     expect_error(r, code, "reserve", [*KEYS, D("x")], args, lua_version)
 
 
