@@ -3,8 +3,8 @@ Reserves rows of a ring buffer for one append, the first of its two steps (the s
 MULTI of the rows' SETRANGEs, is sent by the client: see tdstore/_backend/append.py). No
 row byte passes through this script.
 
-It checks the layout version and that every data key exists with its full size, advances
-the cursor by n, records the reservation as in flight, and clears the rows' "written"
+It checks the layout version (and, when given, that every data key exists with its full
+size), advances the cursor by n, records the reservation as in flight, and clears the rows' "written"
 flags, so that sample() stops drawing them until the client's MULTI writes the rows and
 sets their flags again. A reservation whose rows the new one would overlap (its appender
 is slow, or died between the two steps, and the ring came round) is taken over: it is
@@ -18,8 +18,8 @@ KEYS[2]   ring cursor: rows ever reserved (a string key)
 KEYS[3]   row flags: one byte per row, 1 when the row holds a whole appended row
 KEYS[4]   in-flight hash: reservation id -> "cursor:n:capacity"
 KEYS[5]   fence counter, bumped when a reservation is taken over
-KEYS[6..] the data keys of each entry written, in the order of the ARGV groups: its one
-          key, or its chunks in order (a chunked entry, see tdstore/_core/chunks.py)
+KEYS[6..] optional: the data keys of each entry written, in the order of the ARGV groups:
+          its one key, or its chunks in order (a chunked entry, see tdstore/_core/chunks.py)
 
 ARGV[1]   expected layout version (decimal string)
 ARGV[2]   number of rows n (1 <= n <= capacity)
@@ -28,8 +28,12 @@ ARGV[4]   reservation id (the client's, unique)
 ARGV[5]   "new": reserve n rows; "keep": the reservation ARGV[4] was made before (its
           MULTI was aborted by a layout change or the fence): check it again under the
           current layout, without moving the cursor
-ARGV[6..] one pair per entry: the bytes of one row, the bytes of one chunk ("0" for an
-          entry kept in one key)
+ARGV[6..] optional: one pair per entry: the bytes of one row, the bytes of one chunk ("0"
+          for an entry kept in one key). The client sends the data keys and these pairs
+          when it re-plans ("keep"). A first reserve goes without them: the checks cost
+          the server more than the rest of the script, and the write finds a key that
+          went missing anyway (each SETRANGE replies with its key's new length, short
+          for a key it created)
 
 A store with an expiry (meta field "exp") gives the keys this script writes that expiry.
 

@@ -1,7 +1,7 @@
 """Appends in two steps, with no row byte passing through Lua (issue 16).
 
-1. **Reserve** (``lua/reserve.lua``, a tiny script): checks the layout version and the data
-   keys, advances the ring cursor by ``n``, records the reservation in the in-flight hash and
+1. **Reserve** (``lua/reserve.lua``, a tiny script): checks the layout version (and the data
+   keys when it re-plans), advances the ring cursor by ``n``, records the reservation in the in-flight hash and
    clears the rows' "written" flags (``keys.flags``, one byte per row).
 2. **Write**: a MULTI of the rows' SETRANGEs (each chunk's, for a chunked entry), the
    SETRANGE that sets the rows' flags, the HDEL of the reservation, the write version's INCR
@@ -88,6 +88,8 @@ class AppendPlan:
         keys = self.keys
         kl = [keys.meta, keys.ring, keys.flags, keys.inflight, keys.fence]
         args = [str(self.lv), str(self.n), str(self.capacity), self.res.id, mode]
+        if mode == "new":
+            return kl, args  # the data keys are checked by the write's replies (see check())
         for path, row_bytes, _payload in self.groups:
             chunking = keys.chunks.get(path)
             kl.extend(keys.entry_keys(path, chunking))
