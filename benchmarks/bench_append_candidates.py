@@ -11,7 +11,7 @@ can be chosen by the numbers before it is written:
 * the raw baseline (INCRBY + MULTI of 3 SETRANGEs) and a pipeline of the 3 SETRANGEs;
 * an empty script, with no argument and with the 338 KB payload as one ARGV (what
   passing the bytes through Lua costs by itself);
-* one script doing the 3 SETRANGEs from ARGV (today's extend.lua, less its checks);
+* one script doing the 3 SETRANGEs from ARGV (what extend.lua did before the two steps, less its checks);
 * two steps: a tiny reserving script, then a MULTI of the 3 SETRANGEs + a tiny publishing
   script + the layout-version read (the design the issue hints at);
 * two steps as ``extend()`` sends them (tdstore/_backend/append.py): WATCH + the
