@@ -5,34 +5,22 @@ takes over the reservations in flight its rows would overlap (bumping the fence)
 re-checks a reservation made before ("keep"); on every error the key space is unchanged.
 """
 
+# ruff: noqa: F811 - the fixtures lua_version and r (the shim with a neighbour store) come from test_scripts
+
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 
-from .shim import LUA_VERSIONS, LuaRedis
-from .test_scripts import META, OTHER, RING, D, expect_error, make_store
+from .shim import LuaRedis
+from .test_scripts import META, RING, D, expect_error, lua_version, make_store, r  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.lua
 
 FLAGS, INFLIGHT, FENCE = b"td:{s}:rf", b"td:{s}:rif", b"td:{s}:fence"
 KEYS = [META, RING, FLAGS, INFLIGHT, FENCE]
 CAP = 4
-
-
-@pytest.fixture(params=LUA_VERSIONS, ids=[f"lua{v}" for v in LUA_VERSIONS])
-def lua_version(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def r() -> LuaRedis:
-    """The shim with a neighbour store no script may touch (as in test_scripts.py)."""
-    shim = LuaRedis()
-    for key, value in OTHER.items():
-        shim.data[key] = dict(value) if isinstance(value, dict) else value
-    return shim
 
 
 def argv(n: Any, rid: str = "a", mode: str = "new", lv: str = "2", cap: Any = CAP, groups: Any = ((2, 0),)) -> list[Any]:
