@@ -29,6 +29,8 @@ from tdstore.testing.counts import record as _record
 
 SCHEMA = {"tag": ([3], torch.int64), "obs": ([8], torch.float32)}
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def pool():
@@ -48,7 +50,7 @@ def _keys(server, store) -> set[str]:
 
 def test_samplers_never_see_a_torn_or_unwritten_row(real_server, pool, request):
     conn = real_server.connection_kwargs()
-    cap, rows, count = 48, 4, 60  # the ring comes round about 15 times
+    cap, rows, count = 48, 4, 40  # the ring comes round 10 times
     store = TensorDictStore.from_schema(SCHEMA, batch_size=[cap], **conn)
     appenders = [pool.submit(w.appender, conn, store.td_id, (), p, count, rows, 30.0) for p in (1, 2, 3)]
     samplers = [pool.submit(w.sampler, conn, store.td_id, 16, 400, 30.0, -1) for _ in range(2)]
@@ -82,16 +84,19 @@ def test_appender_killed_between_its_two_steps(real_server, pool, request):
     # its 3 rows (2-4) are reserved, never written: not valid, never sampled
     state = store.ring_state()
     assert (state.total, state.valid) == (rows + 3, rows)
+    before, torn0, unwritten0, _ = w.sampler(conn, store.td_id, 8, 50, 10.0, dead)
     # the others keep appending, past the dead rows and round the ring several times
-    count = 40
+    count = 30
     appenders = [pool.submit(w.appender, conn, store.td_id, (), p, count, rows, 30.0) for p in (2, 3)]
     samplers = [pool.submit(w.sampler, conn, store.td_id, 8, 300, 30.0, dead) for _ in range(2)]
     got = [f.result(90) for f in appenders]
     sampled, torn, unwritten, of_dead = (sum(x) for x in zip(*(f.result(90) for f in samplers), strict=True))
     after, _, _, of_dead_after = w.sampler(conn, store.td_id, 64, 20, 10.0, dead)
-    _record(request, appended=sum(map(len, got)), sampled=sampled + after, torn_rows=torn, unwritten_rows=unwritten,
-            rows_of_killed_sampled=of_dead + of_dead_after)
+    torn, unwritten = torn + torn0, unwritten + unwritten0
+    _record(request, appended=sum(map(len, got)), sampled=before + sampled + after, torn_rows=torn,
+            unwritten_rows=unwritten, rows_of_killed_sampled=of_dead + of_dead_after)
     assert sum(map(len, got)) == 2 * count * rows
+    assert before == 400
     assert (torn, unwritten, of_dead, of_dead_after) == (0, 0, 0, 0)
     assert int((store["tag"][:, 0] == dead).sum()) == 0  # it wrote nothing
     state = store.ring_state()
@@ -104,7 +109,7 @@ def test_appender_killed_between_its_two_steps(real_server, pool, request):
 
 def test_layout_changes_racing_appenders(real_server, pool, request):
     conn = real_server.connection_kwargs()
-    cap, rows, count = 240, 2, 40
+    cap, rows, count = 180, 2, 30
     store = TensorDictStore.from_schema({("buf", k): v for k, v in SCHEMA.items()}, batch_size=[cap], **conn)
     appenders = [pool.submit(w.appender, conn, store.td_id, ("buf",), p, count, rows, 40.0) for p in (1, 2, 3)]
     changer = pool.submit(w.layout_changer, conn, store.td_id, 200, 40.0)
