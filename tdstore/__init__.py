@@ -16,34 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from tdstore import errors as _errors
 from tdstore._core import moved as _moved
 from tdstore._core.progress import set_progress
-from tdstore.errors import (
-    ClientConfigError,
-    CorruptMetadataError,
-    DataLostError,
-    EntryNotFoundError,
-    EntryTooLargeError,
-    EventLoopError,
-    FormatVersionError,
-    OutcomeUnknownError,
-    PartialWriteError,
-    SchemaError,
-    ServerAuthError,
-    ServerOutOfMemoryError,
-    ServerPermissionError,
-    ServerTLSError,
-    ServerUnavailableError,
-    StaleLayoutError,
-    StoreClosedError,
-    StoreExistsError,
-    StoreLockedError,
-    StoreNotFoundError,
-    TDStoreError,
-    UnsafePayloadError,
-    UnsupportedOperationError,
-    WouldExceedMaxmemoryError,
-)
+from tdstore.errors import *  # noqa: F403 - every exception class of tdstore.errors is importable from tdstore too
 
 if TYPE_CHECKING:
     from tdstore._backend.retry import RetryPolicy
@@ -85,30 +61,8 @@ __all__ = [
     "TensorDictStore",
     "ShardedStore",
     "LazyStackedTensorDictStore",
-    "TDStoreError",
-    "StoreNotFoundError",
-    "StoreExistsError",
-    "StoreClosedError",
-    "StoreLockedError",
-    "EntryNotFoundError",
-    "EntryTooLargeError",
-    "SchemaError",
-    "ServerAuthError",
-    "ServerOutOfMemoryError",
-    "WouldExceedMaxmemoryError",
-    "ServerPermissionError",
-    "ServerTLSError",
-    "DataLostError",
-    "StaleLayoutError",
-    "PartialWriteError",
-    "CorruptMetadataError",
-    "FormatVersionError",
-    "UnsupportedOperationError",
-    "ClientConfigError",
-    "EventLoopError",
-    "UnsafePayloadError",
-    "ServerUnavailableError",
-    "OutcomeUnknownError",
+    # the exception classes, as tdstore.errors lists them
+    *(name for name in _errors.__all__ if isinstance(getattr(_errors, name), type)),
     "RetryPolicy",
     "PicklePolicy",
     "set_pickle_policy",

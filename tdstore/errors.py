@@ -7,7 +7,10 @@ unknown key, ``RuntimeError`` for a locked store, ...), so code written against
 
 Lua scripts report errors as ``redis.error_reply("TDS_<CODE> message")``. :data:`LUA_ERRORS`
 maps each code to the class raised here; ``tests/lua`` checks that the codes declared in
-the script headers and this table agree both ways.
+the script headers and this table agree both ways. The one table from server errors to
+these classes (script codes, ACL and maxmemory refusals, lost connections, and which of
+them are retried) is ``tdstore._backend.translate``; every call site goes through its
+``translate()``.
 """
 
 from __future__ import annotations

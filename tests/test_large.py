@@ -64,6 +64,24 @@ def _count_calls(monkeypatch, module, name):
     return calls
 
 
+def _count_piece_reads(monkeypatch):
+    """Counts reads in pieces, on the IO loop (``"loop"``) and on the direct client (``"direct"``)."""
+    calls: list[str] = []
+    real_loop, real_direct = _large.read_pieces, _large.read_pieces_direct
+
+    async def on_loop(*args, **kwargs):
+        calls.append("loop")
+        return await real_loop(*args, **kwargs)
+
+    def direct(*args, **kwargs):
+        calls.append("direct")
+        return real_direct(*args, **kwargs)
+
+    monkeypatch.setattr(_large, "read_pieces", on_loop)
+    monkeypatch.setattr(_large, "read_pieces_direct", direct)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", ["float32", "uint8", "int64", "bool", "bfloat16", "complex64"])
 def test_round_trip_in_pieces(server, stores, small_pieces, monkeypatch, dtype):
     gen = torch.Generator().manual_seed(1)
@@ -71,7 +89,7 @@ def test_round_trip_in_pieces(server, stores, small_pieces, monkeypatch, dtype):
     value = (torch.randn(8, 33, generator=gen) * 50).to(torch_dtype)
     if torch_dtype == torch.bool:
         value = torch.randint(0, 2, (8, 33), generator=gen).bool()
-    reads = _count_calls(monkeypatch, _large, "read_pieces")
+    reads = _count_piece_reads(monkeypatch)
     store = stores(server, batch_size=[8])
     store["x"] = value  # new entry: commit (SET of a tmp key) streamed
     store["small"] = torch.arange(3 * 8).reshape(8, 3)  # under READ_MIN: read whole
@@ -89,7 +107,7 @@ def test_round_trip_in_pieces(server, stores, small_pieces, monkeypatch, dtype):
     if server.kind == "fakeredis":
         assert reads == []  # an in-process server: the ordinary read
     else:
-        assert len(reads) >= 3
+        assert len(reads) >= 3 and set(reads) == {"direct"}  # received straight into the tensors
     raw = server.sync_client()
     assert raw.get(f"{store._conn.keys.data(('x',))}") == value.flip(0).contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -102,21 +120,34 @@ def test_write_between_snapshot_and_pieces_reads_again(real_server, stores, smal
     store["x"] = first
     keys = store._conn.keys
     raw = real_server.sync_client()
-    real = _large.read_pieces
+    real_loop, real_direct = _large.read_pieces, _large.read_pieces_direct
     tries = []
 
-    async def racing(client, keys_, entries, wv, lv):
+    def race():
         tries.append(1)
         if len(tries) == 1:
             # the effect of a concurrent writer: new bytes and a new write version
             raw.set(keys.data(("x",)), second.numpy().tobytes())
             raw.incr(keys.wv)
-        return await real(client, keys_, entries, wv, lv)
+
+    async def racing(client, read):
+        race()
+        return await real_loop(client, read)
+
+    def racing_direct(client, read):
+        race()
+        return real_direct(client, read)
 
     monkeypatch.setattr(_large, "read_pieces", racing)
+    monkeypatch.setattr(_large, "read_pieces_direct", racing_direct)
     got = store["x"]
     assert len(tries) == 2
     assert torch.equal(got, second)
+    tries.clear()
+    raw.set(keys.data(("x",)), first.numpy().tobytes())
+    raw.incr(keys.wv)
+    assert torch.equal(store.to_tensordict()["x"], second)  # the same for a whole-store read
+    assert len(tries) == 2
 
 
 def test_pieces_never_torn_under_writer(real_server, request, small_pieces):
@@ -289,6 +320,75 @@ def test_peak_memory_of_a_64mib_entry(real_server, stores, transport):
     assert results["write"] < 0.5, results
     assert results["read"] < 1.5 and results["to_tensordict"] < 1.5, results
     assert torch.equal(store["x"], torch.full(shape, 7.0))
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_raw_reply_reader(real_server, protocol):
+    """The direct reader's RESP parsing: bulk strings received into a view (exact size only),
+    nulls, errors and empty strings, on RESP2 and RESP3; the connection stays in step."""
+    import redis
+
+    kw = real_server.connection_kwargs()
+    client = redis.Redis(**{k: v for k, v in kw.items() if k in ("host", "port", "unix_socket_path")}, protocol=protocol)
+    try:
+        client.set("tdstore-test:raw", bytes(range(256)) * 4)
+        client.hset("tdstore-test:hash", "f", "v")
+        conn = client.connection_pool.get_connection()
+        try:
+            if conn._sock is None:
+                conn.connect()
+            replies = _large._RawReplies(conn._sock)
+            replies.send(conn.pack_commands([
+                ("GETRANGE", "tdstore-test:raw", 0, 1023),
+                ("GETRANGE", "tdstore-test:raw", 10, 19),
+                ("GET", "tdstore-test:missing"),
+                ("GETRANGE", "tdstore-test:hash", 0, 3),
+                ("GETRANGE", "tdstore-test:raw", 5000, 6000),
+                ("GET", "tdstore-test:raw"),
+            ]))
+            whole = bytearray(1024)
+            assert replies.bulk_into(memoryview(whole)) is True and bytes(whole) == bytes(range(256)) * 4
+            assert replies.bulk_into(memoryview(bytearray(11))) is False  # 10 bytes: not the size asked
+            assert replies.bulk() is None
+            err = replies.bulk_into(memoryview(bytearray(4)))
+            assert isinstance(err, redis.exceptions.ResponseError) and "WRONGTYPE" in str(err)
+            assert replies.bulk() == b""
+            assert replies.bulk() == bytes(range(256)) * 4
+            client.connection_pool.release(conn)
+            conn = None
+            assert client.ping()  # nothing was left unread on the connection
+        finally:
+            if conn is not None:
+                client.connection_pool.release(conn)
+    finally:
+        client.delete("tdstore-test:raw", "tdstore-test:hash")
+        client.close()
+
+
+def test_direct_piece_read_of_a_shrunk_entry_reads_again(real_server, stores, small_pieces, monkeypatch):
+    """An entry that shrinks between the snapshot and its pieces: the direct reader reads
+    the short replies past, and the read starts again (and is right)."""
+    store = stores(real_server, batch_size=[4])
+    store["x"] = torch.arange(4 * 64, dtype=torch.float32).reshape(4, 64)
+    raw = real_server.sync_client()
+    keys = store._conn.keys
+    real_direct = _large.read_pieces_direct
+    results = []
+
+    def shrinking(client, read):
+        if not results:
+            raw.setrange(keys.data(("x",)), 0, b"")  # no-op write, then cut the string short
+            raw.set(keys.data(("x",)), b"\0" * 100)
+        got = real_direct(client, read)
+        results.append(got)
+        if len(results) == 1:
+            raw.set(keys.data(("x",)), torch.full((4, 64), 5.0).numpy().tobytes())
+        return got
+
+    monkeypatch.setattr(_large, "read_pieces_direct", shrinking)
+    assert torch.equal(store["x"], torch.full((4, 64), 5.0))
+    assert results[0] is False
+    assert store._conn.direct_client().ping()
 
 
 def test_thresholds_are_sane():

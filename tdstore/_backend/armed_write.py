@@ -39,9 +39,10 @@ import redis.exceptions
 
 from tdstore._backend.ops import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.translate import translate
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
-from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError, translate_response_error
+from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]
 
@@ -260,7 +261,7 @@ class _ArmedWrite:
             raise StaleLayoutError("the layout changed during an indexed write")
         for reply in result:
             if isinstance(reply, redis.exceptions.ResponseError):
-                exc = translate_response_error(reply)
+                exc = translate(reply)
                 raise exc from (reply if exc is not reply else None)
 
 

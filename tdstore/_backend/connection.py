@@ -25,32 +25,28 @@ from tdstore._backend import credentials as _credentials
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
+from tdstore._backend import translate as _translate
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
 from tdstore._backend.retry import (
     OutcomeUnknownError,
     RetryPolicy,
     ServerUnavailableError,
-    classify,
     resolve_policy,
     sleep_before_retry,
 )
 from tdstore._backend.scripts import ScriptRunner, probe_shebang
+from tdstore._backend.translate import retry_class
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
 from tdstore.errors import (
     ClientConfigError,
     EntryTooLargeError,
-    ServerAuthError,
-    ServerOutOfMemoryError,
-    ServerPermissionError,
-    ServerTLSError,
     StoreClosedError,
     TDStoreError,
-    WouldExceedMaxmemoryError,
     clause,
 )
 
-__all__ = ["Connection", "DEFAULT_MAX_BULK"]
+__all__ = ["Connection", "DEFAULT_MAX_BULK", "open_connection"]
 
 T = TypeVar("T")
 
@@ -256,38 +252,6 @@ class Connection:
             where = self._connection_class.__name__
         return f"{where} db={kw.get('db', 0)}"
 
-    def _auth_error(self, err: BaseException) -> ServerAuthError:
-        kw = self._conn_kwargs
-        reason = str(err).rstrip(".")  # the server's text names no secret ("WRONGPASS invalid ...")
-        if kw.get("password") is None and kw.get("credential_provider") is None:
-            problem = f"refused {_credentials.who(kw)}: no password was given ({reason})"
-            hint = _credentials.missing_hint(self._secrets_dropped)
-        else:
-            given = f", taken from {self._credentials_from}" if self._credentials_from else ""
-            problem = f"refused the credentials of {_credentials.who(kw)}{given} ({reason})"
-            hint = "Check the user name and password (or the credential provider), and that the user is enabled."
-        return ServerAuthError(
-            f"the server {self.describe()} {problem} for TensorDictStore(td_id={self.keys.td_id!r}, "
-            f"prefix={self.keys.prefix!r}). {hint}"
-        )
-
-    def _permission_error(self, err: BaseException) -> ServerPermissionError:
-        prefix = self.keys.prefix
-        return ServerPermissionError(
-            f"the server {self.describe()} refused a command of TensorDictStore(td_id={self.keys.td_id!r}, "
-            f"prefix={prefix!r}) to {_credentials.who(self._conn_kwargs)}: {str(err).rstrip('.')}. The user's ACL "
-            f"must cover the store's keys (~{prefix}:*) and the commands tdstore uses (+@all -@dangerous is "
-            "enough; +info +config|get help)."
-        )
-
-    def _tls_error(self, err: BaseException) -> ServerTLSError:
-        ca = self._conn_kwargs.get("ssl_ca_certs") or self._conn_kwargs.get("ssl_ca_path") or "the system CAs"
-        return ServerTLSError(
-            f"TLS handshake with {self.describe()} failed for TensorDictStore(td_id={self.keys.td_id!r}): {str(err).rstrip('.')}. "
-            f"The server's certificate must be signed by the CA given (ssl_ca_certs={ca!r}) and name the "
-            "host connected to; a server that requires client certificates needs ssl_certfile= and ssl_keyfile=."
-        )
-
     def pickle_state(self) -> dict[str, Any]:
         kwargs = dict(self._conn_kwargs)
         if kwargs.get("server") is not None or not self.owned_replies:
@@ -422,7 +386,7 @@ class Connection:
                 self._reached = True
                 return result
             except Exception as err:  # noqa: BLE001 - classified, re-raised unless retried
-                kind = classify(err)
+                kind = retry_class(err)
                 if kind is None:
                     raise
                 if kind == "unknown" and not sent[0]:
@@ -504,10 +468,8 @@ class Connection:
         except TDStoreError:
             raise
         except redis.exceptions.TimeoutError as err:
-            if classify(err) is None:  # the server did not answer in time (not: could not connect)
-                raise TimeoutError(
-                    f"the server did not answer within {self.timeout} s (set timeout= on the store to wait longer)"
-                ) from err
+            if retry_class(err) is None:  # the server did not answer in time (not: could not connect)
+                raise _translate.translate(err, self, client=client, limit=self.timeout) from err
             return _NOT_DIRECT
         except (redis.exceptions.RedisError, OSError):
             return _NOT_DIRECT
@@ -573,68 +535,11 @@ class Connection:
         limit = self.timeout if timeout is None else timeout
         try:
             return _io.sync(call(), limit)
-        except redis.exceptions.ExecAbortError as err:
-            # a MULTI whose commands the server refused to queue; over maxmemory, Redis 7
-            # and Valkey refuse every queued command. Nothing of it ran.
-            if not self._over_maxmemory(client):
+        except Exception as err:  # noqa: BLE001 - translated by the one table, re-raised
+            exc = _translate.translate(err, self, client=client, limit=limit)
+            if exc is err:
                 raise
-            raise self._out_of_memory(client) from err
-        except WouldExceedMaxmemoryError:
-            raise  # refused by the memory guard before anything was sent; its message says why
-        except redis.exceptions.OutOfMemoryError as err:
-            raise self._out_of_memory(client) from err
-        except redis.exceptions.NoPermissionError as err:
-            raise self._permission_error(err) from err
-        except redis.exceptions.ResponseError as err:
-            # Redis 6 and KeyDB (no script flags) refuse a script at its first write when
-            # over maxmemory; the scripts validate before writing, so nothing was applied
-            if "OOM command not allowed" not in str(err):
-                raise
-            raise self._out_of_memory(client) from err
-        except redis.exceptions.TimeoutError as err:
-            # the socket timeout fired first: report it like the call timeout
-            raise TimeoutError(
-                f"the server did not answer within {limit} s (set timeout= on the store to wait longer)"
-            ) from err
-
-    def _out_of_memory(self, client: Any) -> ServerOutOfMemoryError:
-        """The error for a refused write; drops the pool's connections first.
-
-        redis-py may leave a refused transaction's EXEC reply unread on its connection, so
-        the next call must start on a fresh one.
-        """
-        try:
-            _io.sync(client.connection_pool.disconnect(), 5.0)
-        except Exception:  # noqa: BLE001 - best effort; the error is what matters
-            pass
-        return ServerOutOfMemoryError(
-            f"the server refused a write to TensorDictStore(td_id={self.keys.td_id!r}, "
-            f"prefix={self.keys.prefix!r}) on {self.describe()}: it is at its maxmemory limit "
-            f"({self._maxmemory()}). Nothing of this operation was applied. Free memory, raise "
-            "maxmemory, or delete stores you no longer need (clear_redis())."
-        )
-
-    def _over_maxmemory(self, client: Any) -> bool:
-        async def read(c: Any) -> Any:
-            return await c.info("memory")
-
-        try:
-            info = _io.sync(read(client), 5.0)
-            limit = int(info.get("maxmemory", 0))
-            return bool(limit) and int(info.get("used_memory", 0)) >= limit
-        except Exception:  # noqa: BLE001 - INFO may be disabled
-            return False
-
-    def _maxmemory(self) -> str:
-        async def read(client: Any) -> Any:
-            return await client.config_get("maxmemory")
-
-        try:
-            reply = _io.sync(read(self._client), 5.0)
-            value = reply.get("maxmemory") or reply.get(b"maxmemory")
-            return f"maxmemory {int(value):,} bytes"
-        except Exception:  # noqa: BLE001 - CONFIG may be disabled; the message still stands
-            return "maxmemory"
+            raise exc  # noqa: B904 - its __cause__ is set by translate()
 
     # -- limits ------------------------------------------------------------------------
     def check_entry_size(
@@ -685,12 +590,11 @@ class Connection:
     async def _setup(self, client: Any) -> None:
         try:
             shebang = await probe_shebang(client)  # the first command: it authenticates
-        except redis.exceptions.AuthenticationError as err:
-            raise self._auth_error(err) from None  # no chained frames holding the client's kwargs
         except redis.exceptions.ConnectionError as err:
-            if not _is_tls_failure(err):
+            exc = _translate.translate(err, self, client=client, stage="setup")  # credentials, TLS
+            if exc is err:
                 raise
-            raise self._tls_error(err) from err
+            raise exc  # noqa: B904 - its __cause__ is set by translate()
         # the two limits of one command's size, and whether INFO answers (the memory guard), in one round trip
         async with client.pipeline(transaction=False) as pipe:
             pipe.config_get("proto-max-bulk-len")
@@ -732,17 +636,6 @@ class Connection:
         self._retired = []
 
 
-def _is_tls_failure(err: BaseException) -> bool:
-    import ssl
-
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, ssl.SSLError) or "SSL" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1024 * 1024):.1f} MiB"
 
@@ -772,3 +665,47 @@ def connection_defaults(host: str, port: int, unix_socket_path: str | None) -> t
     if parsed.scheme == "unix":
         return host, port, parsed.path
     return parsed.hostname or host, parsed.port or port, None
+
+
+def open_connection(
+    *,
+    td_id: str,
+    host: str = "localhost",
+    port: int = 6379,
+    db: int = 0,
+    unix_socket_path: str | None = None,
+    client: Any = None,
+    prefix: str = "tensordict",
+    timeout: float = _io.DEFAULT_TIMEOUT,
+    allow_pickle: bool | None = None,
+    pickle_key: bytes | str | None = None,
+    retry: Any = None,
+    progress: bool | None = None,
+    **redis_kwargs: Any,
+) -> Connection:
+    """The connection of a store handle, from the connection keywords of ``TensorDictStore``.
+
+    Both store classes open theirs here (the dense class in ``__init__``, the lazy one in
+    its constructors). Nothing is sent: the client connects on the first call.
+    """
+    host, port, unix_socket_path = connection_defaults(host, port, unix_socket_path)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    conn = Connection(
+        host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, prefix=prefix, td_id=td_id,
+        timeout=timeout, redis_kwargs=redis_kwargs, pickle_policy=_pickle_policy(allow_pickle, pickle_key), retry=retry,
+    )
+    conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
+    return conn
+
+
+def _pickle_policy(allow: bool | None, key: bytes | str | None) -> Any:
+    """The store's pickle policy: the arguments where given, else the process-wide default."""
+    from tdstore._core import codec as _codec
+
+    default = _codec.default_pickle_policy()
+    if allow is None and key is None:
+        return default
+    if isinstance(key, str):
+        key = key.encode()
+    return _codec.PicklePolicy(default.allow if allow is None else bool(allow), key if key is not None else default.key)

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 from redis.credentials import UsernamePasswordCredentialProvider
 
-__all__ = ["SECRET_KWARGS", "strip_secrets", "fill_from_env", "tls_from_url", "who", "missing_hint"]
+__all__ = ["SECRET_KWARGS", "strip_secrets", "fill_from_env", "tls_from_url", "who", "missing_hint", "login_kwargs"]
 
 #: Client arguments that are secrets: never pickled unless the store opted in.
 SECRET_KWARGS: tuple[str, ...] = ("password", "ssl_password")
@@ -151,3 +151,8 @@ def missing_hint(dropped: list[str]) -> str:
         "redis.credentials.CredentialProvider that fetches the secret where it runs), or create it "
         "with pickle_secrets=True to carry the password in the pickle, in clear."
     )
+
+
+def login_kwargs(username: str | None, password: str | None) -> dict[str, Any]:
+    """The ``username=`` and ``password=`` client arguments of a login, those that are set."""
+    return {name: value for name, value in (("username", username), ("password", password)) if value is not None}

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import types
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
@@ -38,7 +39,7 @@ from tdstore._core.keys import StoreKeys
 if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
     import torch
 
-__all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "read_pieces", "empty_buffer"]
+__all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "PieceRead", "read_pieces", "read_pieces_direct", "empty_buffer"]
 
 #: Entries at least this large (bytes) are read in pieces (:func:`read_pieces`).
 READ_MIN = 32 * 1024 * 1024
@@ -151,38 +152,56 @@ async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
 # --------------------------------------------------------------------------- #
 
 
-async def read_pieces(
-    client: Any,
-    keys: StoreKeys,
-    entries: Sequence[tuple[tuple[str, ...], torch.Tensor, Any]],
-    wv: Any,
-    lv: Any,
-) -> bool:
-    """Reads each entry ``(path, flat uint8 buffer, chunking)`` into its buffer, in GETRANGE pieces.
+@dataclass
+class PieceRead:
+    """A read of large entries in GETRANGE pieces, checked against the snapshot it belongs to.
 
-    ``chunking``: the entry's :class:`~tdstore._core.chunks.Chunking`, or None for one string.
-    ``wv``, ``lv``: the write and layout versions (raw replies) of the snapshot the entry
-    sizes come from. Returns True when both are unchanged after the last piece (the
-    buffers then hold that snapshot's bytes), False when a write came in between or a
-    piece came back short (the entry changed or is gone): the caller reads again.
+    ``entries``: ``(path, flat uint8 buffer, chunking)``, ``chunking`` the entry's
+    :class:`~tdstore._core.chunks.Chunking` or None for one string. ``wv``, ``lv``: the write
+    and layout versions (raw replies) of the snapshot the entry sizes come from.
+    """
+
+    keys: StoreKeys
+    entries: Sequence[tuple[tuple[str, ...], torch.Tensor, Any]]
+    wv: Any
+    lv: Any
+
+    def commands(self) -> tuple[list[tuple[Any, ...]], list[tuple[torch.Tensor, int, int]]]:
+        """The GETRANGE of every piece, then the two versions; and where each piece goes."""
+        keys = self.keys
+        commands: list[tuple[Any, ...]] = []
+        targets: list[tuple[torch.Tensor, int, int]] = []
+        for path, buf, chunking in self.entries:
+            size = buf.numel()
+            if chunking is None:
+                segments = [(keys.plain(path), 0, size)]
+            else:
+                segments = [(keys.chunk(path, k), k * chunking.size, chunking.length(k)) for k in range(chunking.count)]
+            for key, base, length in segments:
+                for offset in range(0, length, READ_PIECE):
+                    end = min(offset + READ_PIECE, length)
+                    commands.append(("GETRANGE", key, offset, end - 1))
+                    targets.append((buf, base + offset, base + end))
+        commands.append(("GET", keys.wv))
+        commands.append(("HGET", keys.meta, "lv"))
+        return commands, targets
+
+    def settled(self, complete: bool, versions: list[Any]) -> bool:
+        """Whether every piece came back whole and both versions are still the snapshot's."""
+        wv_now, lv_now = versions
+        return complete and wv_now == self.wv and lv_now is not None and _same(lv_now, self.lv)
+
+
+async def read_pieces(client: Any, read: PieceRead) -> bool:
+    """Reads each entry of ``read`` into its buffer, in GETRANGE pieces.
+
+    Returns True when the versions are unchanged after the last piece (the buffers then
+    hold that snapshot's bytes), False when a write came in between or a piece came back
+    short (the entry changed or is gone): the caller reads again.
     """
     import torch
 
-    commands: list[tuple[Any, ...]] = []
-    targets: list[tuple[torch.Tensor, int, int]] = []
-    for path, buf, chunking in entries:
-        size = buf.numel()
-        if chunking is None:
-            segments = [(keys.plain(path), 0, size)]
-        else:
-            segments = [(keys.chunk(path, k), k * chunking.size, chunking.length(k)) for k in range(chunking.count)]
-        for key, base, length in segments:
-            for offset in range(0, length, READ_PIECE):
-                end = min(offset + READ_PIECE, length)
-                commands.append(("GETRANGE", key, offset, end - 1))
-                targets.append((buf, base + offset, base + end))
-    commands.append(("GET", keys.wv))
-    commands.append(("HGET", keys.meta, "lv"))
+    commands, targets = read.commands()
     pool = client.connection_pool
     conn = await pool.get_connection()
     clean = False
@@ -214,7 +233,6 @@ async def read_pieces(
                         complete = False  # short: the entry changed or is gone
                 del reply
                 n += 1
-        wv_now, lv_now = replies
         clean = True
     finally:
         if not clean:
@@ -222,7 +240,140 @@ async def read_pieces(
         await pool.release(conn)
     if error is not None:
         raise error
-    return complete and wv_now == wv and lv_now is not None and _same(lv_now, lv)
+    return read.settled(complete, replies)
+
+
+def read_pieces_direct(client: Any, read: PieceRead) -> bool:
+    """:func:`read_pieces` on a blocking ``redis.Redis``, from the calling thread, with no copy.
+
+    The same commands, windows and check; but the replies are parsed here, from the
+    connection's socket, and each piece's bytes are received straight into its place in
+    the buffer (``socket.recv_into``): one copy from the kernel, where ``read_pieces``
+    makes hiredis's buffer, a ``bytes`` object and then the buffer (and no hop to the IO loop).
+    """
+    commands, targets = read.commands()
+    views = {id(buf): buf.numpy().data for buf, _, _ in targets}
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    clean = False
+    try:
+        if conn._sock is None:
+            conn.connect()
+        replies = _RawReplies(conn._sock)
+        windows = [commands[i : i + READ_WINDOW] for i in range(0, len(commands), READ_WINDOW)]
+        replies.send(conn.pack_commands(windows[0]))
+        complete = True
+        error: BaseException | None = None
+        versions: list[Any] = []
+        n = 0
+        for w in range(len(windows)):
+            if w + 1 < len(windows):
+                replies.send(conn.pack_commands(windows[w + 1]))
+            for _ in windows[w]:
+                got: Any
+                if n >= len(targets):
+                    got = replies.bulk()  # the versions, after the last piece
+                    versions.append(got)
+                else:
+                    buf, offset, end = targets[n]
+                    got = replies.bulk_into(views[id(buf)][offset:end] if complete else None)
+                    complete = complete and got is True  # short (or gone): the entry changed
+                if isinstance(got, BaseException):
+                    error = error or got  # read every reply before raising: the connection stays usable
+                n += 1
+        clean = True
+    except TimeoutError:
+        raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+    except OSError as err:
+        raise redis.exceptions.ConnectionError(f"error while reading a large entry: {err}") from err
+    finally:
+        if not clean:
+            conn.disconnect()  # replies may be left unread on it
+        pool.release(conn)
+    if error is not None:
+        raise error
+    return read.settled(complete, versions)
+
+
+class _RawReplies:
+    """The RESP replies of one blocking connection, read from its socket (bulk strings,
+    nulls and errors: what GETRANGE, GET and HGET answer)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.pos = 0
+
+    def send(self, packed: list[bytes]) -> None:
+        for piece in packed:
+            self.sock.sendall(piece)
+
+    def _line(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\r\n", self.pos)
+            if end >= 0:
+                line = bytes(self.buf[self.pos : end])
+                self.pos = end + 2
+                return line
+            self._fill()
+
+    def _fill(self) -> None:
+        if self.pos:
+            del self.buf[: self.pos]
+            self.pos = 0
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self.buf += data
+
+    def _into(self, view: memoryview) -> None:
+        """Fills ``view``: first from what is buffered, then straight from the socket."""
+        have = min(len(view), len(self.buf) - self.pos)
+        view[:have] = self.buf[self.pos : self.pos + have]
+        self.pos += have
+        while have < len(view):
+            got = self.sock.recv_into(view[have:])
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            have += got
+
+    def _header(self) -> int | BaseException | None:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            size = int(rest)
+            return None if size < 0 else size
+        if kind == b"_":
+            return None  # RESP3 null
+        if kind == b"-":
+            return redis.exceptions.ResponseError(rest.decode(errors="replace"))
+        raise redis.exceptions.InvalidResponse(f"unexpected reply {line[:40]!r} to a GETRANGE")
+
+    def bulk(self) -> bytes | BaseException | None:
+        size = self._header()
+        if not isinstance(size, int):
+            return size
+        out = bytearray(size + 2)
+        self._into(memoryview(out))
+        return bytes(out[:size])
+
+    def bulk_into(self, view: memoryview | None) -> bool | BaseException | None:
+        """Receives a bulk reply into ``view`` if it has exactly its size (True); else reads
+        it past (False; None for a null reply)."""
+        size = self._header()
+        if not isinstance(size, int):
+            return size
+        if view is not None and size == len(view):
+            self._into(view)
+            self._into(memoryview(bytearray(2)))
+            return True
+        scratch = memoryview(bytearray(min(size + 2, READ_PIECE + 2)))
+        left = size + 2
+        while left:
+            step = min(left, len(scratch))
+            self._into(scratch[:step])
+            left -= step
+        return False
 
 
 def _same(a: Any, b: Any) -> bool:

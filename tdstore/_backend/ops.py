@@ -17,17 +17,18 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
 
 from tdstore._backend import large as _large
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
-from tdstore._backend.scripts import ScriptRunner, get_script
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, decode_path, encode_path
-from tdstore.errors import PartialWriteError, translate_response_error
+from tdstore.errors import PartialWriteError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -135,7 +136,7 @@ async def _exec(pipe: Any) -> list[Any]:
     try:
         return await pipe.execute(raise_on_error=False)
     except redis.exceptions.ResponseError as err:
-        exc = translate_response_error(err)
+        exc = translate(err)
         if exc is err:
             raise
         raise exc from err
@@ -211,14 +212,24 @@ async def set_ring_total(client: Any, keys: StoreKeys, total: int) -> None:
         await pipe.execute()
 
 
+if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack
+
+    class ReadOptions(TypedDict, total=False):
+        """The keyword arguments of :func:`read_entries` and :func:`read_entries_direct`."""
+
+        large: Mapping[tuple[str, ...], int] | None  # the byte size the caller expects of some entries
+        device: Any  # the store's device (pinned buffers for CUDA)
+
+
+def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tuple[dict[tuple[str, ...], int], Any]:
+    """The entries among ``paths`` to read in pieces, with their expected sizes; and the device."""
+    large = options.get("large") or {}
+    return {p: n for p, n in large.items() if n >= _large.READ_MIN and p in paths}, options.get("device")
+
+
 async def read_entries(
-    client: Any,
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool = False,
-    *,
-    large: Mapping[tuple[str, ...], int] | None = None,
-    device: Any = None,
+    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None]:
     """Reads entries whole, with their metadata, in one snapshot.
 
@@ -231,7 +242,7 @@ async def read_entries(
         (layout version, raw registry metadata per path (None when absent), bytes per
         path (None when absent), the full layout when ``with_layout``).
     """
-    big = {p: n for p, n in (large or {}).items() if n >= _large.READ_MIN and p in paths}
+    big, device = _big_entries(paths, options)
     # the chunking each entry is read with: the cached layout's, then the one read with
     # the bytes if that differs (the entry was re-created meanwhile)
     chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
@@ -239,7 +250,7 @@ async def read_entries(
     async def once(big: Mapping[tuple[str, ...], int]) -> Any:
         nonlocal chunking
         for attempt in range(1, _CHUNK_TRIES + 1):
-            got = await _read_entries_once(client, keys, paths, with_layout, big, device, chunking)
+            got = await _read_entries_once(client, _EntriesTry(keys, paths, with_layout, big, device, chunking))
             if not isinstance(got, dict):
                 return got
             chunking = got
@@ -261,28 +272,27 @@ async def read_entries(
 
 
 def read_entries_direct(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]]
+    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = True, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
-    """:func:`read_entries` ``with_layout=True`` of entries kept in one string each, on a
-    blocking ``redis.Redis`` (see ``Connection.read``): the same MULTI, without the hop to
-    the IO loop. None when the layout read with them gives one of them chunks (the caller
-    reads again through :func:`read_entries`); any error raises, and the caller does the same.
+    """One try of :func:`read_entries` on a blocking ``redis.Redis`` (see ``Connection.read``):
+    the same MULTI, without the hop to the IO loop, and large entries received straight into
+    their tensors (:func:`tdstore._backend.large.read_pieces_direct`). None when that try
+    does not settle it (an entry's chunking is not the cached one, or a large entry changed
+    meanwhile): the caller reads again through :func:`read_entries`. Any error raises, and
+    the caller does the same.
     """
+    big, device = _big_entries(paths, options)
+    chunking: dict[tuple[str, ...], Any] = {p: keys.chunks.get(p) for p in paths}
+    attempt = _EntriesTry(keys, paths, with_layout, big, device, chunking)
     with client.pipeline(transaction=True) as pipe:
-        pipe.hgetall(keys.meta)
-        pipe.hgetall(keys.reg)
-        pipe.get(keys.wv)
-        for path in paths:
-            pipe.get(keys.plain(path))
+        attempt.build(pipe)
         replies = pipe.execute(raise_on_error=False)
-    _raise_first_error(replies)
-    layout = parse_layout(replies[0], replies[1])
-    if layout is not None:
-        layout.wv = _s(replies[2]) or "0"
-    metas = [None if layout is None else layout.entries.get(p) for p in paths]
-    if any(m is not None and _chunks.of_meta(m) is not None for m in metas):
-        return None
-    return (None if layout is None else layout.lv), metas, list(replies[3:]), layout
+    got = attempt.parse(replies)
+    if isinstance(got, _Pieces):
+        if not _large.read_pieces_direct(client, got.read):
+            return None
+        return got.result
+    return None if isinstance(got, dict) else got
 
 
 #: Reads in pieces tried before falling back to one MULTI (writes kept coming in between).
@@ -292,20 +302,34 @@ _LARGE_TRIES = 3
 _CHUNK_TRIES = _io.MAX_RETRIES
 
 
-async def _read_entries_once(
-    client: Any,
-    keys: StoreKeys,
-    paths: Sequence[tuple[str, ...]],
-    with_layout: bool,
-    big: Mapping[tuple[str, ...], int],
-    device: Any,
-    chunking: dict[tuple[str, ...], Any],
-) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
-    """One try of :func:`read_entries` with each entry's chunking given: None when a large
-    entry changed meanwhile; the chunking read from the server when it differs."""
-    entry_keys = [keys.entry_keys(p, chunking[p]) for p in paths]
+@dataclass
+class _Pieces:
+    """A read whose large entries are still to be read in pieces into ``result``'s buffers."""
 
-    def build(pipe: Any) -> None:
+    read: _large.PieceRead
+    result: tuple[int | None, list[Any], list[Any], Layout | None]
+
+
+@dataclass
+class _EntriesTry:
+    """One try of :func:`read_entries`, with each entry's chunking given: its snapshot
+    commands and the meaning of their replies, without I/O (the IO loop's and the direct
+    client's reads send the same)."""
+
+    keys: StoreKeys
+    paths: Sequence[tuple[str, ...]]
+    with_layout: bool
+    big: Mapping[tuple[str, ...], int]
+    device: Any
+    chunking: dict[tuple[str, ...], Any]
+    entry_keys: list[list[str]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.entry_keys = [self.keys.entry_keys(p, self.chunking[p]) for p in self.paths]
+
+    def build(self, pipe: Any) -> None:
+        """Queues the snapshot's commands."""
+        keys, paths, with_layout, big, entry_keys = self.keys, self.paths, self.with_layout, self.big, self.entry_keys
         if with_layout:
             pipe.hgetall(keys.meta)
             pipe.hgetall(keys.reg)
@@ -323,60 +347,79 @@ async def _read_entries_once(
         if big and not with_layout:
             pipe.get(keys.wv)
 
-    replies = await read_snapshot(client, keys, build)
-    if with_layout:
-        layout = parse_layout(replies[0], replies[1], keys.base)
-    elif paths and isinstance(replies[1], Exception):
-        layout = parse_layout({}, replies[1], keys.base)  # raises: the registry is not a hash
-    _raise_first_error(replies)
-    if with_layout:
-        if layout is not None:
-            layout.wv = _s(replies[2]) or "0"
-        lv = None if layout is None else layout.lv
-        metas = [None if layout is None else layout.entries.get(p) for p in paths]
-        parts, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
-    else:
-        lv_text = _s(replies[0])
-        if lv_text is not None and not lv_text.isdigit():
-            parse_layout({b"lv": replies[0]}, {}, keys.base)  # raises: a malformed layout version
-        lv = None if lv_text is None else int(lv_text)
-        metas = [parse_entry(p, m, keys.base) if m is not None else None for p, m in zip(paths, replies[1], strict=True)] if paths else []
-        layout = None
-        parts = replies[2:] if not big else replies[2:-1]
-        wv, lv_raw = (replies[-1] if big else None), replies[0]
-    if lv is not None:
-        found = {p: _chunks.of_meta(m) for p, m in zip(paths, metas, strict=True) if m is not None}
-        if any(found[p] != chunking[p] for p in found):
-            return {p: found.get(p) for p in paths}
-    blobs: list[Any] = []
-    pos = 0
-    for path, names in zip(paths, entry_keys, strict=True):
-        got = parts[pos : pos + len(names)]
-        pos += len(names)
-        if path in big:
-            blobs.append(sum(got) if all(isinstance(g, int) for g in got) else None)
-        elif len(got) == 1:
-            blobs.append(got[0])
-        else:
-            blobs.append(None if any(g is None for g in got) else b"".join(got))
-    if big and lv is not None:
-        from tdstore._core import codec as _codec
 
-        pieces: list[tuple[tuple[str, ...], Any, Any]] = []
-        for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
-            if path not in big:
-                continue
-            size = big[path]
-            if (
-                not isinstance(meta, dict) or meta.get("k") != "t" or blobs[i] != size
-                or _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])) != size
-            ):
-                return None  # not the entry the caller expected (or it is gone): read it whole
-            blobs[i] = _large.empty_buffer(size, device)
-            pieces.append((path, blobs[i], chunking[path]))
-        if not await _large.read_pieces(client, keys, pieces, wv, lv_raw):
+    def parse(self, replies: list[Any]) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None:
+        """The result from the snapshot's replies: a :class:`_Pieces` when large entries are
+        still to be read, the chunking read from the server when it differs, None when a large
+        entry is not the one expected."""
+        keys, paths, with_layout, big, device, chunking = self.keys, self.paths, self.with_layout, self.big, self.device, self.chunking
+        if with_layout:
+            layout = parse_layout(replies[0], replies[1], keys.base)
+        elif paths and isinstance(replies[1], Exception):
+            layout = parse_layout({}, replies[1], keys.base)  # raises: the registry is not a hash
+        _raise_first_error(replies)
+        if with_layout:
+            if layout is not None:
+                layout.wv = _s(replies[2]) or "0"
+            lv = None if layout is None else layout.lv
+            metas = [None if layout is None else layout.entries.get(p) for p in paths]
+            parts, wv, lv_raw = replies[3:], replies[2], (None if layout is None else layout.meta.get("lv"))
+        else:
+            lv_text = _s(replies[0])
+            if lv_text is not None and not lv_text.isdigit():
+                parse_layout({b"lv": replies[0]}, {}, keys.base)  # raises: a malformed layout version
+            lv = None if lv_text is None else int(lv_text)
+            metas = [parse_entry(p, m, keys.base) if m is not None else None for p, m in zip(paths, replies[1], strict=True)] if paths else []
+            layout = None
+            parts = replies[2:] if not big else replies[2:-1]
+            wv, lv_raw = (replies[-1] if big else None), replies[0]
+        if lv is not None:
+            found = {p: _chunks.of_meta(m) for p, m in zip(paths, metas, strict=True) if m is not None}
+            if any(found[p] != chunking[p] for p in found):
+                return {p: found.get(p) for p in paths}
+        blobs: list[Any] = []
+        pos = 0
+        for path, names in zip(paths, self.entry_keys, strict=True):
+            got = parts[pos : pos + len(names)]
+            pos += len(names)
+            if path in big:
+                blobs.append(sum(got) if all(isinstance(g, int) for g in got) else None)
+            elif len(got) == 1:
+                blobs.append(got[0])
+            else:
+                blobs.append(None if any(g is None for g in got) else b"".join(got))
+        if big and lv is not None:
+            from tdstore._core import codec as _codec
+
+            pieces: list[tuple[tuple[str, ...], Any, Any]] = []
+            for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
+                if path not in big:
+                    continue
+                size = big[path]
+                if (
+                    not isinstance(meta, dict) or meta.get("k") != "t" or blobs[i] != size
+                    or _codec.tensor_nbytes(tuple(meta["shape"]), _codec.dtype_from_name(meta["dtype"])) != size
+                ):
+                    return None  # not the entry the caller expected (or it is gone): read it whole
+                blobs[i] = _large.empty_buffer(size, device)
+                pieces.append((path, blobs[i], chunking[path]))
+            return _Pieces(_large.PieceRead(keys, pieces, wv, lv_raw), (lv, metas, list(blobs), layout))
+        return lv, metas, list(blobs), layout
+
+
+async def _read_entries_once(
+    client: Any, attempt: _EntriesTry
+) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
+    """One try of :func:`read_entries`: None when a large entry changed meanwhile; the
+    chunking read from the server when it differs."""
+    got = attempt.parse(await read_snapshot(client, attempt.keys, attempt.build))
+    if isinstance(got, _Pieces):
+        if not await _large.read_pieces(client, got.read):
             return None
-    return lv, metas, list(blobs), layout
+        return got.result
+    return got
+
+
 
 
 #: The most bytes a one-step read (:func:`read_all`) returns: every byte goes through the
@@ -418,7 +461,7 @@ async def read_all(
 def _raise_first_error(replies: list[Any]) -> None:
     for reply in replies:
         if isinstance(reply, redis.exceptions.ResponseError):
-            exc = translate_response_error(reply)
+            exc = translate(reply)
             raise exc from (reply if exc is not reply else None)
         if isinstance(reply, Exception):
             raise reply
@@ -457,19 +500,29 @@ class Op:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired, TypedDict, Unpack
+
+    class CommitOptions(TypedDict):
+        """The keyword arguments of :func:`commit_args` and :func:`commit` (see lua/commit.lua)."""
+
+        expected: str  # the layout version planned with; "" any; "new" a store that does not exist yet
+        bump: bool  # whether the layout version moves on (a key change)
+        check_lock: bool  # refuse when the store is locked
+        meta_updates: NotRequired[dict[str, str] | None]  # fields of the meta hash to set
+        expected_wv: NotRequired[str]  # the write version planned with ("" any)
+        ttl_ms: NotRequired[int | None]  # the lifetime of a new store
+        expected_cas: NotRequired[str]  # a compare-and-set of appends to other sub-stores
+
+
 def commit_args(
-    keys: StoreKeys,
-    ops: Sequence[Op],
-    *,
-    expected: str,
-    bump: bool,
-    check_lock: bool,
-    meta_updates: dict[str, str] | None = None,
-    expected_wv: str = "",
-    ttl_ms: int | None = None,
-    expected_cas: str = "",
+    keys: StoreKeys, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> tuple[list[str], list[str], list[tuple[str, Any]]]:
     """KEYS and ARGV of the commit script for ``ops``, and the ``(tmp key, bytes)`` of its "put" ops."""
+    expected = options["expected"]
+    meta_updates = options.get("meta_updates")
+    ttl_ms = options.get("ttl_ms")
+    expected_cas = options.get("expected_cas", "")
     key_list: list[str] = [keys.meta, keys.reg, keys.wv]
     tmp_payloads: list[tuple[str, Any]] = []
     wire_ops: list[dict[str, str]] = []
@@ -556,12 +609,12 @@ def commit_args(
         meta_updates = {**(meta_updates or {}), "created": str(int(time.time() * 1000))}
     args = [
         expected,
-        "1" if bump else "0",
-        "1" if check_lock else "0",
+        "1" if options["bump"] else "0",
+        "1" if options["check_lock"] else "0",
         json.dumps(meta_updates, separators=(",", ":")) if meta_updates else "",
         json.dumps(wire_ops, separators=(",", ":")),
         FORMAT_VERSION,
-        expected_wv,
+        options.get("expected_wv", ""),
         # a new store starts at a random layout version (see lua/commit.lua, ARGV[8])
         str(secrets.randbits(40) * 1024) if expected == "new" else "0",
     ]
@@ -574,18 +627,7 @@ def commit_args(
 
 
 async def commit(
-    client: Any,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    ops: Sequence[Op],
-    *,
-    expected: str,
-    bump: bool,
-    check_lock: bool,
-    meta_updates: dict[str, str] | None = None,
-    expected_wv: str = "",
-    ttl_ms: int | None = None,
-    expected_cas: str = "",
+    client: Any, keys: StoreKeys, runner: ScriptRunner, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> int:
     """Applies ``ops`` in one atomic step; returns the new layout version.
 
@@ -594,44 +636,42 @@ async def commit(
     ``ttl_ms``: the lifetime of a new store (``expected="new"``); every key it creates
     expires then (see lua/expire.lua).
     """
-    key_list, args, tmp_payloads = commit_args(
-        keys, ops, expected=expected, bump=bump, check_lock=check_lock, meta_updates=meta_updates,
-        expected_wv=expected_wv, ttl_ms=ttl_ms, expected_cas=expected_cas,
-    )
+    key_list, args, tmp_payloads = commit_args(keys, ops, **options)
     await _memory.check_ops(client, keys, ops)  # refuses what would take the server past maxmemory
     if not tmp_payloads:
         return int(await runner.call(client, "commit", key_list, args))
     if any(isinstance(p, ZeroBytes) for _, p in tmp_payloads):
         # grown on the server step by step before the commit: tdstore._backend.transfer.commit does it
         raise AssertionError("zero-filled chunks must be committed through tdstore._backend.transfer.commit")
-    for attempt in range(2):
+
+    async def send() -> list[Any]:
         async with client.pipeline(transaction=True) as pipe:
             for tmp, payload in tmp_payloads:
                 pipe.set(tmp, payload, px=TMP_TTL_MS)
             runner.queue(pipe, "commit", key_list, args)
             async with _large.streamed(pipe, sum(_nbytes(p) for _, p in tmp_payloads)):
-                replies = await _exec(pipe)
-        result = replies[-1]
-        if isinstance(result, redis.exceptions.NoScriptError) and attempt == 0:
-            # the SETs ran: remove the tmp keys now rather than wait for their TTL
-            await client.delete(*[tmp for tmp, _ in tmp_payloads])
-            await runner.load_all(client)
-            continue
-        for reply in replies[:-1]:
-            if isinstance(reply, Exception) and not isinstance(result, Exception):
-                raise PartialWriteError(f"a SET of the commit failed: {reply}")
-        if isinstance(result, Exception):
-            if isinstance(result, redis.exceptions.ResponseError):
-                exc = translate_response_error(result)
-                if exc is not result:
-                    # say why a tmp key went missing, e.g. the server is out of memory
-                    set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
-                    if set_errors and isinstance(exc, PartialWriteError):
-                        exc = PartialWriteError(f"{exc}: {set_errors[0]}")
-                    raise exc from result
-            raise result
-        return int(result)
-    raise AssertionError("unreachable")
+                return await _exec(pipe)
+
+    async def undo(replies: list[Any]) -> None:
+        # the SETs ran: remove the tmp keys now rather than wait for their TTL
+        await client.delete(*[tmp for tmp, _ in tmp_payloads])
+
+    replies = await runner.run_pipeline(client, send, undo)
+    result = replies[-1]
+    for reply in replies[:-1]:
+        if isinstance(reply, Exception) and not isinstance(result, Exception):
+            raise PartialWriteError(f"a SET of the commit failed: {reply}")
+    if isinstance(result, Exception):
+        if isinstance(result, redis.exceptions.ResponseError):
+            exc = translate(result)
+            if exc is not result:
+                # say why a tmp key went missing, e.g. the server is out of memory
+                set_errors = [r for r in replies[:-1] if isinstance(r, Exception)]
+                if set_errors and isinstance(exc, PartialWriteError):
+                    exc = PartialWriteError(f"{exc}: {set_errors[0]}")
+                raise exc from result
+        raise result
+    return int(result)
 
 
 
@@ -774,8 +814,8 @@ async def write_runs_watched(
                 "writing " + ", ".join(repr(g[0][0] if len(g[0]) == 1 else g[0]) for g in groups[:3]), via=pipe,
             )
         small = [g for g in groups if not large(g[1])]
-        if small and not (await pipe.script_exists(runner.sha("write_runs")))[0]:
-            await pipe.script_load(get_script("write_runs").text(runner.shebang))
+        if small:
+            await runner.ensure_loaded(pipe, "write_runs")
         pipe.multi()
         for op in creates:
             chunking = _chunks.of_meta(op.meta)

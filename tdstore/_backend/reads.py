@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import redis.exceptions
-
 from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
@@ -73,12 +71,7 @@ async def read_runs(
         for _, key, _ in checks:
             pipe.strlen(key)
 
-    for attempt in range(2):
-        replies = await read_snapshot(client, keys, build)
-        if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            await runner.load_all(client)  # reads only: nothing to undo, load and read again
-            continue
-        break
+    replies = await runner.run_pipeline(client, lambda: read_snapshot(client, keys, build))  # reads: nothing to undo
     _raise_first_error(replies)
     return _split_checked(replies, recipe, checks)
 

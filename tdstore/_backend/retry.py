@@ -3,7 +3,8 @@
 redis-py opens a fresh connection on the next command after a broken one (a server
 restart, a dropped socket). What it cannot know is whether a command that was in flight
 when the connection broke was applied. :class:`RetryPolicy` says how often and how long a
-store tries again, and :func:`classify` which failures may be retried:
+store tries again, and :func:`classify` which failures may be retried (the table is
+:data:`tdstore._backend.translate.RETRY_RULES`):
 
 - the connection could not be opened (``connecting to ...`` refused or timed out), the
   server answered ``LOADING`` (still replaying its AOF after a restart) or ``BUSY`` (another
@@ -26,9 +27,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-import redis.exceptions
-
-from tdstore.errors import OutcomeUnknownError, ServerUnavailableError, TDStoreError
+from tdstore._backend.translate import retry_class
+from tdstore.errors import OutcomeUnknownError, ServerUnavailableError
 
 __all__ = [
     "RetryPolicy",
@@ -132,33 +132,8 @@ def resolve_policy(retry: Any) -> RetryPolicy:
     )
 
 
-def classify(err: BaseException) -> str | None:
-    """``"unsent"``, ``"unknown"`` or ``None`` (not a connection failure: never retried)."""
-    if isinstance(err, redis.exceptions.BusyLoadingError):
-        return "unsent"  # the server refused the command while loading its data
-    if isinstance(err, redis.exceptions.ResponseError) and "BUSY " in str(err) and "busy running a script" in str(err):
-        # another client's script runs past busy-reply-threshold (lua-time-limit): the server
-        # refuses every command but SCRIPT KILL until it ends, and a MULTI it refused a
-        # command of is discarded whole (EXECABORT), so nothing of this operation was applied
-        return "unsent"
-    if isinstance(err, redis.exceptions.WatchError) and "occurred while watching" in str(err):
-        # redis-py's report of a connection lost during WATCH, before MULTI: nothing was written
-        return "unsent"
-    if isinstance(err, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
-        if isinstance(err, (redis.exceptions.AuthenticationError, TDStoreError)):
-            return None  # wrong credentials or certificates, already diagnosed: retrying cannot help
-        text = str(err)
-        lowered = text.lower()
-        if "certificate" in lowered or "wrong version number" in lowered or "tlsv1 alert" in lowered:
-            return None  # a TLS configuration problem, not a lost server
-        if "connecting to" in text or "Timeout connecting" in text:
-            return "unsent"
-        if isinstance(err, redis.exceptions.TimeoutError):
-            return None  # a slow server, not a lost one: reported as the call's timeout
-        return "unknown"
-    if isinstance(err, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
-        return "unknown"
-    return None
+#: Which failures may be retried: the table is :data:`tdstore._backend.translate.RETRY_RULES`.
+classify = retry_class
 
 
 def sleep_before_retry(policy: RetryPolicy, attempt: int, started: float) -> bool:

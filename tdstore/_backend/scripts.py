@@ -4,7 +4,10 @@ Each script is one file named after its handle (``commit.lua`` -> ``"commit"``).
 ``--@include lib/NAME.lua`` is replaced by that helper file's text when the script is
 loaded: scripts cannot ``require`` on the server. The SHA1 is computed here, calls use
 EVALSHA only, and a ``NOSCRIPT`` reply (the server restarted or ran SCRIPT FLUSH) loads
-the script and retries once.
+the script and retries once: :meth:`ScriptRunner.call` for one call,
+:meth:`ScriptRunner.run_pipeline` for a pipeline or MULTI (every script loaded, the
+pipeline sent again once), :meth:`ScriptRunner.ensure_loaded` before a MULTI whose other
+commands must not run without the script.
 
 Servers with script flags (Redis 7+, Valkey) get the scripts with a ``#!lua`` first line:
 the server then refuses a script up front when it is out of memory, instead of failing at
@@ -17,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 import redis.exceptions
 
-from tdstore.errors import translate_response_error
+from tdstore._backend.translate import translate
 
 __all__ = ["Script", "ScriptHeader", "get_script", "script_names", "ScriptRunner", "parse_header"]
 
@@ -156,11 +160,47 @@ class ScriptRunner:
                 await client.script_load(script.text(self.shebang))
                 return await client.evalsha(sha, len(keys), *keys, *args)
         except redis.exceptions.ResponseError as err:
-            exc = translate_response_error(err)
+            exc = translate(err)
             if exc is err:
                 raise
             raise exc from err
 
     def queue(self, pipe: Any, name: str, keys: list[Any], args: list[Any]) -> None:
-        """Adds an EVALSHA of ``name`` to a pipeline or transaction."""
+        """Adds an EVALSHA of ``name`` to a pipeline or transaction.
+
+        Send it with :meth:`run_pipeline`, or call :meth:`ensure_loaded` first: a server that
+        forgot the script answers NOSCRIPT in the pipeline's replies.
+        """
         pipe.evalsha(self.sha(name), len(keys), *keys, *args)
+
+    async def ensure_loaded(self, client: Any, *names: str) -> None:
+        """Loads the scripts ``names`` the server does not hold (SCRIPT EXISTS, then SCRIPT LOAD).
+
+        For a MULTI that must not fail with NOSCRIPT at EXEC (its other commands would have
+        run). ``client`` may be a pipeline in immediate mode (after WATCH): neither command
+        ends the WATCH.
+        """
+        exists = await client.script_exists(*[self.sha(name) for name in names])
+        for name, there in zip(names, exists, strict=True):
+            if not there:
+                await client.script_load(get_script(name).text(self.shebang))
+
+    async def run_pipeline(
+        self,
+        client: Any,
+        send: Callable[[], Awaitable[list[Any]]],
+        undo: Callable[[list[Any]], Awaitable[Any]] | None = None,
+    ) -> list[Any]:
+        """The replies of ``send()``, a pipeline or MULTI whose EVALSHAs :meth:`queue` added.
+
+        When a reply is NOSCRIPT (the server restarted or ran SCRIPT FLUSH since the scripts
+        were loaded), ``undo(replies)`` removes what the pipeline's other commands left, every
+        script is loaded, and ``send()`` runs once more; its replies are returned as they are.
+        """
+        replies = await send()
+        if not any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
+            return replies
+        if undo is not None:
+            await undo(replies)
+        await self.load_all(client)
+        return await send()

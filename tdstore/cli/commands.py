@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from tdstore._backend.credentials import login_kwargs
 from tdstore.errors import CliError
 
 __all__ = ["main", "ConnOptions", "CliError", "build_parser"]
@@ -72,10 +73,7 @@ class ConnOptions:
                 kwargs["ssl"] = True
                 if self.ssl_ca_certs:
                     kwargs["ssl_ca_certs"] = self.ssl_ca_certs
-        if self.username is not None:
-            kwargs["username"] = self.username
-        if self.password is not None:
-            kwargs["password"] = self.password
+        kwargs.update(login_kwargs(self.username, self.password))
         kwargs.update(self.extra)
         return kwargs
 

@@ -1,7 +1,8 @@
 """``tdstore doctor``: is this server fit to hold tdstore data?
 
-One connection (the same options as every subcommand), a few read-only commands, and one
-line per item with its verdict and, when it is not ``ok``, the fix:
+One connection (the same options as every subcommand), a few read-only commands (sent by
+:func:`tdstore._backend.probe.probe_server`; this module only judges and formats what they
+answered), and one line per item with its verdict and, when it is not ``ok``, the fix:
 
 - ``eviction``: ``maxmemory-policy`` other than ``noeviction`` with a ``maxmemory`` set lets the
   server delete keys to make room: an evicted entry is lost data (**fail**);
@@ -23,7 +24,6 @@ else 0. ``--json`` prints one document with every item.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 __all__ = ["run_doctor", "diagnose", "format_doctor"]
@@ -37,9 +37,6 @@ LARGEST_STORES = 20
 #: a ``maxmemory`` more used than this gets a warning
 MEMORY_WARN = 0.9
 
-_SHEBANG_PROBE = "#!lua flags=no-writes\nreturn 1"
-
-
 def _mb(n: int | None) -> str:
     if n is None:
         return "?"
@@ -52,18 +49,6 @@ def _mb(n: int | None) -> str:
 
 def _item(name: str, status: str, value: Any, detail: str, fix: str | None = None) -> dict[str, Any]:
     return {"name": name, "status": status, "value": value, "detail": detail, "fix": fix}
-
-
-def _config(client: Any, name: str) -> str | None:
-    """``CONFIG GET name``, or None when the server refuses CONFIG or does not know ``name``."""
-    import redis.exceptions
-
-    try:
-        reply = client.config_get(name)
-    except redis.exceptions.ResponseError:
-        return None
-    value = reply.get(name) if isinstance(reply, dict) else None
-    return None if value is None else str(value)
 
 
 def _int(value: Any) -> int | None:
@@ -110,29 +95,20 @@ def _limit_item(name: str, limit: int | None, largest: int, where: str | None, n
 
 def diagnose(opts: Any, *, pings: int = PINGS) -> list[dict[str, Any]]:
     """Every item of ``tdstore doctor`` for the server of ``opts`` (a :class:`~tdstore.cli.ConnOptions`)."""
-    import redis
-    import redis.exceptions
+    from tdstore._backend.probe import probe_server
 
-    kwargs = opts.redis_kwargs()
-    kwargs["decode_responses"] = True
-    client = redis.Redis(**kwargs)  # with --cluster: the node given (doctor checks one server)
-    try:
-        return _diagnose(client, opts, pings)
-    finally:
-        client.close()
+    # with --cluster: the node given (doctor checks one server)
+    return _diagnose(probe_server(opts.redis_kwargs(), pings=pings), opts)
 
 
-def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
-    import redis.exceptions
-
+def _diagnose(facts: Any, opts: Any) -> list[dict[str, Any]]:
+    """The items for the facts a server answered (:class:`~tdstore._backend.probe.ServerFacts`)."""
     items: list[dict[str, Any]] = []
-    client.ping()
-    try:
-        info = client.info()
-    except redis.exceptions.ResponseError as err:  # e.g. an ACL user without @dangerous
-        info = {}
-        items.append(_item("permissions", "warn", False, f"INFO is refused to this user ({err}): the items "
-                           "below that depend on it (and on CONFIG GET) are incomplete",
+    info = facts.info
+    config = facts.config
+    if facts.info_refused is not None:
+        items.append(_item("permissions", "warn", False, f"INFO is refused to this user ({facts.info_refused}): the "
+                           "items below that depend on it (and on CONFIG GET) are incomplete",
                            "run tdstore doctor as a user allowed INFO and CONFIG GET (e.g. the server's admin)"))
 
     # -- server and cluster
@@ -153,21 +129,15 @@ def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
     ))
 
     # -- scripts, script flags, Lua
-    lua = None
-    try:
-        lua = str(client.eval("return _VERSION", 0))
-        scripts = True
-    except redis.exceptions.ResponseError as err:
-        scripts = False
-        items.append(_item("scripts", "fail", False, f"EVAL is refused ({err}): every tdstore write is a Lua "
-                           "script, so stores cannot be written",
+    lua = facts.lua
+    scripts = facts.eval_refused is None
+    if not scripts:
+        items.append(_item("scripts", "fail", False, f"EVAL is refused ({facts.eval_refused}): every tdstore write is "
+                           "a Lua script, so stores cannot be written",
                            "allow EVAL, EVALSHA and SCRIPT to this user (ACL +@scripting), or use a server "
                            "with Lua scripting"))
     if scripts:
-        try:
-            flags = client.eval(_SHEBANG_PROBE, 0) == 1
-        except redis.exceptions.ResponseError:
-            flags = False
+        flags = facts.script_flags
         items.append(_item(
             "scripts", "ok" if flags else "warn", {"eval": True, "flags": flags},
             "scripts run; script flags (#!lua) supported" if flags else
@@ -177,8 +147,8 @@ def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
         items.append(_item("lua", "info", lua, lua or "?"))
 
     # -- eviction and memory
-    policy = _config(client, "maxmemory-policy") or info.get("maxmemory_policy")
-    maxmemory = _int(_config(client, "maxmemory") or info.get("maxmemory"))
+    policy = config.get("maxmemory-policy") or info.get("maxmemory_policy")
+    maxmemory = _int(config.get("maxmemory") or info.get("maxmemory"))
     used = _int(info.get("used_memory"))
     noeviction = "SET maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in the config " \
         "file): the server then refuses writes when full instead of deleting keys"
@@ -212,17 +182,17 @@ def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
     except Exception:  # noqa: BLE001 - the listing is a bonus; the limits are still checked
         largest, where, nstores = 0, None, 0
     for limit_name in ("proto-max-bulk-len", "client-query-buffer-limit"):
-        items.append(_limit_item(limit_name, _int(_config(client, limit_name)), largest, where, nstores))
+        items.append(_limit_item(limit_name, _int(config.get(limit_name)), largest, where, nstores))
 
     # -- persistence
-    save = _config(client, "save")
-    aof = _config(client, "appendonly")
+    save = config.get("save")
+    aof = config.get("appendonly")
     if aof is None:
         aof = "yes" if _int(info.get("aof_enabled")) else "no"
     rdb = bool(save and save.strip())
     bad_save = info.get("rdb_last_bgsave_status") not in (None, "ok")
     bad_aof = info.get("aof_last_write_status") not in (None, "ok")
-    if save is None and "aof_enabled" not in info and _config(client, "appendonly") is None:
+    if save is None and "aof_enabled" not in info and config.get("appendonly") is None:
         items.append(_item("persistence", "warn", None, "the server does not say (CONFIG GET and INFO refused)",
                            "check with the server's operator that snapshots or the append-only file are on"))
     elif bad_save or bad_aof:
@@ -241,11 +211,7 @@ def _diagnose(client: Any, opts: Any, pings: int) -> list[dict[str, Any]]:
                            "schedule; or keep only data you can rebuild here"))
 
     # -- latency and transport
-    times = []
-    for _ in range(max(1, pings)):
-        start = time.perf_counter()
-        client.ping()
-        times.append(time.perf_counter() - start)
+    times = facts.ping_times
     median_ms = statistics.median(times) * 1000
     items.append(_item("latency", "info", round(median_ms, 3),
                        f"median PING round trip {median_ms:.3f} ms (max {max(times) * 1000:.3f} ms, {len(times)} pings)"))

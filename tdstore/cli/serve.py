@@ -29,11 +29,7 @@ class _Stop(Exception):
 def _save(srv: Any) -> None:
     """A last RDB snapshot into ``--dir`` (``stop()`` shuts the server down without one)."""
     try:
-        client = srv.sync_client(socket_timeout=600)
-        try:
-            client.save()
-        finally:
-            client.close()
+        srv.save()
     except Exception as err:  # noqa: BLE001 - the server stops anyway; say what was not saved
         print(f"tdstore serve: the final snapshot failed ({err}); writes since the last one are only in the "
               "append-only file, if --appendonly was on", file=sys.stderr)

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase
 
+from tdstore._backend import connection as _connection
 from tdstore._backend import ops as _backend
-from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
-from tdstore._core.values import is_dims, is_no_default, order_key
+from tdstore._core.values import is_dims, is_no_default
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -41,60 +41,37 @@ from tdstore.lazy import plan
 from tdstore.lazy.reads import LazyReads
 from tdstore.lazy.writes import LazyWrites
 from tdstore.store.compat import StoreCompat014
+from tdstore.store.handle import StoreHandle, entries_below
 from tdstore.store.layout_cache import LayoutCache
-from tdstore.store.unsupported import StoreUnsupported
-from tdstore.store.views import StoreKeysView
+from tdstore.store.unsupported import StoreUnsupported, refuse
 
 __all__ = ["LazyStackedTensorDictStore"]
 
 
-class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupported, StoreCompat014, TensorDictBase):
+class LazyStackedTensorDictStore(
+    LayoutCache, StoreHandle, LazyReads, LazyWrites, StoreUnsupported, StoreCompat014, TensorDictBase
+):
     """A lazy stack of tensordicts kept on a Redis-wire server; elements may differ in shape.
 
     Create one with :meth:`from_lazy_stack` (or ``TensorDictStore.from_tensordict`` of a
     ``LazyStackedTensorDict``), reconnect with :meth:`from_store`. See ``docs/lazy.md``.
     """
 
-    _reads_return_copies = True
-    _leaves_built_on_read = True
-    _storage_holds_no_gradients = True
-    _contiguous_via_to_tensordict = True
-    _masking_on_dense_copy = True
-    _masked_select_on_dense_copy = True
-    _map_on_dense_copies = True
-    _update_stores_copy_of_self = True
-    _pin_memory_unsupported = True
-    _setitem_key_inplace = False
     _td_dim_names = None
+    _nontensors_are_leaves = False  # as TensorDict: non-tensor values are leaves only for an is_leaf that says so
 
     def __init__(self, *, td_id: str, **kwargs: Any) -> None:
         """Connects to the lazy store ``td_id`` (same connection arguments as ``TensorDictStore``)."""
-        from tdstore.store import TensorDictStore
-
         device = kwargs.pop("device", None)
         cache_metadata = kwargs.pop("cache_metadata", True)
-        handle = TensorDictStore(td_id=td_id, _create=False, **kwargs)
-        self._init_handle(handle._conn, (), torch.device(device) if device is not None else None, cache_metadata)
+        kwargs.pop("chunk_bytes", None)  # a dense store's chunking, read from the server; a lazy one has none
+        conn = _open(td_id, kwargs)
+        self._init_handle(conn, (), torch.device(device) if device is not None else None, cache_metadata)
         try:
             self._layout(refresh=True)
         except BaseException:
             self.close()
             raise
-
-    def _init_handle(self, conn: Any, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool) -> None:
-        self._conn = conn
-        self._path = path
-        self._cleared_meta: dict[str, str] | None = None
-        self._device_override = device
-        self._cache_metadata = bool(cache_metadata)
-        self._is_shared = False
-        self._is_memmap = False
-
-    @classmethod
-    def _handle(cls, conn: Any, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool) -> LazyStackedTensorDictStore:
-        self = cls.__new__(cls)
-        self._init_handle(conn, path, device, cache_metadata)
-        return self
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -104,8 +81,6 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         Keyword arguments are those of ``TensorDictStore`` (``host``, ``port``,
         ``unix_socket_path``, ``prefix``, ``client``, ...).
         """
-        from tdstore.store import TensorDictStore
-
         if not isinstance(td, LazyStackedTensorDict):
             raise TypeError(
                 f"from_lazy_stack expects a LazyStackedTensorDict, got {type(td).__name__}; "
@@ -119,9 +94,9 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
                 "a LazyStackedTensorDictStore keeps one string per leaf and takes no chunk_bytes; stack the "
                 "elements (torch.stack) into a TensorDictStore to chunk them (see docs/chunked.md)"
             )
-        handle = TensorDictStore(td_id=td_id if td_id is not None else new_td_id(), _create=False, **kwargs)
+        conn = _open(td_id if td_id is not None else new_td_id(), kwargs)
         store_device = torch.device(device) if device is not None else td.device
-        self = cls._handle(handle._conn, (), None, cache_metadata)
+        self = cls._handle(conn, (), None, cache_metadata)
         try:
             self._create(td, store_device)
         except BaseException:
@@ -174,25 +149,14 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
         conn.layout = None
 
     # ------------------------------------------------------------------ identity
-    def __repr__(self) -> str:
-        if self._conn.closed:
-            return f"LazyStackedTensorDictStore(td_id={self.td_id!r}, closed)"
-        try:
-            layout = self._layout()
-        except Exception as err:  # noqa: BLE001 - repr must not raise
-            return f"LazyStackedTensorDictStore(td_id={self.td_id!r}, <{type(err).__name__}>)"
-        fields = []
-        for path, meta in self._children(layout):
-            if meta["k"] == "lt":
-                fields.append(f"{path[-1]}: {meta['dtype']}{'' if 'shape' in meta else ' ragged'}")
-            elif meta["k"] == "td":
-                fields.append(f"{path[-1]}: LazyStackedTensorDictStore")
-            else:
-                fields.append(f"{path[-1]}: NonTensor")
-        return (
-            f"LazyStackedTensorDictStore(td_id={self.td_id!r}, batch_size={list(self.batch_size)}, "
-            f"stack_dim={self.stack_dim}, fields={{{', '.join(fields)}}})"
-        )
+    _repr_name = "LazyStackedTensorDictStore"
+
+    def _repr_details(self) -> str:
+        return f"batch_size={list(self.batch_size)}, stack_dim={self.stack_dim}"
+
+    def _node_batch_size(self, meta: dict[str, Any], layout: _backend.Layout) -> list[int]:
+        """The batch size of the nested lazy stack whose registry metadata is ``meta`` (its elements' and the stack dim)."""
+        return list(self._full_bs(torch.Size(meta["batch_size"]), layout))
 
     # ------------------------------------------------------------------ layout
     def _check_layout(self, layout: _backend.Layout) -> None:
@@ -220,19 +184,13 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
             f"{self._conn.describe()} (deleted with clear_redis(), or a wrong td_id/prefix/db?)"
         )
 
-    def _children(self, layout: _backend.Layout) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
-        return [(p, m) for p, m in self._descendants(layout) if len(p) == len(self._path) + 1]
+    def _children(
+        self, layout: _backend.Layout, path: tuple[str, ...] | None = None
+    ) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+        return entries_below(layout, self._path if path is None else path, children=True)
 
     def _descendants(self, layout: _backend.Layout, path: tuple[str, ...] | None = None) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
-        path = self._path if path is None else path
-        key = ("lazy-desc", path)
-        memo = layout.memo.get(key)
-        if memo is None:
-            n = len(path)
-            memo = [(p, m) for p, m in layout.entries.items() if len(p) > n and p[:n] == path]
-            memo.sort(key=lambda item: order_key(item[1]))
-            layout.memo[key] = memo
-        return memo
+        return entries_below(layout, self._path if path is None else path)
 
     def _root(self, layout: _backend.Layout) -> tuple[torch.Size, int]:
         """The full batch size of the whole stack and its stack dim."""
@@ -293,9 +251,6 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
     def _erase_names(self) -> None:
         return None
 
-    def _rename_subtds(self, names: Any) -> None:
-        return None
-
     def _set_names(self, names: Any) -> None:
         raise UnsupportedOperationError(f"dimension names are not supported on the lazy store {self._where()}")
 
@@ -303,78 +258,9 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
     def names(self) -> list[None]:  # type: ignore[override]
         return [None] * self.batch_dims
 
-    @property
-    def _is_locked(self) -> bool:  # type: ignore[override]
-        return self._layout().meta.get("lock") == "1"
-
-    @_is_locked.setter
-    def _is_locked(self, value: bool) -> None:
-        if getattr(self, "_conn", None) is None or self._conn.closed:
-            return
-        if (self._fresh_layout().meta.get("lock") == "1") == bool(value):
-            return
-        conn = self._conn
-        conn.run(
-            lambda c: _backend.commit(
-                c, conn.keys, conn.runner, [], expected="", bump=True, check_lock=False,
-                meta_updates={"lock": "1" if value else "0"},
-            )
-        )
-        conn.layout = None
-
-    @property
-    def is_locked(self) -> bool:
-        return self._fresh_layout().meta.get("lock") == "1"
-
-    @is_locked.setter
-    def is_locked(self, value: bool) -> None:
-        self._is_locked = bool(value)
-
-    def lock_(self) -> LazyStackedTensorDictStore:
-        """Locks the store on the server: writes from every process are refused."""
-        self._is_locked = True
-        return self
-
-    def unlock_(self) -> LazyStackedTensorDictStore:
-        self._is_locked = False
-        return self
-
-    def is_contiguous(self) -> bool:
-        return False
-
-    def is_shared(self) -> bool:
-        return False
-
-    def is_memmap(self) -> bool:
-        return False
-
-    def detach_(self) -> LazyStackedTensorDictStore:
-        return self
-
     # ------------------------------------------------------------------ keys
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> StoreKeysView:
-        return StoreKeysView(self, include_nested, leaves_only, is_leaf, sort)  # type: ignore[arg-type]
-
-    def _key_list(self, include_nested: bool, leaves_only: bool, is_leaf: Any) -> list[Any]:
-        layout = self._fresh_layout()
-        n = len(self._path)
-        out = []
-        for path, meta in self._descendants(layout):
-            if not include_nested and len(path) != n + 1:
-                continue
-            if leaves_only and meta["k"] == "td":
-                continue
-            if leaves_only and meta["k"] == "lnt" and (is_leaf is None or not is_leaf(NonTensorStack)):
-                continue  # as TensorDict: non-tensor values are leaves only for an is_leaf that says so
-            rel = path[n:]
-            out.append(rel[0] if len(rel) == 1 else rel)
-        return out
-
-    def entry_class(self, key: Any) -> type:
-        path = self._path + _as_path(key)
-        meta = self._entry(path)
-        if meta is None:
-            raise self._key_error(path)
+    def _class_of(self, meta: dict[str, Any]) -> type:
+        """The class the entry of registry metadata ``meta`` reads as (``entry_class``)."""
         return {"td": LazyStackedTensorDictStore, "lnt": NonTensorStack}.get(meta["k"], torch.Tensor)
 
     # ------------------------------------------------------------------ whole-store
@@ -393,10 +279,6 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
 
     def copy(self) -> Any:
         return self._clone(False)
-
-    def close(self) -> None:
-        """Closes the connection; the data stays on the server. Idempotent."""
-        self._conn.close()
 
     def clear_redis(self) -> None:
         """Deletes every key of this store from the server in one atomic step."""
@@ -420,12 +302,6 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
             pass
         conn.layout = None
 
-    def __enter__(self) -> LazyStackedTensorDictStore:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __reduce__(self) -> Any:
         state = {
             "conn": self._conn.pickle_state(),
@@ -434,12 +310,6 @@ class LazyStackedTensorDictStore(LayoutCache, LazyReads, LazyWrites, StoreUnsupp
             "cache_metadata": self._cache_metadata,
         }
         return (_unpickle, (type(self), state))
-
-    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
-        return self.to_tensordict() == other
-
-    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
-        return self.to_tensordict() != other
 
     def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = None, names: Any = None) -> TensorDictBase:
         """An empty in-memory ``TensorDict`` of this store's batch size."""
@@ -456,16 +326,13 @@ for _name in ("select", "exclude", "apply", "named_apply", "to_dict", "numpy", "
     _delegate.__doc__ = f"``{_name}`` of the stack read into memory (``to_tensordict().{_name}(...)``)."
     setattr(LazyStackedTensorDictStore, _name, _delegate)
 
-for _name in ("fill_", "copy_", "update_", "update_at_", "_stack_onto_", "where", "masked_select", "set_non_tensor", "batch_size_"):
-    def _refuse(self: Any, *args: Any, _name: str = _name, **kwargs: Any) -> Any:
-        raise UnsupportedOperationError(
-            f"LazyStackedTensorDictStore.{_name}() is not supported ({self._where()}). Write elements with "
-            f"store[j] = td, whole keys with store[key] = value, or call store.to_tensordict().{_name}(...) "
-            "on an in-memory copy"
-        )
-
-    _refuse.__name__ = _name
-    setattr(LazyStackedTensorDictStore, _name, _refuse)
+refuse(
+    LazyStackedTensorDictStore,
+    ("fill_", "copy_", "update_", "update_at_", "_stack_onto_", "where", "masked_select", "set_non_tensor", "batch_size_"),
+    lambda name: f"Write elements with store[j] = td, whole keys with store[key] = value, or call "
+    f"store.to_tensordict().{name}(...) on an in-memory copy",
+    why="is not supported",
+)
 
 
 def _unpickle(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> Any:
@@ -478,3 +345,15 @@ def _unpickle(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> A
 
 async def _noop(client: Any) -> None:
     return None
+
+
+#: Keywords of ``TensorDictStore`` about creating a dense store: a lazy store takes them
+#: (code written for either class may pass them) and has no use for them.
+_DENSE_ONLY = ("backend", "batch_size", "names", "expire", "_create")
+
+
+def _open(td_id: str, kwargs: dict[str, Any]) -> Any:
+    """The connection of a lazy store handle, from the connection keywords of ``TensorDictStore``."""
+    for name in _DENSE_ONLY:
+        kwargs.pop(name, None)
+    return _connection.open_connection(td_id=td_id, **kwargs)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
@@ -27,6 +27,8 @@ from tdstore.lazy import plan
 from tdstore.store.host import LazyBase
 
 __all__ = ["LazyReads"]
+
+_T = TypeVar("_T")
 
 #: Optimistic tries of a whole-stack read before it reads layout and bytes in one step.
 ONE_STEP_AFTER = 3
@@ -146,19 +148,18 @@ class LazyReads(LazyBase):
         return torch.frombuffer(data, dtype=torch.uint8)
 
     def _spans(self, layout: _backend.Layout, path: tuple[str, ...]) -> tuple[list[int], list[int]]:
-        key = ("lazy-spans", path)
-        memo = layout.memo.get(key)
-        if memo is None:
-            bs, s = self._root(layout)
-            memo = layout.memo[key] = plan.elem_spans(layout.entries[path], bs[s])
-        return memo
+        return self._per_element(layout, "lazy-spans", path, plan.elem_spans)
 
     def _shapes(self, layout: _backend.Layout, path: tuple[str, ...]) -> list[list[int]]:
-        key = ("lazy-shapes", path)
+        return self._per_element(layout, "lazy-shapes", path, plan.elem_shapes)
+
+    def _per_element(self, layout: _backend.Layout, what: str, path: tuple[str, ...], build: Callable[[Any, int], _T]) -> _T:
+        """``build(meta, n)`` of the leaf ``path`` (``n``: the number of elements), kept in the layout's memo."""
+        key = (what, path)
         memo = layout.memo.get(key)
         if memo is None:
             bs, s = self._root(layout)
-            memo = layout.memo[key] = plan.elem_shapes(layout.entries[path], bs[s])
+            memo = layout.memo[key] = build(layout.entries[path], bs[s])
         return memo
 
     def _memory_stack(self, paths: list[tuple[str, ...]] | None, members: list[int] | None) -> tuple[list[TensorDict], int]:
@@ -362,10 +363,8 @@ class LazyReads(LazyBase):
 
     def _get_at_str(self, key: Any, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         path = self._path + _as_path(key)
-        meta = self._entry(path)
+        meta = self._entry_or_default(path, default)
         if meta is None:
-            if is_no_default(default):
-                raise self._key_error(path)
             return default
         if meta["k"] == "lt" and "shape" in meta:
             nb = self.batch_dims

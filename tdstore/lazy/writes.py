@@ -198,10 +198,7 @@ class LazyWrites(LazyBase):
             return self
 
         def ops(layout: _backend.Layout) -> list[_backend.Op]:
-            if old not in layout.entries:
-                raise self._key_error(old)
-            if new in layout.entries and safe:
-                raise KeyError(f"key {new!r} already present in {self._where()}")
+            self._check_rename(layout, old, new, safe)
             onto_ancestor = old[: len(new)] == new  # what old holds keeps its (longer) batch dims
             if not onto_ancestor and new[: len(old)] != old and all(
                 layout.entries.get(new[:i], {}).get("k") == "td" for i in range(1, len(new))

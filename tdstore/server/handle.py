@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.connection import UnixDomainSocketConnection
 from redis.retry import Retry
 
+from tdstore._backend.credentials import login_kwargs
 from tdstore.server.find import (  # noqa: F401 - re-exported
     _INSTALL_HINTS,
     _LOOPBACK,
@@ -121,11 +122,11 @@ class ServerHandle:
     """
 
     kind: str
-    binary: str | None
-    version: str
-    host: str | None
-    port: int | None
-    unix_socket_path: str | None
+    binary: str | None = None
+    version: str = "unknown"
+    host: str | None = None
+    port: int | None = None
+    unix_socket_path: str | None = None
     data_dir: str | None = None
     log_file: str | None = None
 
@@ -198,14 +199,7 @@ class ServerHandle:
         finally:
             probe.close()
 
-        handle = cls(
-            kind="external",
-            binary=None,
-            version=version,
-            host=host,
-            port=port,
-            unix_socket_path=sock_path,
-        )
+        handle = cls(kind="external", version=version, host=host, port=port, unix_socket_path=sock_path)
         handle._url = url
         handle._db = int(pool_kwargs.get("db") or 0)
         handle._password = pool_kwargs.get("password")
@@ -238,14 +232,8 @@ class ServerHandle:
         return True  # not our child: assume it is up
 
     def _extra_kwargs(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {}
-        if self._db:
-            extra["db"] = self._db
-        if self._username is not None:
-            extra["username"] = self._username
-        if self._password is not None:
-            extra["password"] = self._password
-        return extra
+        extra: dict[str, Any] = {"db": self._db} if self._db else {}
+        return {**extra, **login_kwargs(self._username, self._password)}
 
     def connection_kwargs(self, *, unix: bool = False) -> dict[str, Any]:
         """Keyword arguments to connect to this server.
@@ -529,6 +517,18 @@ class ServerHandle:
 
     def _stop_process(self, *, save: bool) -> None:
         self._kill_process(graceful=True, save=save)
+
+    def save(self, *, timeout: float = 600.0) -> None:
+        """An RDB snapshot into the server's ``dir`` now (``SAVE``: returns once it is written).
+
+        Raises:
+            redis.exceptions.RedisError: The server could not write it (or did not answer in ``timeout`` s).
+        """
+        client = self.sync_client(socket_timeout=timeout)
+        try:
+            client.save()
+        finally:
+            client.close()
 
     def stop(self) -> None:
         """Stop the server and remove its temporary directory.

@@ -102,45 +102,36 @@ def _start_fakeredis(config: dict[str, str] | None) -> ServerHandle:
         ) from exc
     finally:
         probe.close()
-    handle = ServerHandle(
-        kind="fakeredis",
-        binary=None,
-        version=str(getattr(fakeredis, "__version__", "unknown")),
-        host=None,
-        port=None,
-        unix_socket_path=None,
-    )
+    handle = ServerHandle(kind="fakeredis", version=str(getattr(fakeredis, "__version__", "unknown")))
     handle._fake_server = fake
     handle._owner_pid = os.getpid()
     return handle
 
 
 def _server_argv(
-    binary: str,
-    *,
-    port: int,
-    socket_path: str | None,
-    data_dir: str,
-    log_file: str,
+    handle: ServerHandle,
     config: dict[str, str] | None,
     tls: TLSFiles | None = None,
     acl_users: Mapping[str, str | Sequence[str]] | None = None,
 ) -> list[str]:
+    """The command line that starts the server of ``handle`` (its binary, port, socket, dir and log file)."""
+    assert handle.binary is not None and handle.data_dir is not None and handle.log_file is not None
+    socket_path = handle.unix_socket_path
     argv = [
-        binary,
+        handle.binary,
         "--bind", _LOOPBACK,
         # with TLS the chosen port speaks only TLS: no plain TCP listener at all
-        "--port", "0" if tls is not None else str(port),
+        "--port", "0" if tls is not None else str(handle.port),
         "--daemonize", "no",
         "--save", "",
         "--appendonly", "no",
-        "--dir", data_dir,
-        "--logfile", log_file,
+        "--dir", handle.data_dir,
+        "--logfile", handle.log_file,
     ]  # fmt: skip
     if socket_path is not None:
         argv += ["--unixsocket", socket_path, "--unixsocketperm", "700"]
     if tls is not None:
-        argv += ["--tls-port", str(port)]
+        argv += ["--tls-port", str(handle.port)]
         for name, value in tls.server_args().items():
             argv += [f"--{name}", value]
     for user in _acl_args(acl_users or {}):
@@ -148,74 +139,6 @@ def _server_argv(
     for name, value in (config or {}).items():
         argv += [f"--{name.lstrip('-')}", str(value)]
     return argv
-
-
-def _start_real(
-    kind: str,
-    *,
-    port: int | None,
-    unix_socket: bool,
-    config: dict[str, str] | None,
-    dir: str | None,  # noqa: A002 - public keyword name
-    startup_timeout: float,
-    tls: TLSFiles | None = None,
-    acl_users: Mapping[str, str | Sequence[str]] | None = None,
-) -> ServerHandle:
-    binary = find_server_binary(kind)
-    runtime_dir = tempfile.mkdtemp(prefix="tds-", dir="/tmp")  # mode 0700
-    try:
-        os.chmod(runtime_dir, 0o700)
-        data_dir = os.path.abspath(dir) if dir is not None else runtime_dir
-        os.makedirs(data_dir, exist_ok=True)
-        socket_path = os.path.join(runtime_dir, "s.sock") if unix_socket else None
-        log_file = os.path.join(runtime_dir, "server.log")
-        console_file = os.path.join(runtime_dir, "console.log")
-        password = (config or {}).get("requirepass")
-
-        attempts = 1 if port is not None else _PORT_RACE_RETRIES
-        for attempt in range(attempts):
-            chosen = port if port is not None else _free_port()
-            handle = ServerHandle(
-                kind=kind,
-                binary=binary,
-                version="",
-                host=_LOOPBACK,
-                port=chosen,
-                unix_socket_path=socket_path,
-                data_dir=data_dir,
-                log_file=log_file,
-            )
-            handle._argv = _server_argv(
-                binary,
-                port=chosen,
-                socket_path=socket_path,
-                data_dir=data_dir,
-                log_file=log_file,
-                config=config,
-                tls=tls,
-                acl_users=acl_users,
-            )
-            handle._tls = tls.client_kwargs() if tls is not None else None
-            handle._runtime_dir = runtime_dir
-            handle._console_file = console_file
-            handle._password = password
-            handle._owner_pid = os.getpid()
-            # Fresh files per attempt so errors show only this attempt's output.
-            for path in (log_file, console_file):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            try:
-                handle._launch(startup_timeout=startup_timeout)
-            except RuntimeError as exc:
-                if port is None and attempt + 1 < attempts and _port_in_use(exc):
-                    continue  # another process took the port first; pick another
-                raise
-            _register(handle)
-            return handle
-        raise AssertionError("unreachable")  # pragma: no cover
-    except BaseException:
-        shutil.rmtree(runtime_dir, ignore_errors=True)
-        raise
 
 
 def _auto_kind() -> str:
@@ -289,13 +212,49 @@ def start_server(
         return _start_fakeredis(config)
     if tls is not None and not unix_socket:
         raise ValueError("start_server(tls=...) needs unix_socket=True: the handle manages the server through it")
-    return _start_real(
-        kind,
-        port=port,
-        unix_socket=unix_socket,
-        config=config,
-        dir=dir,
-        startup_timeout=startup_timeout,
-        tls=tls,
-        acl_users=acl_users,
-    )
+    binary = find_server_binary(kind)
+    runtime_dir = tempfile.mkdtemp(prefix="tds-", dir="/tmp")  # mode 0700
+    try:
+        os.chmod(runtime_dir, 0o700)
+        data_dir = os.path.abspath(dir) if dir is not None else runtime_dir
+        os.makedirs(data_dir, exist_ok=True)
+        socket_path = os.path.join(runtime_dir, "s.sock") if unix_socket else None
+        log_file = os.path.join(runtime_dir, "server.log")
+        console_file = os.path.join(runtime_dir, "console.log")
+        password = (config or {}).get("requirepass")
+
+        attempts = 1 if port is not None else _PORT_RACE_RETRIES
+        for attempt in range(attempts):
+            chosen = port if port is not None else _free_port()
+            handle = ServerHandle(
+                kind=kind,
+                binary=binary,
+                version="",
+                host=_LOOPBACK,
+                port=chosen,
+                unix_socket_path=socket_path,
+                data_dir=data_dir,
+                log_file=log_file,
+            )
+            handle._argv = _server_argv(handle, config, tls, acl_users)
+            handle._tls = tls.client_kwargs() if tls is not None else None
+            handle._runtime_dir = runtime_dir
+            handle._console_file = console_file
+            handle._password = password
+            handle._owner_pid = os.getpid()
+            # Fresh files per attempt so errors show only this attempt's output.
+            for path in (log_file, console_file):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            try:
+                handle._launch(startup_timeout=startup_timeout)
+            except RuntimeError as exc:
+                if port is None and attempt + 1 < attempts and _port_in_use(exc):
+                    continue  # another process took the port first; pick another
+                raise
+            _register(handle)
+            return handle
+        raise AssertionError("unreachable")  # pragma: no cover
+    except BaseException:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise

@@ -1,9 +1,9 @@
 """The store's constructors, lifecycle and whole-store methods (a mixin of TensorDictStore).
 
-Kept apart from ``store.py`` so that each module stays small: this one holds what a
+Kept apart from ``store/core.py`` so that each module stays small: this one holds what a
 TensorDict user calls on the store as a whole (``from_*``, ``update``, ``pop``,
-``rename_key_``, ``clone``, ``close``, ``clear_redis``, pickling), ``store.py`` the
-per-entry semantics.
+``rename_key_``, ``clone``, ``clear_redis``, pickling), ``core.py`` the per-entry
+semantics, ``writes.py`` the whole-entry writes and ``handle.py`` what the lazy store shares.
 """
 
 from __future__ import annotations
@@ -383,10 +383,7 @@ class StoreAPI(DenseBase):
             return self
 
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], None]:
-            if old not in layout.entries:
-                raise self._key_error(old)
-            if new in layout.entries and safe:
-                raise KeyError(f"key {new!r} already present in {self._where()}")
+            self._check_rename(layout, old, new, safe)
             ops = _rename_ops(layout.entries, old, new, self._where())
             return ops, None
 
@@ -490,10 +487,6 @@ class StoreAPI(DenseBase):
         return self.to_tensordict().unflatten_keys(separator)
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        """Closes the connection; the data stays on the server. Idempotent."""
-        self._conn.close()
-
     def clear_redis(self) -> None:
         """Deletes every key of this store from the server in one atomic step.
 
@@ -503,12 +496,6 @@ class StoreAPI(DenseBase):
         meta = self._clear_store()
         if meta is not None:
             self._cleared_meta = {str(k): str(v) for k, v in meta.items()}
-
-    def __enter__(self) -> Self:
-        return self  # type: ignore[return-value]
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -527,12 +514,6 @@ class StoreAPI(DenseBase):
 
     def __reduce__(self) -> Any:
         return (_unpickle, (type(self), self.__getstate__()))
-
-    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
-        return self.to_tensordict() == other
-
-    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
-        return self.to_tensordict() != other
 
 
 def _unpickle(cls: Any, state: dict[str, Any]) -> Any:

@@ -1,10 +1,11 @@
 """What the mixins of the store classes need of the class they are mixed into.
 
-``TensorDictStore`` is assembled from mixins (``StoreAPI``, ``StoreReads``, ``RingBufferAPI``,
-``LifetimeAPI``, ...) and ``LazyStackedTensorDictStore`` from others (``LazyReads``,
-``LazyWrites``); both share ``LayoutCache``. A mixin calls methods and reads attributes that its
-host defines. The protocols here declare them, so that the type checker checks each mixin against
-them instead of taking every attribute on trust.
+``TensorDictStore`` is assembled from mixins (``StoreAPI``, ``StoreWrites``, ``StoreReads``,
+``RingBufferAPI``, ``LifetimeAPI``, ...) and ``LazyStackedTensorDictStore`` from others
+(``LazyReads``, ``LazyWrites``); both share ``LayoutCache`` and ``StoreHandle``
+(:mod:`tdstore.store.handle`). A mixin calls methods and reads attributes that its host defines.
+The protocols here declare them, so that the type checker checks each mixin against them instead
+of taking every attribute on trust.
 
 At run time the mixins derive from ``object``: the protocols are used only by the type checker
 (``if TYPE_CHECKING``), through :data:`DenseBase` and :data:`LazyBase`. The members that come from
@@ -64,11 +65,38 @@ class StoreHost(Protocol):
 
     def _entry(self, path: tuple[str, ...]) -> dict[str, Any] | None: ...
 
+    def _entry_or_default(self, path: tuple[str, ...], default: Any) -> dict[str, Any] | None: ...
+
+    def _init_handle(
+        self, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
+    ) -> None: ...
+
+    @classmethod
+    def _handle(
+        cls, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
+    ) -> Any: ...
+
     def _key_list(self, include_nested: bool, leaves_only: bool, is_leaf: Any) -> list[Any]: ...
 
     def _clear_store(self) -> dict[str, Any] | None: ...
 
     def _check_on_cleared(self, check: Any) -> None: ...
+
+    def _replan_if_stale(self, plan: Callable[[Layout], Any], layout: Layout) -> tuple[Any, Layout]: ...
+
+    def _descendants(self, layout: Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]: ...
+
+    def _children(self, layout: Layout, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict[str, Any]]]: ...
+
+    def _class_of(self, meta: dict[str, Any]) -> type: ...
+
+    def _check_rename(self, layout: Layout, old: tuple[str, ...], new: tuple[str, ...], safe: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+    def _repr_details(self) -> str: ...
+
+    def _node_batch_size(self, meta: dict[str, Any], layout: Layout) -> list[int]: ...
 
 
 class DenseHost(StoreHost, Protocol):
@@ -83,20 +111,6 @@ class DenseHost(StoreHost, Protocol):
 
     @property
     def names(self) -> Any: ...
-
-    @classmethod
-    def _handle(
-        cls,
-        conn: Connection,
-        path: tuple[str, ...] = (),
-        device: torch.device | None = None,
-        cache_metadata: bool = True,
-        backend: str = "redis",
-    ) -> Any: ...
-
-    def _init_handle(
-        self, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, backend: str
-    ) -> None: ...
 
     def _sub(self, path: tuple[str, ...]) -> Any: ...
 
@@ -140,9 +154,6 @@ class LazyHost(StoreHost, Protocol):
 
     @property
     def stack_dim(self) -> int: ...
-
-    @classmethod
-    def _handle(cls, conn: Any, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool) -> Any: ...
 
     def _root(self, layout: Layout) -> tuple[torch.Size, int]: ...
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from tdstore._backend import large as _large
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
 from tdstore._backend import transfer as _transfer
@@ -54,6 +55,11 @@ def _large_sizes(layout: _backend.Layout, paths: list[tuple[str, ...]]) -> dict[
     return out
 
 
+def _has_large(large: dict[tuple[str, ...], int]) -> bool:
+    """Whether an entry is large enough to be read in pieces (see tdstore/_backend/large.py)."""
+    return any(n >= _large.READ_MIN for n in large.values())
+
+
 class StoreReads(DenseBase):
     """Read methods of :class:`~tdstore.TensorDictStore`."""
 
@@ -65,7 +71,15 @@ class StoreReads(DenseBase):
         cached = conn.layout  # read once: another thread may drop it meanwhile
         large = _large_sizes(cached, paths) if cached is not None else {}
         device = self._cached_device()
-        lv, metas, blobs, _ = conn.run(lambda c: _backend.read_entries(c, conn.keys, paths, large=large, device=device))
+
+        async def read(c: Any) -> Any:
+            return await _backend.read_entries(c, conn.keys, paths, large=large, device=device)
+
+        got = None
+        if _has_large(large):
+            # large entries: received straight into their tensors, on the direct client
+            got = conn.read(lambda c, _r: _backend.read_entries_direct(c, conn.keys, paths, False, large=large, device=device), read)
+        lv, metas, blobs, _ = got if got is not None else conn.run(read)
         if lv is None:
             raise self._not_found()
         layout = self._layout()
@@ -152,11 +166,14 @@ class StoreReads(DenseBase):
                     return await _backend.read_entries(c, conn.keys, paths, with_layout=True, large=large, device=device)
 
                 got_all = None
-                if sum(large.values()) <= _DIRECT_SNAPSHOT_MAX and not any(
-                    conn.keys.chunks.get(p) is not None for p in paths
+                if _has_large(large) or (
+                    sum(large.values()) <= _DIRECT_SNAPSHOT_MAX and not any(conn.keys.chunks.get(p) is not None for p in paths)
                 ):
-                    # small one-string entries: on the direct client, no hop to the IO loop
-                    got_all = conn.read(lambda c, _r: _backend.read_entries_direct(c, conn.keys, paths), read_all)
+                    # small one-string entries: on the direct client, no hop to the IO loop;
+                    # large ones: received there straight into their tensors
+                    got_all = conn.read(
+                        lambda c, _r: _backend.read_entries_direct(c, conn.keys, paths, large=large, device=device), read_all
+                    )
                 if got_all is None:
                     got_all = conn.run(read_all)
                 _, _, blobs, snap = got_all

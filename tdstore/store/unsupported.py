@@ -7,12 +7,13 @@ in-memory alternative instead of silently downloading everything.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from tdstore.errors import UnsupportedOperationError
 from tdstore.store.host import SharedBase
 
-__all__ = ["StoreUnsupported"]
+__all__ = ["StoreUnsupported", "refuse"]
 
 _VIEW_METHODS = (
     "view", "transpose", "permute", "unsqueeze", "squeeze", "reshape", "flatten",
@@ -27,16 +28,23 @@ _MEMORY_METHODS = (
 )  # fmt: skip
 
 
-def _unsupported(name: str, hint: str) -> Any:
+_ON_A_SERVER = "cannot work on data that lives on a server"
+
+
+def _unsupported(name: str, hint: str, why: str = _ON_A_SERVER) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
-        raise UnsupportedOperationError(
-            f"{type(self).__name__}.{name.lstrip('_')}() cannot work on data that lives on a "
-            f"server ({self._where()}). {hint}"
-        )
+        raise UnsupportedOperationError(f"{type(self).__name__}.{name.lstrip('_')}() {why} ({self._where()}). {hint}")
 
     method.__name__ = name
     method.__doc__ = f"Not supported on a store: raises UnsupportedOperationError. {hint}"
     return method
+
+
+def refuse(cls: type, names: Sequence[str], hint: Callable[[str], str], why: str = _ON_A_SERVER) -> None:
+    """Sets each method ``name`` of ``cls`` to one that raises UnsupportedOperationError:
+    ``"<class>.<name>() <why> (<store>). <hint(name)>"``."""
+    for name in names:
+        setattr(cls, name, _unsupported(name, hint(name), why))
 
 
 class StoreUnsupported(SharedBase):
@@ -46,23 +54,15 @@ class StoreUnsupported(SharedBase):
         return "?"
 
 
-for _name in _VIEW_METHODS:
-    setattr(
-        StoreUnsupported,
-        _name,
-        _unsupported(
-            _name,
-            f"Call store.to_tensordict().{_name.lstrip('_')}(...) for an in-memory result, "
-            "or index the store (store[idx]) to read only some rows.",
-        ),
-    )
-for _name in _MEMORY_METHODS:
-    setattr(
-        StoreUnsupported,
-        _name,
-        _unsupported(
-            _name,
-            f"Call store.to_tensordict().{_name.lstrip('_')}(...) on an in-memory copy; "
-            "the store itself is already shared through the server (pass its td_id).",
-        ),
-    )
+refuse(
+    StoreUnsupported,
+    _VIEW_METHODS,
+    lambda name: f"Call store.to_tensordict().{name.lstrip('_')}(...) for an in-memory result, "
+    "or index the store (store[idx]) to read only some rows.",
+)
+refuse(
+    StoreUnsupported,
+    _MEMORY_METHODS,
+    lambda name: f"Call store.to_tensordict().{name.lstrip('_')}(...) on an in-memory copy; "
+    "the store itself is already shared through the server (pass its td_id).",
+)

@@ -34,11 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
         handle = ServerHandle.from_url(str(url), allow_remote=bool(config.getoption("--allow-remote-server")))
     except Exception as exc:  # noqa: BLE001 - any problem with the URL or the server stops the run here
         raise pytest.UsageError(f"--server-url {url!r}: {type(exc).__name__}: {exc}") from None
-    client = handle.sync_client(socket_timeout=30)
-    try:
+    with handle.sync_client(socket_timeout=30) as client:
         size = client.dbsize()
-    finally:
-        client.close()
     if size:
         raise pytest.UsageError(
             f"--server-url {url!r}: the database holds {size} keys; the suite flushes its database after "
@@ -60,11 +57,8 @@ def server(pytestconfig: pytest.Config) -> Iterator[ServerHandle]:
     try:
         yield handle
     finally:
-        client = handle.sync_client(socket_timeout=30)
-        try:
+        with handle.sync_client(socket_timeout=30) as client:
             client.flushdb()
-        finally:
-            client.close()
 
 
 @pytest.fixture

@@ -11,24 +11,11 @@ import json
 
 import pytest
 
-from .shim import LUA_VERSIONS, LuaRedis
-from .test_scripts import CK, OTHER, WV, D, commit_argv, expect_error, make_store, put, set_tmp
+from .shim import LuaRedis
+from .test_scripts import CK, WV, D, commit_argv, expect_error, make_store, put, set_tmp
 
 pytestmark = pytest.mark.lua
 
-
-@pytest.fixture(params=LUA_VERSIONS, ids=[f"lua{v}" for v in LUA_VERSIONS])
-def lua_version(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def r() -> LuaRedis:
-    """The in-memory shim with a neighbour store no script may touch (as in test_scripts.py)."""
-    shim = LuaRedis()
-    for key, value in OTHER.items():
-        shim.data[key] = dict(value) if isinstance(value, dict) else value
-    return shim
 
 AC = b"td:{s}:ac"  # the append counters (see tdstore/_core/keys.py)
 

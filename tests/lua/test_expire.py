@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from .shim import LUA_VERSIONS, LuaRedis, RedisCommandError
+from .conftest import with_neighbour
+from .shim import LuaRedis, RedisCommandError
 from .test_scripts import (
     CK,
     META,
@@ -35,11 +36,6 @@ from .test_scripts import (
 pytestmark = pytest.mark.lua
 
 NOW = 1_700_000_000_123  # the shim's clock, ms since the epoch
-
-
-@pytest.fixture(params=LUA_VERSIONS, ids=[f"lua{v}" for v in LUA_VERSIONS])
-def lua_version(request: pytest.FixtureRequest) -> str:
-    return request.param
 
 
 class ClockRedis(LuaRedis):
@@ -68,10 +64,8 @@ class ClockRedis(LuaRedis):
 
 @pytest.fixture
 def r() -> ClockRedis:
-    shim = ClockRedis()
-    for key, value in OTHER.items():
-        shim.data[key] = dict(value) if isinstance(value, dict) else value
-    return shim
+    """The shim with a frozen clock (overrides conftest's ``r``), with the neighbour store."""
+    return with_neighbour(ClockRedis())
 
 
 def with_exp(r: LuaRedis, ttl: int) -> int:

@@ -5,8 +5,6 @@ takes over the reservations in flight its rows would overlap (bumping the fence)
 re-checks a reservation made before ("keep"); on every error the key space is unchanged.
 """
 
-# ruff: noqa: F811 - the fixtures lua_version and r (the shim with a neighbour store) come from test_scripts
-
 from __future__ import annotations
 
 from typing import Any
@@ -14,7 +12,7 @@ from typing import Any
 import pytest
 
 from .shim import LuaRedis
-from .test_scripts import META, RING, D, expect_error, lua_version, make_store, r  # noqa: F401 - fixtures
+from .test_scripts import META, RING, D, expect_error, make_store
 
 pytestmark = pytest.mark.lua
 

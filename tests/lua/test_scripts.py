@@ -55,19 +55,6 @@ def M(path: str, **extra: Any) -> str:
     return json.dumps({"k": "t", "p": path, **extra}, separators=(",", ":"))
 
 
-@pytest.fixture(params=LUA_VERSIONS, ids=[f"lua{v}" for v in LUA_VERSIONS])
-def lua_version(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def r() -> LuaRedis:
-    shim = LuaRedis()
-    for key, value in OTHER.items():
-        shim.data[key] = dict(value) if isinstance(value, dict) else value
-    return shim
-
-
 def make_store(
     r: LuaRedis,
     *,

@@ -1,0 +1,300 @@
+"""Whole-entry writes of TensorDictStore (a mixin): ``store[key] = value``, ``store[idx] = td``,
+``set``/``set_at_``, the planned commits every key change goes through, and the creation of a store.
+
+Every write is one atomic server step, planned against the cached layout and sent with the
+layout version it assumes (``_commit_planned``, ``_write``): a stale plan is refreshed and
+replanned. Index writes are planned in :mod:`tdstore.store.index_write`.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict.utils import is_tensorclass
+
+from tdstore._backend import ops as _backend
+from tdstore._backend import transfer as _transfer
+from tdstore._backend.optimistic import optimistic
+from tdstore._core.indexing import normalize_index, select_rows
+from tdstore._core.keys import as_path as _as_path
+from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
+from tdstore.errors import SchemaError, StoreExistsError
+from tdstore.store.host import DenseBase
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from tdstore.store.core import TensorDictStore
+
+__all__ = ["StoreWrites"]
+
+
+class StoreWrites(DenseBase):
+    """Whole-entry writes of :class:`~tdstore.TensorDictStore`."""
+
+    #: the meta hash of a store this handle cleared, to recreate it on the next write
+    _cleared_meta: dict[str, str] | None
+    #: the lifetime (ms) given to the store when this handle creates it (``expire=``)
+    _create_ttl_ms: int | None
+
+    def _set_str(self, key: Any, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
+        self._write({self._path + _as_path(key): value}, inplace=inplace is True, ignore_lock=ignore_lock)
+        return self
+
+    _set_tuple = _set_str
+
+    def _commit_planned(
+        self,
+        plan: Callable[[_backend.Layout], tuple[list[_backend.Op], dict[str, str] | None]],
+        *,
+        check_lock: bool,
+        bump: bool = True,
+        expected_any: bool = False,
+    ) -> int:
+        """Plans ops against the cached layout and commits them; refreshes and replans when stale."""
+        conn = self._conn
+
+        def attempt(_attempt: int) -> int:
+            (ops, meta_updates), layout = self._replan_if_stale(plan, self._layout())
+            lv = conn.run(
+                lambda c: _backend.commit(
+                    c, conn.keys, conn.runner, ops,
+                    expected="" if expected_any else str(layout.lv),
+                    bump=bump, check_lock=check_lock, meta_updates=meta_updates,
+                ),
+                idempotent=expected_any,  # a re-sent del_/rename would replan and fail
+            )
+            if bump or expected_any:
+                conn.layout = None
+            return lv
+
+        return optimistic(attempt, where=self._where, what="a write", on_stale=lambda: self._layout(refresh=True))
+
+    def _write(self, items: Mapping[tuple[str, ...], Any], *, inplace: bool, ignore_lock: bool = False) -> None:
+        """Writes whole entries (tensors, nested tensordicts, non-tensors) in one atomic step."""
+        prepared = {path: self._prepare_value(path, value) for path, value in items.items()}
+
+        def check(layout: _backend.Layout) -> None:
+            planner = WritePlanner(_store(self), layout, inplace=inplace)
+            for path, value in prepared.items():
+                planner.add(path, value)
+
+        self._check_on_cleared(check)
+        self._ensure_exists()
+
+        conn = self._conn
+
+        def plan(layout: _backend.Layout) -> WritePlanner:
+            planner = WritePlanner(_store(self), layout, inplace=inplace)
+            for path, value in prepared.items():
+                planner.add(path, value)
+            return planner
+
+        def attempt(_attempt: int) -> None:
+            planner, layout = self._replan_if_stale(plan, self._layout())
+            ops, bump = planner.ops, planner.bump
+            if not ops:
+                return
+            check_lock = not inplace and not ignore_lock
+            if not bump and all(
+                op.op == "put" and op.meta is not None and op.meta.get("k") == "t"
+                and layout.entries.get(op.path) == op.meta
+                for op in ops
+            ):
+                # new values of existing tensors, same shapes and dtypes: written in place
+                # (SETRANGE at 0 in a WATCH-guarded MULTI), with no tmp key and no rename
+                groups = [(op.path, [(0, len(op.payload))], op.payload) for op in ops]
+                conn.run(
+                    lambda c: _backend.write_runs_watched(
+                        c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=check_lock,
+                        small_via_script=False,
+                    )
+                )
+                return
+            conn.run(
+                lambda c: _transfer.commit(
+                    c, conn.keys, conn.runner, ops, expected=str(layout.lv), bump=bump,
+                    check_lock=check_lock, progress=_transfer.upload_bar(self, ops),
+                )
+            )
+            if bump:
+                conn.layout = None
+
+        optimistic(attempt, where=self._where, what="a write", on_stale=lambda: self._layout(refresh=True))
+
+    def _creation_meta(self) -> dict[str, str]:
+        """Meta fields a new store gets from this handle's creation settings (its chunking)."""
+        cb = getattr(self._conn, "chunk_bytes", None)
+        return {"cb": str(cb)} if cb else {}
+
+    @property
+    def chunk_bytes(self) -> int | None:
+        """The chunk size of the store's entries (see ``chunk_bytes=``), or None for one string per entry.
+
+        Read from the server: a store reconnected with ``from_store`` has the chunking it was created with.
+        """
+        cb = self._layout().meta.get("cb")
+        return int(cb) if cb else None
+
+    def _ensure_exists(self) -> None:
+        """After clear_redis() on this handle, the next write recreates the store."""
+        meta = self._cleared_meta
+        if meta is None or self._path:
+            return
+        self._cleared_meta = None
+        bs = torch.Size(json.loads(meta.get("batch_size", "[]")))
+        dev = meta.get("device") or None
+        if meta.get("ttl"):
+            # the recreated store lives as long as the cleared one was set to, from now
+            self._create_ttl_ms = int(meta["ttl"])
+        self._conn.chunk_bytes = int(meta["cb"]) if meta.get("cb") else None
+        try:
+            self._create_store(bs, torch.device(dev) if dev else None, json.loads(meta.get("names") or "null"), [], None)
+        except StoreExistsError:
+            pass
+
+    def _prepare_value(self, path: tuple[str, ...], value: Any, batch_size: torch.Size | None = None) -> Any:
+        """Validates and converts a value before anything is sent."""
+        if batch_size is None and not isinstance(value, (torch.Tensor, TensorDictBase)):
+            batch_size = self.batch_size
+        if is_tensorclass(value) and not isinstance(value, (NonTensorData, NonTensorStack)):
+            value = value._tensordict
+        from tdstore.store.core import TensorDictStore
+
+        if isinstance(value, TensorDictStore):
+            value = value.to_tensordict()
+        if isinstance(value, (torch.Tensor, TensorDictBase)):
+            if isinstance(value, torch.Tensor):
+                check_tensor(value, path, self._where())
+            return value
+        if isinstance(value, dict):
+            return TensorDict.from_dict(value, batch_size=batch_size, device=None)
+        if value is None or isinstance(value, (str, bytes)) or not tensor_like(value):
+            return NonTensorData(data=value, batch_size=batch_size)
+        if isinstance(value, list) and any(not isinstance(v, numbers.Number) for v in flatten_values(value)):
+            return NonTensorData(data=value, batch_size=batch_size)
+        try:
+            return torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            return NonTensorData(data=value, batch_size=batch_size)
+
+    def _create_store(
+        self,
+        batch_size: torch.Size,
+        device: torch.device | None,
+        names: Sequence[str | None] | None,
+        ops: list[_backend.Op],
+        tensorclass: str | None,
+    ) -> None:
+        names_list = list(names) if names is not None else None
+        if names_list is not None and len(names_list) != len(batch_size):
+            raise SchemaError(f"names {names_list} do not match the batch size {list(batch_size)}")
+        if names_list is not None and all(n is None for n in names_list):
+            names_list = None
+        meta = {
+            "batch_size": json.dumps(list(batch_size)),
+            "device": str(device) if device is not None else "",
+            "names": json.dumps(names_list),
+            "tensorclass": tensorclass or "",
+            **self._creation_meta(),
+        }
+        conn = self._conn
+        conn.run(
+            lambda c: _transfer.commit(
+                c, conn.keys, conn.runner, ops, expected="new", bump=True, check_lock=False, meta_updates=meta,
+                ttl_ms=getattr(self, "_create_ttl_ms", None), progress=_transfer.upload_bar(self, ops),
+            ),
+            idempotent=False,  # a re-sent create would find its own store and call it taken
+        )
+        conn.layout = None
+
+    def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
+        path = self._path + _as_path(key)
+        meta = self._entry(path)
+        if meta is None:  # set_at_ is in place: it never creates an entry
+            raise self._key_error(path)
+        if meta["k"] == "nt" and not isinstance(value, (NonTensorData, NonTensorStack)):
+            # a plain value, as TensorDict takes it (and refuses for an index that selects nothing)
+            owner_bs = self._owner_batch_size(self._layout(), path)
+            if len(owner_bs) and select_rows(normalize_index(idx), owner_bs).numel() == 0:
+                raise RuntimeError(
+                    f"cannot write a value into non-tensor entry {key!r} of {self._where()} at {idx!r}: "
+                    "the index selects no element (indexed destination batch size has 0 elements)"
+                )
+            value = NonTensorData(data=value, batch_size=[])
+        from tdstore.store.index_write import write_index
+
+        write_index(_store(self), idx, {path: value}, leaf=True)
+        return self
+
+    _set_at_tuple = _set_at_str
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
+            if value is self:
+                raise ValueError("a store cannot hold itself")
+            self._write({self._path + _as_path(index): value}, inplace=False)
+            return
+        self._setitem_index(index, value)
+
+    def _setitem_index(self, index: Any, value: Any) -> None:
+        layout = self._layout()
+        if isinstance(value, (numbers.Number, torch.Tensor)):
+            targets = {p: value for p, m in self._descendants(layout, self._path) if m["k"] == "t"}
+            self._write_index(index, targets)
+            return
+        if is_tensorclass(value):
+            value = value._tensordict
+        from tdstore.store.core import TensorDictStore
+
+        if isinstance(value, TensorDictStore):
+            value = value.to_tensordict()
+        from_dict = isinstance(value, dict)
+        if from_dict:
+            value = TensorDict.from_dict(value, batch_size=[])
+        if not isinstance(value, TensorDictBase):
+            raise TypeError(f"cannot write a {type(value).__name__} at an index of {self._where()}")
+        targets = {}
+        for key, leaf in value.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor_cls):
+            rel = _as_path(key)
+            targets[self._path + rel] = leaf
+        self._write_index(index, targets, check_batch=None if from_dict else _batch_check(value, self._where()))
+
+    def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any], check_batch: Any = None) -> None:
+        from tdstore.store.index_write import write_index
+
+        write_index(_store(self), index, targets, check_batch)
+
+
+
+def _batch_check(value: TensorDictBase, where: str) -> Callable[[torch.Size], None]:
+    """TensorDict's rule for ``td[idx] = value``: the value's batch size is the indexed one, or
+    broadcasts to it from the left, or its leaves start with the indexed shape."""
+    vb = value.batch_size
+
+    def check(indexed: torch.Size) -> None:
+        if vb == indexed or (len(vb) and tuple(vb) == tuple(indexed)[-len(vb) :]):
+            return
+        leaves = value.values(include_nested=True, leaves_only=True)
+        if all(isinstance(x, torch.Tensor) and x.shape[: len(indexed)] == indexed for x in leaves):
+            return
+        raise RuntimeError(
+            f"indexed destination batch size of {where} is {indexed}, which differs from the source "
+            f"batch size {vb} (and does not broadcast to it)"
+        )
+
+    return check
+
+
+def _is_leaf_nontensor_cls(cls: type) -> bool:
+    return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
+
+
+def _store(host: StoreWrites) -> TensorDictStore:
+    """The host as the class that the planners take (``StoreWrites`` is a mixin of TensorDictStore only)."""
+    return cast("TensorDictStore", host)

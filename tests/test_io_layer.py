@@ -1,0 +1,114 @@
+"""Every command tdstore sends goes out from ``tdstore/_backend/`` (issue 14: one I/O layer).
+
+An AST walk of the package finds the calls of redis client methods outside the folders
+allowed to send commands: ``_backend/`` (the I/O layer), ``server/`` (starting private
+servers), ``testing/`` (fixtures), and ``cli/bench.py`` (its raw redis-py baseline measures
+redis-py itself). The few known exceptions left are listed with their reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import io
+import pathlib
+import threading
+
+import redis
+import redis.asyncio
+import torch
+from tensordict import TensorDict
+
+import tdstore
+from tdstore._backend.probe import DOCTOR_CONFIG, ServerFacts, probe_server
+from tdstore.cli.doctor import _diagnose
+
+PACKAGE = pathlib.Path(tdstore.__file__).parent
+ALLOWED_DIRS = ("_backend/", "server/", "testing/")
+ALLOWED_FILES = ("cli/bench.py",)
+#: (file, method): calls outside the I/O layer that stay, and why
+KNOWN = {
+    ("store/ring.py", "get"): "ring_state's read_snapshot builder (store/ring.py belongs to the append work)",
+    ("store/ring.py", "hget"): "the same builder",
+}
+#: receivers that hold a client or pipeline by this codebase's naming
+CLIENT_NAMES = {"c", "client", "pipe", "pipeline", "raw"}
+#: closing a client sends nothing the server acts on
+NOT_COMMANDS = {"close", "aclose"}
+
+_METHODS = {n for n in dir(redis.Redis) if not n.startswith("_")} | {
+    n for n in dir(redis.asyncio.Redis) if not n.startswith("_")
+}
+_EVERYDAY = (dict, list, set, str, bytes, torch.Tensor, TensorDict, io.IOBase, threading.Event, asyncio.AbstractEventLoop)
+#: method names that are also everyday Python ones (dict.get, list.append, json.dump ...): flagged
+#: only on a receiver named like a client
+AMBIGUOUS = {n for n in _METHODS if any(hasattr(t, n) for t in _EVERYDAY)} | {
+    "digest", "dump", "load", "save", "time", "sync", "wait", "lock", "type", "object", "echo", "client",
+}
+
+
+def _calls_outside() -> list[tuple[str, int, str]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(ALLOWED_DIRS) or rel in ALLOWED_FILES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            name = node.func.attr
+            if name not in _METHODS or name in NOT_COMMANDS:
+                continue
+            on_client = isinstance(node.func.value, ast.Name) and node.func.value.id in CLIENT_NAMES
+            if name not in AMBIGUOUS or on_client:
+                found.append((rel, node.lineno, name))
+    return found
+
+
+def test_no_command_is_sent_outside_the_io_layer():
+    unexpected = [f"{rel}:{line} .{name}()" for rel, line, name in _calls_outside() if (rel, name) not in KNOWN]
+    assert unexpected == [], "server commands outside tdstore/_backend/: " + ", ".join(unexpected)
+
+
+def test_the_walk_finds_what_it_looks_for():
+    """The walk sees the known exceptions, and would see a doctor that pinged the server itself."""
+    seen = {(rel, name) for rel, _, name in _calls_outside()}
+    assert set(KNOWN) <= seen
+    tree = ast.parse("def f(client, conn):\n    client.ping()\n    conn.config_get('x')\n    d.get(1)\n")
+    calls = [n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    assert [c for c in calls if c in _METHODS and c not in AMBIGUOUS] == ["ping", "config_get"]
+
+
+def test_probe_returns_the_facts_doctor_judges(real_server):
+    facts = probe_server(real_server.connection_kwargs(), pings=3)
+    assert facts.info.get("redis_version") and facts.info_refused is None
+    assert facts.eval_refused is None and facts.lua and facts.lua.startswith("Lua 5.")
+    assert set(facts.config) == set(DOCTOR_CONFIG)
+    policy = real_server.sync_client().config_get("maxmemory-policy")["maxmemory-policy"]
+    assert facts.config["maxmemory-policy"] == (policy.decode() if isinstance(policy, bytes) else policy)
+    assert len(facts.ping_times) == 3 and all(t > 0 for t in facts.ping_times)
+
+
+class _Opts:
+    cluster = False
+    unix_socket_path = None
+    ssl = False
+    host = "127.0.0.1"
+    port = 1
+
+
+def test_doctor_judges_facts_without_a_server(monkeypatch):
+    """doctor's verdicts come from the facts alone: a server refusing EVAL and CONFIG."""
+    monkeypatch.setattr("tdstore.cli.doctor._largest_entry", lambda opts: (0, None, 0))  # no store listing
+    facts = ServerFacts(
+        info={"redis_version": "7.2.0", "used_memory": "1000", "aof_enabled": "0"},
+        eval_refused="NOPERM this user has no permissions to run the 'eval' command",
+        config=dict.fromkeys(DOCTOR_CONFIG),
+        ping_times=[0.001, 0.002, 0.003],
+    )
+    items = {item["name"]: item for item in _diagnose(facts, _Opts())}
+    assert items["scripts"]["status"] == "fail" and "NOPERM" in items["scripts"]["detail"]
+    assert "lua" not in items
+    assert items["eviction"]["status"] == "warn"  # the server does not say its policy
+    assert items["proto-max-bulk-len"]["status"] == "warn"
+    assert items["latency"]["value"] == 2.0
