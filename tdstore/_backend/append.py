@@ -111,19 +111,25 @@ class AppendPlan:
         return start, exp
 
     # -- step 2 ------------------------------------------------------------------------
-    def write_commands(self, start: int, exp: str) -> list[tuple[Any, ...]]:
-        """The commands between MULTI and EXEC."""
-        keys, n, capacity = self.keys, self.n, self.capacity
+    def _runs(self, start: int) -> tuple[int, int, list[tuple[tuple[str, ...], list[tuple[int, int]], Any]]]:
+        """(first row, rows before the wrap, ``(path, byte runs, payload)`` per entry) of rows from cursor ``start``."""
+        n, capacity = self.n, self.capacity
         row0 = start % capacity
         first = min(n, capacity - row0)
-        runs_groups = []
+        groups = []
         for path, row_bytes, payload in self.groups:
             runs = [(row0 * row_bytes, first * row_bytes)]
             if first < n:
                 runs.append((0, (n - first) * row_bytes))
-            runs_groups.append((path, runs, payload))
+            groups.append((path, runs, payload))
+        return row0, first, groups
+
+    def write_commands(self, start: int, exp: str) -> list[tuple[Any, ...]]:
+        """The commands between MULTI and EXEC."""
+        keys, n = self.keys, self.n
+        row0, first, groups = self._runs(start)
         out: list[tuple[Any, ...]] = [
-            ("SETRANGE", key, offset, data) for key, offset, data in setrange_commands(keys, runs_groups)
+            ("SETRANGE", key, offset, data) for key, offset, data in setrange_commands(keys, groups)
         ]
         self._setranges = len(out)
         out.append(("SETRANGE", keys.flags, row0, b"\x01" * first))
@@ -152,22 +158,19 @@ class AppendPlan:
             )
 
     def _full_lengths(self, start: int) -> list[int]:
+        """The full length of the key of each SETRANGE of :meth:`write_commands`, in order."""
         keys, capacity = self.keys, self.capacity
-        row0 = start % capacity
-        first = min(self.n, capacity - row0)
+        row_bytes = {path: rb for path, rb, _ in self.groups}
         out = []
-        for path, row_bytes, payload in self.groups:
+        for path, runs, payload in self._runs(start)[2]:
             chunking = keys.chunks.get(path)
-            total = capacity * row_bytes
-            runs = [(row0 * row_bytes, first * row_bytes)]
-            if first < self.n:
-                runs.append((0, (self.n - first) * row_bytes))
+            total = capacity * row_bytes[path]
+            index = {} if chunking is None else {key: k for k, key in enumerate(keys.entry_keys(path, chunking))}
             for key, _offset, _data in setrange_commands(keys, [(path, runs, payload)]):
                 if chunking is None:
                     out.append(total)
                 else:
-                    k = int(key[len(keys.base) + 3 :].split(":", 1)[0])
-                    out.append(min(chunking.size, total - k * chunking.size))
+                    out.append(min(chunking.size, total - index[key] * chunking.size))
         return out
 
 

@@ -32,8 +32,8 @@ __all__ = ["RingState", "RingBufferAPI"]
 class RingState(NamedTuple):
     """The ring buffer's counters, read from the server in one step."""
 
-    valid: int  #: rows holding appended data: min(total, capacity)
-    total: int  #: rows ever appended
+    valid: int  #: rows holding appended data, flagged as written (at most min(total, capacity))
+    total: int  #: rows ever appended (reserved: an append in flight counts)
     capacity: int  #: the size of the first batch dim
     cursor: int  #: the row the next append starts at (total % capacity)
 
