@@ -125,3 +125,17 @@ def test_a_cursor_set_by_the_client_counts_its_rows_as_written(store):
     assert set(store.sample(300)["y"].tolist()) == {3.0, 4.0}
     conn.run(lambda c: _backend.set_ring_total(c, conn.keys, 0))
     assert store.ring_state().valid == 0
+
+
+def test_a_data_key_gone_from_the_server_is_reported(store, server):
+    """An evicted (here: deleted) data key: the write's SETRANGE replies are short, extend() says so."""
+    from tdstore.errors import DataLostError
+
+    store.extend(batch(1.0, 2))
+    client = server.sync_client()
+    try:
+        client.delete(store._conn.keys.data(("x",)))
+    finally:
+        client.close()
+    with pytest.raises(DataLostError, match="bytes were gone from the server"):
+        store.extend(batch(2.0, 2))
