@@ -56,12 +56,15 @@ def test_samplers_never_see_a_torn_or_unwritten_row(real_server, pool, request):
     samplers = [pool.submit(w.sampler, conn, store.td_id, 16, 400, 30.0, -1) for _ in range(2)]
     got = [f.result(90) for f in appenders]
     sampled, torn, unwritten, _ = (sum(x) for x in zip(*(f.result(90) for f in samplers), strict=True))
-    _record(request, appended=sum(map(len, got)), sampled=sampled, torn_rows=torn, unwritten_rows=unwritten)
+    state = store.ring_state()
+    # (an appender slower than a lap of the ring is taken over and reserves again: rows
+    # reserved but never written, counted in total, skipped by sample)
+    _record(request, appended=sum(map(len, got)), sampled=sampled, torn_rows=torn, unwritten_rows=unwritten,
+            rows_reserved_again=state.total - 3 * count * rows)
     assert sum(map(len, got)) == 3 * count * rows
     assert sampled > 0
     assert (torn, unwritten) == (0, 0)
-    state = store.ring_state()
-    assert (state.valid, state.total) == (cap, 3 * count * rows)
+    assert state.valid == cap and state.total >= 3 * count * rows
     store.clear_redis()
     store.close()
 
