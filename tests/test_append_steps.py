@@ -103,8 +103,10 @@ def test_appender_killed_between_its_two_steps(real_server, pool, request):
     assert (torn, unwritten, of_dead, of_dead_after) == (0, 0, 0, 0)
     assert int((store["tag"][:, 0] == dead).sum()) == 0  # it wrote nothing
     state = store.ring_state()
-    assert state.valid == cap, "the ring came round and reused the dead appender's rows"
-    assert "rif" not in _keys(real_server, store), "its reservation was taken over, no other is left"
+    again = state.total - (rows + 3 + 2 * count * rows)  # rows reserved again (an appender slower than a lap)
+    assert cap - again <= state.valid <= cap, "the ring came round and reused the dead appender's rows"
+    if again == 0:
+        assert "rif" not in _keys(real_server, store), "its reservation was taken over, no other is left"
     store.clear_redis()
     assert _keys(real_server, store) == set()
     store.close()
@@ -112,7 +114,7 @@ def test_appender_killed_between_its_two_steps(real_server, pool, request):
 
 def test_layout_changes_racing_appenders(real_server, pool, request):
     conn = real_server.connection_kwargs()
-    cap, rows, count = 180, 2, 30
+    cap, rows, count = 240, 2, 30  # 180 rows appended: no lap, whatever is reserved again
     store = TensorDictStore.from_schema({("buf", k): v for k, v in SCHEMA.items()}, batch_size=[cap], **conn)
     appenders = [pool.submit(w.appender, conn, store.td_id, ("buf",), p, count, rows, 40.0) for p in (1, 2, 3)]
     changer = pool.submit(w.layout_changer, conn, store.td_id, 200, 40.0)
@@ -134,13 +136,14 @@ def test_layout_changes_racing_appenders(real_server, pool, request):
     keys = _keys(real_server, store)
     expected = {"meta", "reg", "wv", "ring", "rf", "ac", "d:buf.tag", "d:buf.obs"}
     expected |= {f"d:side.{k}" for k in (side.keys() if side is not None else ())}
-    debris = keys - expected - {"fence"}
+    # (a reservation abandoned after a lost connection stays in flight, "rif", till the ring comes round)
+    debris = keys - expected - {"fence"} - ({"rif"} if store.ring_state().total > len(indices) else set())
     _record(request, appended=len(indices), layout_changes=changes, duplicate_rows=len(indices) - len(set(indices)),
             misplaced_rows=misplaced, rows_in_other_entries=debris_rows, debris_keys=sorted(debris))
     assert changes > 10, "the layout did not change while the appends ran"
     assert len(indices) == 3 * count * rows == len(set(indices))
     assert (misplaced, debris_rows, sorted(debris)) == (0, 0, [])
-    assert store.ring_state().valid == cap
+    assert store.ring_state().valid == len(indices)
     store.clear_redis()
     assert _keys(real_server, store) == set()
     store.close()
