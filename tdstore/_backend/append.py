@@ -41,12 +41,16 @@ from typing import Any
 import redis.exceptions
 
 from tdstore._backend.armed_write import _discard_sync, _exchange_sync
+from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import StoreKeys, encode_path
 from tdstore.errors import DataLostError, OutcomeUnknownError, StaleLayoutError, translate_response_error
 
-__all__ = ["Reservation", "AppendPlan", "append_direct", "append_watched", "ABORTED"]
+__all__ = [
+    "Reservation", "AppendPlan", "append_direct", "append_watched", "ABORTED",
+    "ring_counts", "ring_flags", "flag_bytes", "append_counters",
+]
 
 #: What a driver returns when EXEC was aborted (the layout changed, or the fence moved).
 ABORTED = -1
@@ -267,3 +271,57 @@ async def append_watched(client: Any, runner: ScriptRunner, plan: AppendPlan) ->
 
 def stale() -> StaleLayoutError:
     return StaleLayoutError("the layout changed, or the ring came round to this append's rows, between its two steps")
+
+
+# --------------------------------------------------------------------------- #
+# reads of the ring's counters and flags (ring_state, sample, the compare-and-set)
+# --------------------------------------------------------------------------- #
+
+
+async def ring_counts(client: Any, keys: StoreKeys) -> tuple[Any, Any, int, int]:
+    """The cursor, the layout version, the flagged rows (BITCOUNT) and whether the flags exist, in one snapshot."""
+
+    def build(pipe: Any) -> None:
+        pipe.get(keys.ring)
+        pipe.hget(keys.meta, "lv")
+        pipe.bitcount(keys.flags)
+        pipe.exists(keys.flags)
+
+    cursor, lv, flagged, exists = await read_snapshot(client, keys, build)
+    return cursor, lv, int(flagged or 0), int(exists or 0)
+
+
+async def ring_flags(client: Any, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any]:
+    """The cursor, the layout version, whether the flags exist, and the flags of the ring's
+    ``capacity`` rows (``whole``) or their count (BITCOUNT), in one snapshot."""
+
+    def build(pipe: Any) -> None:
+        pipe.get(keys.ring)
+        pipe.hget(keys.meta, "lv")
+        pipe.exists(keys.flags)
+        if whole:
+            pipe.getrange(keys.flags, 0, max(capacity - 1, 0))
+        else:
+            pipe.bitcount(keys.flags)
+
+    cursor, lv, exists, flags = await read_snapshot(client, keys, build)
+    return cursor, lv, int(exists or 0), flags
+
+
+async def flag_bytes(client: Any, keys: StoreKeys, rows: Sequence[int]) -> list[int]:
+    """The flag byte of each of ``rows`` (one BITFIELD)."""
+    args: list[Any] = []
+    for r in rows:
+        args += ["GET", "u8", f"#{r}"]
+    return list(await client.execute_command("BITFIELD", keys.flags, *args))
+
+
+async def append_counters(client: Any, keys: StoreKeys) -> tuple[dict[Any, Any], Any]:
+    """The append counters and the write version, in one snapshot (for a compare-and-set)."""
+
+    def build(pipe: Any) -> None:
+        pipe.hgetall(keys.appends)
+        pipe.get(keys.wv)
+
+    counters, wv = await read_snapshot(client, keys, build)
+    return counters, wv

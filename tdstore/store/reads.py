@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from tdstore._backend import append as _append
 from tdstore._backend import large as _large
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
@@ -279,9 +280,7 @@ class StoreReads(DenseBase):
 
         def once(_attempt: int) -> Any:
             # the append counters and the write version, read before the snapshot: see _cas_versions
-            before = conn.run(lambda c: _backend.read_snapshot(
-                c, conn.keys, lambda pipe: (pipe.hgetall(conn.keys.appends), pipe.get(conn.keys.wv))
-            ))
+            before = conn.run(lambda c: _append.append_counters(c, conn.keys))
             snapshot, snap = self._snapshot()
             leaves = TensorDict(batch_size=snapshot.batch_size, device=snapshot.device)
             for key, value in snapshot.items(True, True):

@@ -16,7 +16,6 @@ from tensordict import TensorDictBase
 from tensordict.utils import is_non_tensor, is_tensorclass
 
 from tdstore._backend import append as _append_mod
-from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
@@ -45,19 +44,6 @@ def _append(conn: Any, plan: _append_mod.AppendPlan) -> int:
         return done
     # not idempotent: a re-sent write would be refused (its reservation is gone) or take rows twice
     return int(conn.run(lambda c: _append_mod.append_watched(c, conn.runner, plan), idempotent=False))
-
-
-async def _ring_counts(client: Any, keys: Any) -> tuple[Any, Any, int, int]:
-    """The cursor, the layout version, and the flagged rows (BITCOUNT; -1: no flags key) in one snapshot."""
-
-    def build(pipe: Any) -> None:
-        pipe.get(keys.ring)
-        pipe.hget(keys.meta, "lv")
-        pipe.bitcount(keys.flags)
-        pipe.exists(keys.flags)
-
-    cursor, lv, flagged, exists = await _backend.read_snapshot(client, keys, build)
-    return cursor, lv, int(flagged or 0), int(exists or 0)
 
 
 class RingBufferAPI(DenseBase):
@@ -165,7 +151,7 @@ class RingBufferAPI(DenseBase):
         flight, or by an appender that died before writing them, are not valid.
         """
         conn = self._conn
-        cursor, lv, flagged, exists = conn.run(lambda c: _ring_counts(c, conn.keys))
+        cursor, lv, flagged, exists = conn.run(lambda c: _append_mod.ring_counts(c, conn.keys))
         if lv is None:
             raise self._not_found()
         total = int(cursor or 0)
@@ -194,19 +180,7 @@ class RingBufferAPI(DenseBase):
         capacity = self.batch_size[0] if self.batch_dims else 0
         large = capacity > _FLAGS_READ_MAX
 
-        async def read(client: Any) -> Any:
-            def build(pipe: Any) -> None:
-                pipe.get(keys.ring)
-                pipe.hget(keys.meta, "lv")
-                pipe.exists(keys.flags)
-                if large:
-                    pipe.bitcount(keys.flags)
-                else:
-                    pipe.getrange(keys.flags, 0, max(capacity - 1, 0))
-
-            return await _backend.read_snapshot(client, keys, build)
-
-        cursor, lv, exists, flags = conn.run(read)
+        cursor, lv, exists, flags = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
         if lv is None:
             raise self._not_found()
         total = min(int(cursor or 0), capacity)
@@ -228,7 +202,7 @@ class RingBufferAPI(DenseBase):
         todo = torch.arange(n)
         for _ in range(_REDRAWS):
             rows = idx[todo].tolist()
-            got = conn.run(lambda c, rows=rows: _flag_bytes(c, keys, rows))
+            got = conn.run(lambda c, rows=rows: _append_mod.flag_bytes(c, keys, rows))
             bad = torch.tensor([not f for f in got], dtype=torch.bool)
             todo = todo[bad]
             if todo.numel() == 0:
@@ -244,11 +218,3 @@ class RingBufferAPI(DenseBase):
 _FLAGS_READ_MAX = 1 << 20
 #: Draws of the rows found unflagged before sample() of a large ring gives up.
 _REDRAWS = 32
-
-
-async def _flag_bytes(client: Any, keys: Any, rows: list[int]) -> list[int]:
-    """The flag byte of each of ``rows`` (one BITFIELD)."""
-    args: list[Any] = []
-    for r in rows:
-        args += ["GET", "u8", f"#{r}"]
-    return list(await client.execute_command("BITFIELD", keys.flags, *args))
