@@ -215,6 +215,6 @@ class RingBufferAPI(DenseBase):
 
 
 #: Rings of at most this many rows have their flags read whole by sample(); larger ones per row drawn.
-_FLAGS_READ_MAX = 1 << 20
+_FLAGS_READ_MAX = 1 << 16
 #: Draws of the rows found unflagged before sample() of a large ring gives up.
 _REDRAWS = 32
