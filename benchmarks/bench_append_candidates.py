@@ -11,9 +11,13 @@ can be chosen by the numbers before it is written:
 * the raw baseline (INCRBY + MULTI of 3 SETRANGEs) and a pipeline of the 3 SETRANGEs;
 * an empty script, with no argument and with the 338 KB payload as one ARGV (what
   passing the bytes through Lua costs by itself);
-* one script doing the 3 SETRANGEs from ARGV (today's extend.lua, less its checks);
+* one script doing the 3 SETRANGEs from ARGV (what extend.lua did before the two steps, less its checks);
 * two steps: a tiny reserving script, then a MULTI of the 3 SETRANGEs + a tiny publishing
   script + the layout-version read (the design the issue hints at);
+* two steps as ``extend()`` sends them (tdstore/_backend/append.py): WATCH + the
+  ``reserve`` script (lua/reserve.lua), then a MULTI of the 3 SETRANGEs, the SETRANGE of
+  the rows' written flags, the HDEL of the reservation, the INCR of the write version and
+  the HINCRBY of the append counter;
 * one-row reads: a plain GETRANGE, today's read_one.lua-like script (HGET lv + GETRANGE),
   and a MULTI of HGET + GETRANGE.
 """
@@ -30,6 +34,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tdstore._backend.scripts import get_script  # noqa: E402
 from tdstore.server import start_server  # noqa: E402
 
 CAP = 4096
@@ -109,6 +114,27 @@ def run(kind: str, ops: int) -> list[tuple[str, float]]:
         measure("empty script, 338 KB ARGV", lambda i: c.evalsha(argonly, 0, payload["o"]))
         measure("extend: one script, 3 SETRANGE from ARGV", one_script)
         measure("extend: tiny script, MULTI(3 SETRANGE + tiny script + HGET)", two_steps)
+        reserve = c.script_load(get_script("reserve").text(False))
+        c.hset("t:{s}:meta", mapping={"lv": "1", "fmt": "1"})
+        ring_keys = ["t:{s}:meta", "t:{s}:ring", "t:{s}:rf", "t:{s}:rif", "t:{s}:fence"]
+
+        conn = c.connection_pool.get_connection()
+
+        def exchange(commands: list[tuple[Any, ...]]) -> list[Any]:
+            """One packet, as the direct driver sends it (two in all, as the raw append)."""
+            conn.send_packed_command(conn.pack_commands(commands))
+            return [conn.read_response() for _ in commands]
+
+        def shipped(i: int) -> None:
+            rid = f"r{i}"
+            evalsha = ("EVALSHA", reserve, len(ring_keys), *ring_keys, "1", ROWS, CAP, rid, "new")
+            f = int(exchange([("WATCH", "t:{s}:meta", "t:{s}:fence"), evalsha])[1][0]) % CAP
+            body: list[tuple[Any, ...]] = [("SETRANGE", k, f * size, payload[k]) for k, size in SIZES.items()]
+            body += [("SETRANGE", "t:{s}:rf", f, b"\x01" * ROWS), ("HDEL", "t:{s}:rif", rid), ("INCR", "t:{s}:wv"),
+                     ("HINCRBY", "t:{s}:ac", "a:", 1)]
+            exchange([("MULTI",), *body, ("EXEC",)])
+
+        measure("extend: WATCH + reserve.lua, MULTI(3 SETRANGE + flags + HDEL + INCR + HINCRBY)", shipped)
         measure("read1: GETRANGE", lambda i: c.getrange("o", (i % CAP) * row, (i % CAP + 1) * row - 1))
         measure("read1: script HGET lv + GETRANGE", lambda i: c.evalsha(read_one, 2, "meta", "o", (i % CAP) * row, (i % CAP + 1) * row - 1))
 

@@ -35,10 +35,12 @@ ARGV[9]   optional: the lifetime of a new store in ms (a positive decimal of at 
           then expires at that time (see expire.lua; meta fields "exp" and "ttl").
 ARGV[10]  optional: a compare-and-set that appends to other entries do not disturb, in
           place of ARGV[7] (send "" there): a JSON object {"w": the write version less
-          the meta field "ac" (the number of appends, see extend.lua), "f": {meta field:
-          value ("" for absent)}}, checked like ARGV[7]; "f" names the append counters
-          ("a:" .. sub-store path) of every sub-store whose appends write entries the
-          client read. Not checked when ARGV[1] is "new".
+          the number of appends (the sum of the append counters, see
+          tdstore/_backend/append.py), "f": {counter field: value ("" for absent)}},
+          checked like ARGV[7]; "f" names the append counters ("a:" .. sub-store path)
+          of every sub-store whose appends write entries the client read. The counters
+          are the hash "<base>:ac" beside the meta hash "<base>:meta" (a key this script
+          derives from KEYS[1], not declared). Not checked when ARGV[1] is "new".
 
 The meta field "ne" counts the registry's fields, so that a reader can tell a registry
 that was evicted (or deleted by hand) from a store with no entries. A store created before
@@ -177,10 +179,16 @@ else
   end
   if (ARGV[10] or '') ~= '' then
     local cas = cjson.decode(ARGV[10])
-    local writes = tonumber(rcall('GET', wv_key) or '0') - tonumber(rcall('HGET', meta_key, 'ac') or '0')
-    local same = writes == tonumber(cas.w)
+    local counters = {}
+    local appends = 0
+    local flat = rcall('HGETALL', string.sub(meta_key, 1, -5) .. 'ac')
+    for i = 1, #flat, 2 do
+      counters[flat[i]] = flat[i + 1]
+      appends = appends + (tonumber(flat[i + 1]) or 0)
+    end
+    local same = tonumber(rcall('GET', wv_key) or '0') - appends == tonumber(cas.w)
     for field, value in pairs(cas.f or {}) do
-      if (rcall('HGET', meta_key, field) or '') ~= value then same = false end
+      if (counters[field] or '') ~= value then same = false end
     end
     if not same then
       drop_tmps()

@@ -245,7 +245,7 @@ class TensorDictStoreStorage(TensorStorage):
         """Reads rows among the valid ones (as ``storage[:len(storage)][index]``) into memory."""
         if self._storage is None:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
-        valid = self.max_size if self._known_full else len(self)
+        valid = self.max_size if self._known_full else self._readable()
         if valid < self.max_size:
             rows = torch.arange(valid)[index]  # IndexError past the valid rows, as TensorStorage
             index = int(rows) if rows.ndim == 0 else rows
@@ -256,10 +256,23 @@ class TensorDictStoreStorage(TensorStorage):
             out = out.to(self.device)
         return out
 
+    def _readable(self) -> int:
+        """The rows get() may read: the valid ones, and those appends reserved (rows drawn
+        by _rand_given_ndim are among the written ones, which need not come first)."""
+        assert self._storage is not None
+        state = self._storage.ring_state()
+        valid = max(state.valid, self._local_len)
+        self._known_full = valid == self.max_size
+        return max(valid, min(state.total, self.max_size))
+
     def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
         # RandomSampler reads len(storage) just before: a full ring needs no second read
-        valid = self.max_size if self._known_full else len(self)
-        return torch.randint(0, valid, (batch_size,), generator=self._rng)
+        if self._known_full or self._storage is None or self._local_len:
+            valid = self.max_size if self._known_full else len(self)
+            return torch.randint(0, valid, (batch_size,), generator=self._rng)
+        # rows written by appends only: draw among those flagged as written, never one an
+        # append reserved and has not written yet (see TensorDictStore.sample)
+        return self._storage._draw_written(batch_size, self._rng)
 
     def contains(self, item: Any) -> Any:
         valid = len(self)

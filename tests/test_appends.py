@@ -1,9 +1,10 @@
 """Appends get in no one's way (issue 16, goal 5).
 
 * A compare-and-set (``apply_``, ``+=``...) on entries that no append writes does not
-  conflict with appends: ``extend`` counts its appends per sub-store (meta fields "ac" and
-  "a:<path>", lua/extend.lua), and the commit checks the writes other than appends plus
-  the appends into the sub-stores whose entries it read (ARGV[10] of lua/commit.lua).
+  conflict with appends: ``extend`` counts its appends per sub-store (field "a:<path>" of
+  the hash <base>:ac, tdstore/_backend/append.py), and the commit checks the writes other
+  than appends plus the appends into the sub-stores whose entries it read (ARGV[10] of
+  lua/commit.lua).
 * A compare-and-set on entries an append wrote still conflicts and retries: no update lost.
 * ``extend`` refuses non-tensor columns clearly and writes nothing.
 """

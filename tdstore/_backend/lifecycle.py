@@ -85,7 +85,7 @@ async def expire(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Lay
         await runner.call(
             client,
             "expire",
-            [keys.meta, keys.reg, keys.wv, keys.ring, *data_keys],
+            [keys.meta, keys.reg, keys.wv, keys.ring, keys.flags, keys.inflight, keys.fence, keys.appends, *data_keys],
             [str(layout.lv), str(len(layout.entries)), "" if ttl_ms is None else str(int(ttl_ms))],
         )
     )

@@ -126,9 +126,14 @@ async def ttl_ms(client: Any, keys: StoreKeys) -> int:
 
 
 async def set_ring_total(client: Any, keys: StoreKeys, total: int) -> None:
-    """Sets the ring counter (rows ever appended) and bumps the write version, in one MULTI."""
+    """Sets the ring counter (rows ever appended) and bumps the write version, in one MULTI.
+
+    The rows' "written" flags are dropped: the first ``total`` rows (at most the capacity)
+    count as written until the next append, which flags them (see lua/reserve.lua).
+    """
     async with client.pipeline(transaction=True) as pipe:
         pipe.set(keys.ring, str(int(total)))
+        pipe.delete(keys.flags)
         pipe.incr(keys.wv)
         await pipe.execute()
 

@@ -6,7 +6,11 @@ Redis Cluster slot and every script and transaction over them stays legal::
     <prefix>:{<td_id>}:meta          hash: batch size, device, names, layout version, lock ...
     <prefix>:{<td_id>}:reg           hash: one field per entry path -> JSON entry metadata
     <prefix>:{<td_id>}:wv            string: write version, bumped by every write (compare-and-set)
-    <prefix>:{<td_id>}:ring          string: ring-buffer cursor, rows ever appended by extend()
+    <prefix>:{<td_id>}:ring          string: ring-buffer cursor, rows ever reserved by extend()
+    <prefix>:{<td_id>}:rf            string: one byte per ring row, 1 once an append wrote it whole
+    <prefix>:{<td_id>}:rif           hash: appends in flight (reserved, not yet written)
+    <prefix>:{<td_id>}:fence         string: bumped when a reservation in flight is taken over
+    <prefix>:{<td_id>}:ac            hash: append counters, "a:<path>" per sub-store
     <prefix>:{<td_id>}:d:<path>      string: the raw bytes of one entry
     <prefix>:{<td_id>}:c:<k>:<path>  string: chunk k of a chunked entry (see tdstore._core.chunks)
     <prefix>:{<td_id>}:tmp:<nonce>   string: bytes in flight inside one MULTI (never outlives it)
@@ -103,7 +107,7 @@ def new_td_id() -> str:
 class StoreKeys:
     """Builds the server keys of one store."""
 
-    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "rl", "chunks")
+    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "rl", "flags", "inflight", "fence", "appends", "chunks")
 
     def __init__(self, prefix: str, td_id: str) -> None:
         self.prefix = validate_prefix(prefix)
@@ -115,6 +119,11 @@ class StoreKeys:
         self.ring = f"{self.base}:ring"
         #: readers' leases on the layout (lua/lease.lua, tdstore/_backend/lease.py)
         self.rl = f"{self.base}:rl"
+        #: the appends' keys (see tdstore/_backend/append.py)
+        self.flags = f"{self.base}:rf"
+        self.inflight = f"{self.base}:rif"
+        self.fence = f"{self.base}:fence"
+        self.appends = f"{self.base}:ac"
         #: the chunking of each chunked entry of the layout last cached (see tdstore._core.chunks);
         #: replaced as a whole with every new layout
         self.chunks: dict[tuple[str, ...], Any] = {}

@@ -2,8 +2,8 @@
 
 A lifetime applies to every key of the store at once (``lua/expire.lua``): the meta hash,
 the registry, the counters and every data key expire at the same millisecond of the
-server's clock. The scripts that create keys later (``commit``, ``extend``, ``write_runs``,
-and the WATCH-guarded MULTI of indexed writes) read the store's expiry from its meta hash
+server's clock. The steps that create keys later (``commit``, ``reserve`` and the MULTI of an
+append, ``write_runs``, and the WATCH-guarded MULTI of indexed writes) read the store's expiry from its meta hash
 and give the new keys the same one, in the same atomic step. Data left by a job that
 crashed thus cleans itself up.
 """

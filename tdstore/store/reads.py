@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from tdstore._backend import append as _append
 from tdstore._backend import large as _large
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
@@ -280,6 +281,8 @@ class StoreReads(DenseBase):
         conn = self._conn
 
         def once(_attempt: int) -> Any:
+            # the append counters and the write version, read before the snapshot: see _cas_versions
+            before = conn.run(lambda c: _append.append_counters(c, conn.keys))
             snapshot, snap = self._snapshot()
             leaves = TensorDict(batch_size=snapshot.batch_size, device=snapshot.device)
             for key, value in snapshot.items(True, True):
@@ -304,7 +307,7 @@ class StoreReads(DenseBase):
             conn.run(
                 lambda c: _backend.commit(
                     c, conn.keys, conn.runner, ops, expected=str(snap.lv), bump=False,
-                    check_lock=False, expected_cas=self._cas_versions(snap),
+                    check_lock=False, expected_cas=self._cas_versions(snap, *before),
                 ),
                 idempotent=False,  # a re-sent compare-and-set would re-read and apply twice
             )
@@ -319,17 +322,27 @@ class StoreReads(DenseBase):
             tries=_MAX_CAS_RETRIES, retry_on=(WriteConflictError, StaleLayoutError), backoff=backoff,
         )
 
-    def _cas_versions(self, snap: _backend.Layout) -> str:
+    def _cas_versions(self, snap: _backend.Layout, counters: Mapping[Any, Any], wv: Any) -> str:
         """What the compare-and-set of :meth:`_inplace_on_copies` checks (ARGV[10] of lua/commit.lua).
 
         Every write but an append, and the appends that wrote entries of this sub-store: those
         into it, into a store above it, or into a sub-store inside it (``extend`` writes every
         tensor entry of the store it is called on). Appends to other sub-stores do not conflict.
+
+        ``counters`` (the append counters, ``keys.appends``) and ``wv`` (the write version)
+        are read in one step before the snapshot: both counts only grow, so finding them
+        unchanged at the commit means that no write but an append, and no append into the
+        entries read, came in since, nor so before the snapshot's bytes.
         """
-        writes = int(snap.wv or 0) - int(snap.meta.get("ac") or 0)
+
+        def text(x: Any) -> str:
+            return x.decode() if isinstance(x, bytes) else str(x)
+
+        got = {text(k): text(v) for k, v in counters.items()}
+        writes = int(text(wv or 0)) - sum(int(v) for v in got.values())  # less every append
         under = [p for p, m in snap.entries.items() if m.is_node and p[: len(self._path)] == self._path]
         subs = [self._path[:i] for i in range(len(self._path) + 1)] + under
-        fields = {f"a:{encode_path(p)}": snap.meta.get(f"a:{encode_path(p)}", "") for p in subs}
+        fields = {f"a:{encode_path(p)}": got.get(f"a:{encode_path(p)}", "") for p in subs}
         return json.dumps({"w": str(writes), "f": fields}, separators=(",", ":"))
 
     def _read_plan(self, layout: _backend.Layout, only: tuple[str, ...] | None, nb: int) -> list[tuple[Any, ...]]:

@@ -1,9 +1,10 @@
 """Shared-buffer primitives: an atomic ring-buffer append and sampling of valid rows.
 
-``extend`` reserves rows through a cursor kept on the server and writes them in the same
-script (``lua/extend.lua``): many processes can append to one preallocated buffer
-(``from_schema``) at once and never get the same rows, never leave a gap, and never
-expose a half-written row.
+``extend`` reserves rows through a cursor kept on the server (``lua/reserve.lua``), then
+writes them with one MULTI that also flags them as written (``tdstore/_backend/append.py``):
+many processes can append to one preallocated buffer (``from_schema``) at once and never
+get the same rows, and ``sample`` draws only rows flagged as written, so it never returns a
+half-written or a reserved-but-unwritten row.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import is_non_tensor, is_tensorclass
 
-from tdstore._backend import ops as _backend
+from tdstore._backend import append as _append_mod
 from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
-from tdstore._core.keys import encode_path
-from tdstore.errors import SchemaError
+from tdstore.errors import SchemaError, StaleLayoutError
 from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
@@ -31,26 +31,19 @@ __all__ = ["RingState", "RingBufferAPI"]
 class RingState(NamedTuple):
     """The ring buffer's counters, read from the server in one step."""
 
-    valid: int  #: rows holding appended data: min(total, capacity)
-    total: int  #: rows ever appended
+    valid: int  #: rows holding appended data, flagged as written (at most min(total, capacity))
+    total: int  #: rows ever appended (reserved: an append in flight counts)
     capacity: int  #: the size of the first batch dim
     cursor: int  #: the row the next append starts at (total % capacity)
 
 
-async def _extend(
-    client: Any, conn: Any, groups: list[tuple[tuple[str, ...], int, Any]], lv: int, n: int, capacity: int,
-    sub: tuple[str, ...] = (),
-) -> int:
-    keys = [conn.keys.meta, conn.keys.wv, conn.keys.ring]
-    args: list[Any] = [str(lv), str(n), str(capacity)]
-    for path, row_bytes, payload in groups:
-        chunking = conn.keys.chunks.get(path)
-        keys.extend(conn.keys.entry_keys(path, chunking))
-        args.append(str(row_bytes))
-        args.append(str(chunking.size) if chunking is not None else "0")
-        args.append(payload)
-    args.append("a:" + encode_path(sub))  # counts the appends into this sub-store (see lua/extend.lua)
-    return int(await conn.runner.call(client, "extend", keys, args))
+def _append(conn: Any, plan: _append_mod.AppendPlan) -> int:
+    """One append try: on the direct client from this thread, else on the IO loop."""
+    done = conn._direct_call(lambda c: _append_mod.append_direct(c, conn.runner, plan))
+    if isinstance(done, int):
+        return done
+    # not idempotent: a re-sent write would be refused (its reservation is gone) or take rows twice
+    return int(conn.run(lambda c: _append_mod.append_watched(c, conn.runner, plan), idempotent=False))
 
 
 class RingBufferAPI(DenseBase):
@@ -139,38 +132,89 @@ class RingBufferAPI(DenseBase):
                 keep.append(flat)
                 row_bytes = _codec.tensor_nbytes(tuple(batch[1:]) + feat, dtype)
                 groups.append((path, row_bytes, view))
-            # not idempotent: a re-sent extend would take rows twice
-            start = conn.run(lambda c: _extend(c, conn, groups, layout.lv, n, capacity, self._path), idempotent=False)
+            plan = _append_mod.AppendPlan(
+                conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=self._path, reservation=reservation
+            )
+            start = _append(conn, plan)
+            if start == _append_mod.ABORTED:
+                raise _append_mod.stale()
             return (start + torch.arange(n)) % capacity
 
+        # the rows reserved by a try whose write was aborted are written by the next try
+        reservation = _append_mod.Reservation()
         return optimistic(once, where=self._where, what="extend()", on_stale=lambda: self._layout(refresh=True))
 
     def ring_state(self: TensorDictStore) -> RingState:  # type: ignore[misc]
-        """How many rows are valid, how many were ever appended, and where the cursor is."""
+        """How many rows are valid (written whole by an append), how many were ever reserved, and where the cursor is.
+
+        ``valid`` counts the rows flagged as written: rows reserved by an append still in
+        flight, or by an appender that died before writing them, are not valid.
+        """
         conn = self._conn
-
-        async def read(client: Any) -> Any:
-            def build(pipe: Any) -> None:
-                pipe.get(conn.keys.ring)
-                pipe.hget(conn.keys.meta, "lv")
-
-            return await _backend.read_snapshot(client, conn.keys, build)
-
-        cursor, lv = conn.run(read)
+        cursor, lv, flagged, exists = conn.run(lambda c: _append_mod.ring_counts(c, conn.keys))
         if lv is None:
             raise self._not_found()
         total = int(cursor or 0)
         capacity = self.batch_size[0] if self.batch_dims else 0
-        return RingState(min(total, capacity), total, capacity, total % capacity if capacity else 0)
+        valid = min(flagged, capacity) if exists else min(total, capacity)
+        return RingState(valid, total, capacity, total % capacity if capacity else 0)
 
     def sample(self: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> Any:  # type: ignore[misc]
         """Reads ``n`` random rows (with replacement) among the valid ones; one consistent snapshot.
 
+        Only rows flagged as written by an append are drawn (never one reserved by an
+        append still in flight, or by an appender that died between its two steps). The
+        flags are read first, then the rows in one snapshot: a row once flagged always
+        holds a whole appended row, as an append writes its rows in one MULTI.
+
         Raises:
             ValueError: when no row was appended yet.
         """
-        state = self.ring_state()
-        if state.valid == 0:
-            raise ValueError(f"sample() from {self._where()}: no row was appended yet (extend() first)")
-        idx = torch.randint(0, state.valid, (n,), generator=generator)
+        idx = self._draw_written(n, generator)
         return self[idx]
+
+    def _draw_written(self: TensorDictStore, n: int, generator: torch.Generator | None) -> torch.Tensor:  # type: ignore[misc]
+        """``n`` rows drawn uniformly (with replacement) among those flagged as written."""
+        conn = self._conn
+        keys = conn.keys
+        capacity = self.batch_size[0] if self.batch_dims else 0
+        large = capacity > _FLAGS_READ_MAX
+
+        cursor, lv, exists, flags = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
+        if lv is None:
+            raise self._not_found()
+        total = min(int(cursor or 0), capacity)
+        empty = ValueError(f"sample() from {self._where()}: no row was appended yet (extend() first)")
+        if not exists:  # a store appended to before the flags existed, or never
+            if total == 0:
+                raise empty
+            return torch.randint(0, total, (n,), generator=generator)
+        if not large:
+            written = torch.frombuffer(bytearray(flags), dtype=torch.uint8)[:capacity].nonzero().flatten()
+            if written.numel() == 0:
+                raise empty
+            return written[torch.randint(0, written.numel(), (n,), generator=generator)]
+        if int(flags) == 0 or total == 0:
+            raise empty
+        # a large ring: draw among the rows reserved so far, check their flags, redraw the
+        # few that are not written (in flight, or left by a dead appender)
+        idx = torch.randint(0, total, (n,), generator=generator)
+        todo = torch.arange(n)
+        for _ in range(_REDRAWS):
+            rows = idx[todo].tolist()
+            got = conn.run(lambda c, rows=rows: _append_mod.flag_bytes(c, keys, rows))
+            bad = torch.tensor([not f for f in got], dtype=torch.bool)
+            todo = todo[bad]
+            if todo.numel() == 0:
+                return idx
+            idx[todo] = torch.randint(0, total, (todo.numel(),), generator=generator)
+        raise StaleLayoutError(
+            f"sample() from {self._where()}: kept drawing rows not written yet ({todo.numel()} of {n} after "
+            f"{_REDRAWS} draws); appends may be failing between their two steps"
+        )
+
+
+#: Rings of at most this many rows have their flags read whole by sample(); larger ones per row drawn.
+_FLAGS_READ_MAX = 1 << 16
+#: Draws of the rows found unflagged before sample() of a large ring gives up.
+_REDRAWS = 32

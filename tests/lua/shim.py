@@ -293,6 +293,7 @@ class LuaRedis:
             b"GET": (self._cmd_get, 1, 1),
             b"SET": (self._cmd_set, 2, None),
             b"INCR": (self._cmd_incr, 1, 1),
+            b"INCRBY": (self._cmd_incrby, 2, 2),
             b"DEL": (self._cmd_del, 1, None),
             b"EXISTS": (self._cmd_exists, 1, None),
             b"RENAME": (self._cmd_rename, 2, 2),
@@ -552,6 +553,18 @@ class LuaRedis:
             raise RedisCommandError("ERR increment or decrement would overflow")
         self.data[key] = str(value + 1).encode()
         return value + 1
+
+    def _cmd_incrby(self, key: bytes, amount_raw: bytes) -> int:
+        """INCRBY: as INCR, by a signed 64-bit amount."""
+        current = self._string(key)
+        if isinstance(current, VirtualString):
+            raise ShimError("INCRBY of a virtual string")
+        amount = _parse_int(amount_raw)
+        value = 0 if current is None else _parse_int(current)
+        if not _INT64_MIN <= value + amount <= _INT64_MAX:
+            raise RedisCommandError("ERR increment or decrement would overflow")
+        self.data[key] = str(value + amount).encode()
+        return value + amount
 
     def _cmd_del(self, *keys: bytes) -> int:
         return sum(self._delete(key) for key in keys)

@@ -1,5 +1,5 @@
 """Lifetimes on the Lua shim (Lua 5.1 and 5.4): ``expire.lua``, and how ``commit``,
-``extend`` and ``write_runs`` give the keys they create the store's expiry.
+``reserve`` and ``write_runs`` give the keys they create the store's expiry.
 
 The shim's clock stands still at :data:`NOW` ms; ``PEXPIREAT key t`` records the TTL
 ``t - NOW`` in ``ttls`` (deleting the key when it is not in the future), so each test
@@ -25,7 +25,6 @@ from .test_scripts import (
     M,
     commit_argv,
     expect_error,
-    extend_argv,
     make_store,
     put,
     runs_argv,
@@ -246,27 +245,31 @@ class TestCommitLifetime:
 
 
 # =========================================================================== #
-# extend and write_runs
+# reserve (the first step of an append) and write_runs
 # =========================================================================== #
 
+RESERVE_KEYS = [META, RING, b"td:{s}:rf", b"td:{s}:rif", b"td:{s}:fence"]
 
-class TestExtendLifetime:
-    def test_cursor_and_counter_get_the_expiry(self, r: ClockRedis, lua_version: str) -> None:
+
+class TestReserveLifetime:
+    def test_cursor_flags_and_reservation_get_the_expiry(self, r: ClockRedis, lua_version: str) -> None:
         make_store(r, entries={"x": b"abcdefgh"})
-        with_exp(r, 300)
-        r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, 4, (2, b"11")), lua_version)
+        exp = with_exp(r, 300)
+        assert r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "id", "new"], lua_version) == [0, str(exp).encode()]
         assert state(r)[RING] == b"1"
-        assert ttls(r) == {META: 300, REG: 300, WV: 300, RING: 300, D("x"): 300}
+        rf, rif = RESERVE_KEYS[2], RESERVE_KEYS[3]
+        assert ttls(r) == {META: 300, REG: 300, D("x"): 300, RING: 300, rf: 300, rif: 300}
 
-    def test_set_of_the_cursor_keeps_the_expiry(self, r: ClockRedis, lua_version: str) -> None:
-        make_store(r, entries={"x": b"abcdefgh"}, wv="3", cursor=2)
+    def test_a_takeover_gives_the_fence_the_expiry(self, r: ClockRedis, lua_version: str) -> None:
+        make_store(r, entries={"x": b"abcdefgh"}, cursor=4)
         with_exp(r, 300)
-        r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, 4, (2, b"11")), lua_version)
-        assert ttls(r)[RING] == 300
+        r.data[RESERVE_KEYS[3]] = {b"dead": b"0:1:4"}
+        r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "id", "new"], lua_version)
+        assert r.data[RESERVE_KEYS[4]] == b"1" and ttls(r)[RESERVE_KEYS[4]] == 300
 
     def test_no_expiry_no_ttl(self, r: ClockRedis, lua_version: str) -> None:
         make_store(r, entries={"x": b"abcdefgh"})
-        r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, 4, (2, b"11")), lua_version)
+        r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "id", "new"], lua_version)
         assert ttls(r) == {} and r.commands("PEXPIREAT") == []
 
 

@@ -922,17 +922,15 @@ class TestCommitWriteVersion:
         assert r.run("commit", keys, commit_argv(bump="0", ops=[put("a", 4, 5)], wv=seen), lua_version) == 2
         assert r.data[D("a")] == b"BBBB" and wv_of(r) == b"2"
 
-    def test_write_runs_and_extend_invalidate_a_snapshot(self, r: LuaRedis, lua_version: str) -> None:
+    def test_write_runs_invalidate_a_snapshot(self, r: LuaRedis, lua_version: str) -> None:
+        # (an append bumps the write version in its MULTI, not in a script: tdstore/_backend/append.py)
         make_store(r, entries={"a": b"\0" * 8}, wv="4")
         node = [{"op": "node", "f": "n", "m": "{}"}]
         r.run("write_runs", [META, WV, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
         assert wv_of(r) == b"5"
         expect_error(r, "TDS_CONFLICT", "commit", CK, commit_argv(ops=node, wv="4"), lua_version)
-        r.run("extend", [META, WV, RING, D("a")], extend_argv("2", 1, 4, (2, b"yy")), lua_version)
+        assert r.run("commit", CK, commit_argv(bump="0", ops=node, wv="5"), lua_version) == 2
         assert wv_of(r) == b"6"
-        expect_error(r, "TDS_CONFLICT", "commit", CK, commit_argv(ops=node, wv="5"), lua_version)
-        assert r.run("commit", CK, commit_argv(bump="0", ops=node, wv="6"), lua_version) == 2
-        assert wv_of(r) == b"7"
         assert r.data[META] == META2, "none of these writes changed the layout"
 
 
@@ -1175,363 +1173,6 @@ class TestWriteRunsLargeOffsets:
 
 
 # =========================================================================== #
-# extend
-# =========================================================================== #
-
-
-def extend_argv(expected: str, n: Any, capacity: Any, *groups: tuple[Any, ...]) -> list[Any]:
-    """ARGV of extend: version, n, capacity, then (row bytes, payload[, chunk bytes]) per entry."""
-    argv: list[Any] = [expected, str(n), str(capacity)]
-    for row_bytes, payload, *chunk in groups:
-        argv += [str(row_bytes), str(chunk[0]) if chunk else "0", payload]
-    return argv
-
-
-def ring_model(data: bytes, cursor: int, capacity: int, row_bytes: int, payload: bytes) -> bytes:
-    """The bytes of an entry after appending the rows of ``payload`` at ``cursor``."""
-    out = bytearray(data)
-    for i in range(len(payload) // row_bytes if row_bytes else 0):
-        row = (cursor + i) % capacity
-        out[row * row_bytes : (row + 1) * row_bytes] = payload[i * row_bytes : (i + 1) * row_bytes]
-    return bytes(out)
-
-
-# capacity 4: "x" has rows of 2 bytes, "y" rows of 3 bytes, "z" rows of 0 bytes (e.g. shape [0])
-CAP = 4
-X0, Y0 = b"abcdefgh", b"ABCDEFGHIJKL"
-
-
-@pytest.fixture
-def ring(r: LuaRedis) -> LuaRedis:
-    make_store(r, entries={"x": X0, "y": Y0, "z": b""})
-    return r
-
-
-def set_cursor(r: LuaRedis, cursor: int) -> None:
-    r.data[RING] = str(cursor).encode()
-
-
-class TestExtend:
-    def test_first_append(self, ring: LuaRedis, lua_version: str) -> None:
-        r = ring
-        before = r.snapshot()
-        result = r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
-        assert result == 0 and type(result) is int
-        expected, ttls = wv_bumped(before)
-        expected[RING] = b"2"
-        expected[D("x")] = b"1122efgh"
-        assert r.snapshot() == (expected, ttls)
-        assert r.commands("SETRANGE") == [(D("x"), b"0", b"1122")]
-        assert r.commands("INCR") == [(WV,)] and r.commands("SET") == [(RING, b"2")]
-        assert r.commands("HINCRBY") == [] and r.commands("HSET") == [], "the meta hash is not written"
-
-    def test_several_entries(self, ring: LuaRedis, lua_version: str) -> None:
-        r = ring
-        set_cursor(r, 1)
-        r.data[WV] = b"10"
-        before = r.snapshot()
-        argv = extend_argv("2", 3, CAP, (2, b"112233"), (3, b"111222333"), (0, b""))
-        assert r.run("extend", [META, WV, RING, D("x"), D("y"), D("z")], argv, lua_version) == 1
-        expected, ttls = wv_bumped(before)
-        expected[RING] = b"4"
-        expected[D("x")] = b"ab112233"
-        expected[D("y")] = b"ABC111222333"
-        assert r.snapshot() == (expected, ttls)
-        assert wv_of(r) == b"11"
-        assert r.commands("SETRANGE") == [(D("x"), b"2", b"112233"), (D("y"), b"3", b"111222333")]
-
-    def test_successive_appends_return_the_old_cursor(self, ring: LuaRedis, lua_version: str) -> None:
-        r = ring
-        x, y = X0, Y0
-        for i, (start, n) in enumerate([(0, 3), (3, 3), (6, 1), (7, 4), (11, 2)]):
-            px = bytes([0x41 + i]) * (2 * n)
-            py = bytes([0x61 + i]) * (3 * n)
-            argv = extend_argv("2", n, CAP, (2, px), (3, py))
-            assert r.run("extend", [META, WV, RING, D("x"), D("y")], argv, lua_version) == start
-            x, y = ring_model(x, start, CAP, 2, px), ring_model(y, start, CAP, 3, py)
-            assert (r.data[D("x")], r.data[D("y")]) == (x, y)
-            assert r.data[RING] == str(start + n).encode()
-            assert wv_of(r) == str(i + 1).encode()
-        assert x == b"EEDDDDEE" and y == b"eeeddddddeee"  # rows 3, 0 of the last append, 1, 2 of the one before
-
-    @pytest.mark.parametrize("cursor", range(0, 9))
-    @pytest.mark.parametrize("n", range(1, CAP + 1))
-    def test_against_a_model(self, ring: LuaRedis, lua_version: str, cursor: int, n: int) -> None:
-        """Every start row and row count of a capacity-4 ring, cursors past the capacity included."""
-        r = ring
-        set_cursor(r, cursor)
-        px = bytes(range(100, 100 + 2 * n))
-        py = bytes(range(200, 200 + 3 * n))
-        before = r.snapshot()
-        assert r.run("extend", [META, WV, RING, D("x"), D("y")], extend_argv("2", n, CAP, (2, px), (3, py)), lua_version) == cursor
-        expected, ttls = wv_bumped(before)
-        expected[RING] = str(cursor + n).encode()
-        expected[D("x")] = ring_model(X0, cursor, CAP, 2, px)
-        expected[D("y")] = ring_model(Y0, cursor, CAP, 3, py)
-        assert r.snapshot() == (expected, ttls)
-        start = cursor % CAP
-        first = min(n, CAP - start)
-        if first == n:  # one SETRANGE per entry when the rows do not wrap
-            assert r.commands("SETRANGE") == [(D("x"), str(2 * start).encode(), px), (D("y"), str(3 * start).encode(), py)]
-        else:  # two when they do: the tail of the buffer, then its head
-            assert r.commands("SETRANGE") == [
-                (D("x"), str(2 * start).encode(), px[: 2 * first]),
-                (D("x"), b"0", px[2 * first :]),
-                (D("y"), str(3 * start).encode(), py[: 3 * first]),
-                (D("y"), b"0", py[3 * first :]),
-            ]
-
-    def test_wrap_around(self, ring: LuaRedis, lua_version: str) -> None:
-        r = ring
-        set_cursor(r, 3)
-        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 3
-        assert r.data[D("x")] == b"2233ef11"
-        assert r.commands("SETRANGE") == [(D("x"), b"6", b"11"), (D("x"), b"0", b"2233")]
-        assert r.data[RING] == b"6"
-
-    def test_append_ending_exactly_at_the_end_does_not_wrap(self, ring: LuaRedis, lua_version: str) -> None:
-        r = ring
-        set_cursor(r, 5)
-        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 3, CAP, (2, b"112233")), lua_version) == 5
-        assert r.data[D("x")] == b"ab112233"
-        assert r.commands("SETRANGE") == [(D("x"), b"2", b"112233")]
-
-    @pytest.mark.parametrize("cursor,data,calls", [
-        (0, b"11223344", [(b"0", b"11223344")]),
-        (8, b"11223344", [(b"0", b"11223344")]),
-        (2, b"33441122", [(b"4", b"1122"), (b"0", b"3344")]),
-        (7, b"22334411", [(b"6", b"11"), (b"0", b"223344")]),
-    ])
-    def test_n_equal_to_capacity(self, ring: LuaRedis, lua_version: str, cursor: int, data: bytes, calls: list[Any]) -> None:
-        r = ring
-        set_cursor(r, cursor)
-        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 4, CAP, (2, b"11223344")), lua_version) == cursor
-        assert r.data[D("x")] == data
-        assert r.commands("SETRANGE") == [(D("x"), off, chunk) for off, chunk in calls]
-        assert r.data[RING] == str(cursor + 4).encode()
-
-    def test_capacity_one(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"x": b"ab"})
-        for i in range(3):
-            assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, 1, (2, b"%d%d" % (i, i))), lua_version) == i
-        assert r.data[D("x")] == b"22"
-        assert r.data[RING] == b"3"
-
-    def test_rows_of_one_byte(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"u": b"wxyz"})
-        set_cursor(r, 2)
-        assert r.run("extend", [META, WV, RING, D("u")], extend_argv("2", 3, CAP, (1, b"123")), lua_version) == 2
-        assert r.data[D("u")] == b"3x12"
-        assert r.commands("SETRANGE") == [(D("u"), b"2", b"12"), (D("u"), b"0", b"3")]
-
-    def test_rows_of_zero_bytes(self, ring: LuaRedis, lua_version: str) -> None:
-        """An entry whose rows hold no bytes exists as an empty string; nothing is written to it."""
-        r = ring
-        set_cursor(r, 3)
-        before = r.snapshot()
-        assert r.run("extend", [META, WV, RING, D("z")], extend_argv("2", 2, CAP, (0, b"")), lua_version) == 3
-        expected, ttls = wv_bumped(before)
-        expected[RING] = b"5"
-        assert r.snapshot() == (expected, ttls)
-        assert r.commands("SETRANGE") == []
-
-    def test_rows_of_zero_bytes_beside_others(self, ring: LuaRedis, lua_version: str) -> None:
-        r = ring
-        set_cursor(r, 3)
-        argv = extend_argv("2", 2, CAP, (0, b""), (2, b"1122"), (0, b""))
-        assert r.run("extend", [META, WV, RING, D("z"), D("x"), D("z")], argv, lua_version) == 3
-        assert r.data[D("x")] == b"22cdef11" and r.data[D("z")] == b""
-        assert r.commands("SETRANGE") == [(D("x"), b"6", b"11"), (D("x"), b"0", b"22")]
-
-    def test_rows_of_zero_bytes_need_the_key(self, ring: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, WV, RING, D("nope")], extend_argv("2", 1, CAP, (0, b"")), lua_version)
-        assert exc.message == "TDS_NOENTRY no data at td:{s}:d:nope"
-
-    def test_no_entries_advances_the_cursor(self, ring: LuaRedis, lua_version: str) -> None:
-        r = ring
-        before = r.snapshot()
-        assert r.run("extend", [META, WV, RING], extend_argv("2", 3, CAP), lua_version) == 0
-        expected, ttls = wv_bumped(before)
-        expected[RING] = b"3"
-        assert r.snapshot() == (expected, ttls)
-
-    def test_data_longer_than_capacity_rows(self, r: LuaRedis, lua_version: str) -> None:
-        """Only a short string is refused; bytes past the last row stay as they are."""
-        make_store(r, entries={"x": b"abcdefgh++"})
-        set_cursor(r, 3)
-        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version) == 3
-        assert r.data[D("x")] == b"22cdef11++"
-
-    def test_binary_payload(self, r: LuaRedis, lua_version: str) -> None:
-        make_store(r, entries={"x": bytes(1024)})
-        payload = bytes(range(256)) * 3
-        set_cursor(r, 2)
-        assert r.run("extend", [META, WV, RING, D("x")], extend_argv("2", 3, 4, (256, payload)), lua_version) == 2
-        assert r.data[D("x")] == bytes(range(256)) + bytes(256) + bytes(range(256)) * 2
-
-    def test_empty_expected_version_skips_the_check(self, ring: LuaRedis, lua_version: str) -> None:
-        assert ring.run("extend", [META, WV, RING, D("x")], extend_argv("", 1, CAP, (2, b"11")), lua_version) == 0
-        assert ring.data[D("x")] == b"11cdefgh"
-
-    def test_a_cursor_field_in_the_meta_hash_is_not_the_cursor(self, ring: LuaRedis, lua_version: str) -> None:
-        """The cursor lives in KEYS[3]; a "cursor" field of the meta hash is left alone."""
-        ring.data[META][b"cursor"] = b"3"
-        assert ring.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version) == 0
-        assert ring.data[RING] == b"1" and ring.data[META][b"cursor"] == b"3"
-        assert ring.data[D("x")] == b"11cdefgh"
-
-    def test_ttl_of_the_entry_is_untouched(self, ring: LuaRedis, lua_version: str) -> None:
-        ring.ttls[D("x")] = 1234
-        ring.run("extend", [META, WV, RING, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
-        assert ring.ttls == {D("x"): 1234}
-
-
-class TestExtendErrors:
-    @pytest.mark.parametrize("n", ["5", "100", "0", "-1", "1.5", "3.25", "x", "", "nan"])
-    def test_bad_row_count(self, ring: LuaRedis, lua_version: str, n: str) -> None:
-        set_cursor(ring, 2)
-        argv = ["2", n, str(CAP), "2", "0", b"11"]
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
-        assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got {n} and 4"
-
-    @pytest.mark.parametrize("capacity", ["4.5", "x", "", "0", "-4", "nan"])
-    def test_bad_capacity(self, ring: LuaRedis, lua_version: str, capacity: str) -> None:
-        argv = ["2", "1", capacity, "2", "0", b"11"]
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
-        assert exc.message == f"TDS_BADARG need 1 <= rows <= capacity, got 1 and {capacity}"
-
-    @pytest.mark.parametrize("payload", [b"", b"1", b"112", b"11223"], ids=["empty", "short", "one_row_more", "long"])
-    def test_payload_size_mismatch(self, ring: LuaRedis, lua_version: str, payload: bytes) -> None:
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, payload)), lua_version)
-        assert exc.message == "TDS_BADARG payload of td:{s}:d:x does not hold 2 rows"
-
-    def test_payload_for_rows_of_zero_bytes(self, ring: LuaRedis, lua_version: str) -> None:
-        expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("z")], extend_argv("2", 1, CAP, (0, b"x")), lua_version)
-
-    @pytest.mark.parametrize("row_bytes", ["-1", "1.5", "x", ""])
-    def test_bad_row_bytes(self, ring: LuaRedis, lua_version: str, row_bytes: str) -> None:
-        argv = ["2", "2", str(CAP), row_bytes, "0", b"11"]
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
-        assert exc.message == "TDS_BADARG payload of td:{s}:d:x does not hold 2 rows"
-
-    @pytest.mark.parametrize(
-        "keys,argv",
-        [
-            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "0"]),  # payload missing
-            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "0", b"11", b"junk"]),  # one extra value
-            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "0", b"11", "2", "0", b"11"]),  # more groups than keys
-            ([META, WV, RING, D("x"), D("y")], ["2", "1", "4", "2", "0", b"11"]),  # fewer groups than keys
-            ([META, WV, RING, D("x")], ["2", "1", "4"]),
-            ([META, WV, RING], ["2", "1", "4", "2", "0", b"11"]),
-            ([META, WV, RING], ["2", "1"]),
-            ([META, WV, RING, D("x")], ["2", "1", "4", "2", "4", b"11"]),  # a chunked group short of keys
-        ],
-        ids=["no_payload", "extra", "more_groups", "fewer_groups", "no_group", "group_without_key", "no_capacity", "chunks_without_keys"],
-    )
-    def test_argv_count_mismatch(self, ring: LuaRedis, lua_version: str, keys: list[bytes], argv: list[Any]) -> None:
-        exc = expect_error(ring, "TDS_BADARG", "extend", keys, argv, lua_version)
-        groups = (len(argv) - 3) / 3
-        if len(argv) >= 3 and groups != int(groups):
-            assert exc.message == f"TDS_BADARG expected groups of (row bytes, chunk bytes, payload), got {len(argv) - 3} values"
-        elif len(argv) >= 3 and len(keys) - 3 > groups:
-            assert exc.message == f"TDS_BADARG KEYS holds {len(keys) - 3 - int(groups)} keys that no group uses"
-        elif len(argv) >= 3 and argv[4] == "4":
-            assert exc.message == "TDS_BADARG group 1 needs 2 keys, fewer are left in KEYS"
-        elif len(argv) >= 3:
-            assert exc.message == f"TDS_BADARG group {len(keys) - 2} has no key left in KEYS"
-
-    def test_missing_data_key(self, ring: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(ring, "TDS_NOENTRY", "extend", [META, WV, RING, D("nope")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
-        assert exc.message == "TDS_NOENTRY no data at td:{s}:d:nope"
-
-    @pytest.mark.parametrize("data", [b"", b"abcdefg", b"ab"], ids=["empty", "one_byte_short", "one_row"])
-    def test_data_shorter_than_capacity_rows(self, r: LuaRedis, lua_version: str, data: bytes) -> None:
-        make_store(r, entries={"x": data})
-        exc = expect_error(r, "TDS_RANGE", "extend", [META, WV, RING, D("x")], extend_argv("2", 1, CAP, (2, b"11")), lua_version)
-        assert exc.message == f"TDS_RANGE td:{{s}}:d:x holds {len(data)} bytes, less than 4 rows"
-
-    def test_short_data_even_when_the_rows_written_fit(self, ring: LuaRedis, lua_version: str) -> None:
-        """The check is of the whole ring, not of the rows this append touches."""
-        expect_error(ring, "TDS_RANGE", "extend", [META, WV, RING, D("x")], extend_argv("2", 1, 5, (2, b"11")), lua_version)
-
-    def test_stale_version(self, ring: LuaRedis, lua_version: str) -> None:
-        exc = expect_error(ring, "TDS_STALE", "extend", [META, WV, RING, D("x")], extend_argv("1", 1, CAP, (2, b"11")), lua_version)
-        assert exc.message == "TDS_STALE layout version is 2, client assumed 1"
-
-    @pytest.mark.parametrize("expected", ["2", ""])
-    def test_missing_store(self, r: LuaRedis, lua_version: str, expected: str) -> None:
-        r.data[D("x")] = X0
-        exc = expect_error(r, "TDS_NOSTORE", "extend", [META, WV, RING, D("x")], extend_argv(expected, 1, CAP, (2, b"11")), lua_version)
-        assert exc.message == "TDS_NOSTORE no store at td:{s}:meta"
-
-    def test_store_errors_come_before_argument_errors(self, r: LuaRedis, lua_version: str) -> None:
-        expect_error(r, "TDS_NOSTORE", "extend", [META, WV, RING, D("x")], ["2", "0", "4"], lua_version)
-        make_store(r, lv=3)
-        expect_error(r, "TDS_STALE", "extend", [META, WV, RING, D("x")], ["2", "9", "4", "junk"], lua_version)
-
-    @pytest.mark.parametrize("cursor", [b"x", b"-1", b"1.5", b""], ids=["text", "negative", "fraction", "empty"])
-    def test_corrupt_cursor(self, ring: LuaRedis, lua_version: str, cursor: bytes) -> None:
-        ring.data[RING] = cursor
-        ring.data[WV] = b"3"
-        argv = extend_argv("2", 1, CAP, (2, b"11"))
-        exc = expect_error(ring, "TDS_BADARG", "extend", [META, WV, RING, D("x")], argv, lua_version)
-        assert exc.message == "TDS_BADARG the cursor of td:{s}:meta is not a row count"
-
-    @pytest.mark.parametrize("nkeys", [1, 2, 3])
-    def test_old_key_layout_is_refused(self, ring: LuaRedis, lua_version: str, nkeys: int) -> None:
-        """Data keys from KEYS[2] on (no wv and ring keys) never match the ARGV groups."""
-        keys = [META, D("x"), D("y"), D("z")][: nkeys + 1]
-        groups = [(2, b"11"), (3, b"111"), (0, b"")][:nkeys]
-        expect_error(ring, "TDS_BADARG", "extend", keys, extend_argv("2", 1, CAP, *groups), lua_version)
-
-    @pytest.mark.parametrize(
-        "second,code",
-        [
-            ((D("y"), "3", b"11122"), "TDS_BADARG"),  # payload one byte short
-            ((D("y"), "-3", b""), "TDS_BADARG"),
-            ((D("nope"), "3", b"111222"), "TDS_NOENTRY"),
-            ((D("x"), "3", b"111222"), "TDS_RANGE"),  # x holds 8 bytes, 4 rows of 3 need 12
-        ],
-        ids=["payload", "row_bytes", "noentry", "range"],
-    )
-    @pytest.mark.parametrize("cursor", [0, 3], ids=["no_wrap", "wrap"])
-    def test_error_in_the_second_group_writes_nothing(
-        self, ring: LuaRedis, lua_version: str, second: tuple[bytes, str, bytes], code: str, cursor: int
-    ) -> None:
-        r = ring
-        set_cursor(r, cursor)
-        r.data[WV] = b"5"
-        key, row_bytes, payload = second
-        keys = [META, WV, RING, D("x"), key, D("y")]
-        argv = ["2", "2", str(CAP), "2", "0", b"1122", row_bytes, "0", payload, "3", "0", b"111222"]
-        expect_error(r, code, "extend", keys, argv, lua_version)
-        assert r.commands("SETRANGE") == [] and r.commands("SET") == [] and r.commands("INCR") == []
-
-
-class TestExtendLargeOffsets:
-    """Offsets and cursors past 2**31 reach the server as plain decimal integers."""
-
-    def test_wrap_at_a_large_offset(self, lua_version: str) -> None:
-        capacity, row_bytes = 5_000_000, 1000
-        r = LuaRedis(proto_max_bulk_len=1 << 40, virtual_strlen={D("big"): capacity * row_bytes})
-        make_store(r)
-        set_cursor(r, 3 * capacity - 1)  # the last row, on the third lap
-        argv = extend_argv("2", 2, capacity, (row_bytes, b"a" * row_bytes + b"b" * row_bytes))
-        assert r.run("extend", [META, WV, RING, D("big")], argv, lua_version) == 3 * capacity - 1
-        assert r.commands("SETRANGE") == [(D("big"), b"4999999000", b"a" * row_bytes), (D("big"), b"0", b"b" * row_bytes)]
-        assert r.data[D("big")] == VirtualString(5_000_000_000, [(4_999_999_000, b"a" * row_bytes), (0, b"b" * row_bytes)])
-        assert r.data[RING] == b"15000001"
-
-    @pytest.mark.parametrize("cursor", [2**31 - 1, 2**32 + 5, 2**40 + 3])
-    def test_large_cursor(self, ring: LuaRedis, lua_version: str, cursor: int) -> None:
-        set_cursor(ring, cursor)
-        result = ring.run("extend", [META, WV, RING, D("x")], extend_argv("2", 2, CAP, (2, b"1122")), lua_version)
-        assert result == cursor and type(result) is int
-        assert ring.data[RING] == str(cursor + 2).encode()
-        assert ring.data[D("x")] == ring_model(X0, cursor, CAP, 2, b"1122")
-
-
-# =========================================================================== #
 # clear
 # =========================================================================== #
 
@@ -1635,7 +1276,8 @@ class TestClear:
         argv = commit_argv("new", ops=[put("a", 4, 5)], first="1024")
         assert r.run("commit", [*CK, tmp, D("a")], argv, lua_version) == 1025
         assert r.data[WV] == b"1" and RING not in r.data
-        assert r.run("extend", [META, WV, RING, D("a")], extend_argv("1025", 1, 2, (2, b"zz")), lua_version) == 0
+        keys = [META, RING, b"td:{s}:rf", b"td:{s}:rif", b"td:{s}:fence"]
+        assert r.run("reserve", keys, ["1025", "1", "2", "id", "new"], lua_version) == [0, b""]
 
 
 # =========================================================================== #
@@ -1732,13 +1374,6 @@ ERROR_TESTS = {
         "TDS_RANGE": TestWriteRuns.test_run_past_the_end,
         "TDS_BADARG": TestWriteRuns.test_payload_size_mismatch,
     },
-    "extend": {
-        "TDS_NOSTORE": TestExtendErrors.test_missing_store,
-        "TDS_STALE": TestExtendErrors.test_stale_version,
-        "TDS_NOENTRY": TestExtendErrors.test_missing_data_key,
-        "TDS_RANGE": TestExtendErrors.test_data_shorter_than_capacity_rows,
-        "TDS_BADARG": TestExtendErrors.test_payload_size_mismatch,
-    },
     "clear": {
         "TDS_NOSTORE": TestClear.test_missing_store,
         "TDS_STALE": TestClear.test_registry_size_mismatch,
@@ -1749,8 +1384,9 @@ ERROR_TESTS = {
 
 def test_every_script_and_declared_error_code_has_a_test() -> None:
     from .test_expire import EXPIRE_ERROR_TESTS  # here: test_expire imports this module
+    from .test_reserve import RESERVE_ERROR_TESTS  # (and so does test_reserve)
 
-    error_tests = {**ERROR_TESTS, "expire": EXPIRE_ERROR_TESTS}
+    error_tests = {**ERROR_TESTS, "expire": EXPIRE_ERROR_TESTS, "reserve": RESERVE_ERROR_TESTS}
     from .test_lease import COMMIT_BUSY_TESTS, LEASE_ERROR_TESTS
 
     error_tests.update(lease=LEASE_ERROR_TESTS, commit={**ERROR_TESTS["commit"], **COMMIT_BUSY_TESTS})

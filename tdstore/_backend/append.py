@@ -1,0 +1,327 @@
+"""Appends in two steps, with no row byte passing through Lua (issue 16).
+
+1. **Reserve** (``lua/reserve.lua``, a tiny script): checks the layout version (and the data
+   keys when it re-plans), advances the ring cursor by ``n``, records the reservation in the in-flight hash and
+   clears the rows' "written" flags (``keys.flags``, one byte per row).
+2. **Write**: a MULTI of the rows' SETRANGEs (each chunk's, for a chunked entry), the
+   SETRANGE that sets the rows' flags, the HDEL of the reservation, the write version's INCR
+   and the HINCRBY of the append counter of the sub-store appended to (``keys.appends``,
+   not the meta hash: the number of appends is the sum of its fields), then EXEC.
+
+The connection WATCHes the meta hash and the fence counter from before the reserve until
+EXEC. The meta hash changes with every layout change and never with an append, so
+appenders do not abort each other, and a layout change between the two steps (an entry
+added or deleted, the store re-created) aborts the write instead of redirecting its
+SETRANGEs. The fence is bumped by a reserve that takes over a reservation still in flight
+(the ring came round to the rows of a slow or dead appender): the slow appender's EXEC is
+aborted, and it never writes rows that are now another appender's.
+
+After an aborted EXEC the client re-plans under the current layout and checks its
+reservation again (``"keep"``): still its own, it writes the same rows; taken over (or made
+for another capacity), it reserves new ones. An appender that dies between the two steps
+leaves its rows unflagged: :meth:`~tdstore.TensorDictStore.sample` never draws them, and the
+ring reuses them when it comes round.
+
+Two drivers send the same commands:
+
+* :func:`append_direct`, on the store's blocking direct client (see
+  ``Connection.direct_client``), from the calling thread: two packets, the payload sent from
+  the tensors' memory (as ``armed_write.write_runs_direct``);
+* :func:`append_watched`, on the IO loop (fakeredis, TLS, custom connection classes,
+  cluster): a redis-py pipeline in WATCH mode.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.exceptions
+
+from tdstore._backend.armed_write import _discard_sync, _exchange_sync
+from tdstore._backend.ops import read_snapshot
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._core.chunks import setrange_commands
+from tdstore._core.keys import StoreKeys, encode_path
+from tdstore.errors import DataLostError, OutcomeUnknownError, StaleLayoutError, translate_response_error
+
+__all__ = [
+    "Reservation", "AppendPlan", "append_direct", "append_watched", "ABORTED",
+    "ring_counts", "ring_flags", "flag_bytes", "append_counters",
+]
+
+#: What a driver returns when EXEC was aborted (the layout changed, or the fence moved).
+ABORTED = -1
+
+
+@dataclass
+class Reservation:
+    """The rows one ``extend()`` call holds across its tries: its id, and whether it reserved yet."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    n: int = 0
+    capacity: int = 0
+    held: bool = False
+
+
+class AppendPlan:
+    """The commands of one append try and the meaning of their replies (no I/O).
+
+    ``groups``: ``(path, row bytes, payload)`` per tensor entry, ``payload`` the ``n`` rows'
+    bytes back to back; ``sub``: the path of the sub-store appended to (its append counter).
+    """
+
+    def __init__(
+        self, keys: StoreKeys, groups: Sequence[tuple[tuple[str, ...], int, Any]], *, lv: int, n: int,
+        capacity: int, sub: tuple[str, ...], reservation: Reservation,
+    ) -> None:
+        self.keys, self.groups, self.lv, self.n, self.capacity = keys, groups, lv, n, capacity
+        self.sub, self.res = sub, reservation
+        if reservation.held and (reservation.n, reservation.capacity) != (n, capacity):
+            reservation.held = False  # another capacity: the old rows cannot be written
+            reservation.id = uuid.uuid4().hex
+        reservation.n, reservation.capacity = n, capacity
+
+    # -- step 1 ------------------------------------------------------------------------
+    def watch_command(self) -> tuple[Any, ...]:
+        return ("WATCH", self.keys.meta, self.keys.fence)
+
+    def reserve_keys_args(self, mode: str) -> tuple[list[str], list[str]]:
+        keys = self.keys
+        kl = [keys.meta, keys.ring, keys.flags, keys.inflight, keys.fence]
+        args = [str(self.lv), str(self.n), str(self.capacity), self.res.id, mode]
+        if mode == "new":
+            return kl, args  # the data keys are checked by the write's replies (see check())
+        for path, row_bytes, _payload in self.groups:
+            chunking = keys.chunks.get(path)
+            kl.extend(keys.entry_keys(path, chunking))
+            args += [str(row_bytes), str(chunking.size) if chunking is not None else "0"]
+        return kl, args
+
+    def mode(self) -> str:
+        return "keep" if self.res.held else "new"
+
+    def reserved(self, reply: Any) -> tuple[int, str] | None:
+        """(start, expiry) from the reserve script's reply; None when the reservation was taken over."""
+        start, exp = int(reply[0]), reply[1]
+        exp = exp.decode() if isinstance(exp, bytes) else str(exp or "")
+        if start < 0:
+            self.res.held = False
+            self.res.id = uuid.uuid4().hex
+            return None
+        self.res.held = True
+        return start, exp
+
+    # -- step 2 ------------------------------------------------------------------------
+    def _runs(self, start: int) -> tuple[int, int, list[tuple[tuple[str, ...], list[tuple[int, int]], Any]]]:
+        """(first row, rows before the wrap, ``(path, byte runs, payload)`` per entry) of rows from cursor ``start``."""
+        n, capacity = self.n, self.capacity
+        row0 = start % capacity
+        first = min(n, capacity - row0)
+        groups = []
+        for path, row_bytes, payload in self.groups:
+            runs = [(row0 * row_bytes, first * row_bytes)]
+            if first < n:
+                runs.append((0, (n - first) * row_bytes))
+            groups.append((path, runs, payload))
+        return row0, first, groups
+
+    def write_commands(self, start: int, exp: str) -> list[tuple[Any, ...]]:
+        """The commands between MULTI and EXEC."""
+        keys, n = self.keys, self.n
+        row0, first, groups = self._runs(start)
+        out: list[tuple[Any, ...]] = [
+            ("SETRANGE", key, offset, data) for key, offset, data in setrange_commands(keys, groups)
+        ]
+        self._setranges = len(out)
+        out.append(("SETRANGE", keys.flags, row0, b"\x01" * first))
+        if first < n:
+            out.append(("SETRANGE", keys.flags, 0, b"\x01" * (n - first)))
+        out.append(("HDEL", keys.inflight, self.res.id))
+        out.append(("INCR", keys.wv))
+        out.append(("HINCRBY", keys.appends, "a:" + encode_path(self.sub), 1))
+        if exp:
+            # both may be created here: they expire with the store (the meta hash is WATCHed)
+            out.append(("PEXPIREAT", keys.wv, int(exp)))
+            out.append(("PEXPIREAT", keys.appends, int(exp)))
+        return out
+
+    def check(self, start: int, result: list[Any]) -> None:
+        """Raises what the EXEC's replies report: a refused command, or a data key that was
+        missing (evicted between the steps: the SETRANGE created it short)."""
+        for reply in result:
+            if isinstance(reply, redis.exceptions.ResponseError):
+                exc = translate_response_error(reply)
+                raise exc from (reply if exc is not reply else None)
+        lengths = [int(r) for r in result[: self._setranges]]
+        if lengths != self._full_lengths(start):
+            raise DataLostError(
+                f"an entry appended to at {self.keys.base} is registered but its bytes were gone from the server"
+            )
+
+    def _full_lengths(self, start: int) -> list[int]:
+        """The full length of the key of each SETRANGE of :meth:`write_commands`, in order."""
+        keys, capacity = self.keys, self.capacity
+        row_bytes = {path: rb for path, rb, _ in self.groups}
+        out = []
+        for path, runs, payload in self._runs(start)[2]:
+            chunking = keys.chunks.get(path)
+            total = capacity * row_bytes[path]
+            index = {} if chunking is None else {key: k for k, key in enumerate(keys.entry_keys(path, chunking))}
+            for key, _offset, _data in setrange_commands(keys, [(path, runs, payload)]):
+                if chunking is None:
+                    out.append(total)
+                else:
+                    out.append(min(chunking.size, total - index[key] * chunking.size))
+        return out
+
+
+# --------------------------------------------------------------------------- #
+# the direct driver
+# --------------------------------------------------------------------------- #
+
+
+def _raise_reply(reply: Any) -> None:
+    if isinstance(reply, redis.exceptions.ResponseError):
+        exc = translate_response_error(reply)
+        raise exc from (reply if exc is not reply else None)
+    if isinstance(reply, Exception):
+        raise reply
+
+
+def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan) -> int:
+    """One append try on a blocking client, from the calling thread: two packets.
+
+    Returns:
+        The cursor value the rows start at, or :data:`ABORTED` when EXEC did nothing (the
+        layout changed or the fence moved: re-plan and try again).
+
+    Raises:
+        the reserve script's errors; :class:`OutcomeUnknownError` when the connection broke
+        after the write was sent (it may or may not have been applied); redis-py's errors
+        before that (nothing was written; a reservation may have been made, whose rows
+        stay unflagged).
+    """
+    connection = client.connection_pool.get_connection()
+    sha = runner.sha("reserve")
+    sent = False
+    try:
+        while True:
+            keys, args = plan.reserve_keys_args(plan.mode())
+            watch, reply = _exchange_sync(connection, [plan.watch_command(), ("EVALSHA", sha, len(keys), *keys, *args)])
+            _raise_reply(watch)
+            _raise_reply(reply)
+            got = plan.reserved(reply)
+            if got is not None:
+                break
+        start, exp = got
+        commands = [("MULTI",), *plan.write_commands(start, exp), ("EXEC",)]
+        sent = True
+        replies = _exchange_sync(connection, commands)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
+        _discard_sync(client, connection)
+        if sent:
+            raise OutcomeUnknownError(
+                f"the connection to the server broke during an append to {plan.keys.base}: it may or may "
+                "not have been applied (a re-sent append would take new rows)"
+            ) from err
+        raise
+    except BaseException:
+        _discard_sync(client, connection)  # forgets the WATCH
+        raise
+    client.connection_pool.release(connection)  # EXEC ended the WATCH
+    result = replies[-1]
+    if isinstance(result, redis.exceptions.ResponseError):
+        # EXECABORT: a command was refused when queued (e.g. over maxmemory); nothing ran
+        first = next((r for r in replies[1:-1] if isinstance(r, Exception)), None)
+        _raise_reply(first if first is not None else result)
+    if result is None:
+        return ABORTED
+    plan.check(start, result)
+    return start
+
+
+# --------------------------------------------------------------------------- #
+# the IO-loop driver
+# --------------------------------------------------------------------------- #
+
+
+async def append_watched(client: Any, runner: ScriptRunner, plan: AppendPlan) -> int:
+    """:func:`append_direct` on an asyncio client: a pipeline in WATCH mode (three round trips)."""
+    async with client.pipeline(transaction=True) as pipe:
+        await pipe.watch(plan.keys.meta, plan.keys.fence)
+        while True:
+            keys, args = plan.reserve_keys_args(plan.mode())
+            got = plan.reserved(await runner.call(pipe, "reserve", keys, args))
+            if got is not None:
+                break
+        start, exp = got
+        pipe.multi()
+        for command in plan.write_commands(start, exp):
+            pipe.execute_command(*command)
+        try:
+            result = await pipe.execute(raise_on_error=False)
+        except redis.exceptions.WatchError:
+            return ABORTED
+    plan.check(start, result)
+    return start
+
+
+def stale() -> StaleLayoutError:
+    return StaleLayoutError("the layout changed, or the ring came round to this append's rows, between its two steps")
+
+
+# --------------------------------------------------------------------------- #
+# reads of the ring's counters and flags (ring_state, sample, the compare-and-set)
+# --------------------------------------------------------------------------- #
+
+
+async def ring_counts(client: Any, keys: StoreKeys) -> tuple[Any, Any, int, int]:
+    """The cursor, the layout version, the flagged rows (BITCOUNT) and whether the flags exist, in one snapshot."""
+
+    def build(pipe: Any) -> None:
+        pipe.get(keys.ring)
+        pipe.hget(keys.meta, "lv")
+        pipe.bitcount(keys.flags)
+        pipe.exists(keys.flags)
+
+    cursor, lv, flagged, exists = await read_snapshot(client, keys, build)
+    return cursor, lv, int(flagged or 0), int(exists or 0)
+
+
+async def ring_flags(client: Any, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any]:
+    """The cursor, the layout version, whether the flags exist, and the flags of the ring's
+    ``capacity`` rows (``whole``) or their count (BITCOUNT), in one snapshot."""
+
+    def build(pipe: Any) -> None:
+        pipe.get(keys.ring)
+        pipe.hget(keys.meta, "lv")
+        pipe.exists(keys.flags)
+        if whole:
+            pipe.getrange(keys.flags, 0, max(capacity - 1, 0))
+        else:
+            pipe.bitcount(keys.flags)
+
+    cursor, lv, exists, flags = await read_snapshot(client, keys, build)
+    return cursor, lv, int(exists or 0), flags
+
+
+async def flag_bytes(client: Any, keys: StoreKeys, rows: Sequence[int]) -> list[int]:
+    """The flag byte of each of ``rows`` (one BITFIELD)."""
+    args: list[Any] = []
+    for r in rows:
+        args += ["GET", "u8", f"#{r}"]
+    return list(await client.execute_command("BITFIELD", keys.flags, *args))
+
+
+async def append_counters(client: Any, keys: StoreKeys) -> tuple[dict[Any, Any], Any]:
+    """The append counters and the write version, in one snapshot (for a compare-and-set)."""
+
+    def build(pipe: Any) -> None:
+        pipe.hgetall(keys.appends)
+        pipe.get(keys.wv)
+
+    counters, wv = await read_snapshot(client, keys, build)
+    return counters, wv

@@ -1,0 +1,97 @@
+"""Workers of tests/test_append_steps.py (importable by spawned processes).
+
+Every appended row carries its writer: ``tag = (proc, seq, i)`` and ``obs`` filled with
+``proc * 1000 + seq``, with ``proc >= 1`` so that a row never written (all zeros) is told
+apart. Every loop is bounded in count and in time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tdstore import TensorDictStore
+
+
+def batch(proc: int, seq: int, rows: int) -> TensorDict:
+    tag = torch.tensor([[proc, seq, i] for i in range(rows)], dtype=torch.int64)
+    return TensorDict(tag=tag, obs=torch.full((rows, 8), float(proc * 1000 + seq)), batch_size=[rows])
+
+
+def bad_rows(td: TensorDict) -> tuple[int, int]:
+    """(torn rows, rows never written) among rows read: a torn row mixes two appends."""
+    tag, obs = td["tag"], td["obs"]
+    unwritten = (tag == 0).all(dim=-1) & (obs == 0).all(dim=-1)
+    torn = (obs != obs[..., :1]).any(dim=-1) | (obs[..., 0] != (tag[..., 0] * 1000 + tag[..., 1]).to(obs.dtype))
+    return int((torn & ~unwritten).sum()), int(unwritten.sum())
+
+
+def appender(conn: dict[str, Any], td_id: str, sub: tuple[str, ...], proc: int, count: int, rows: int,
+             duration: float) -> list[int]:
+    """Appends ``count`` batches of ``rows`` rows into ``store[sub]``; returns the rows it got."""
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    target = store[sub] if sub else store
+    end = time.time() + duration
+    out: list[int] = []
+    for seq in range(count):
+        if time.time() > end:
+            break
+        out.extend(target.extend(batch(proc, seq, rows)).tolist())
+    store.close()
+    return out
+
+
+def sampler(conn: dict[str, Any], td_id: str, n: int, rounds: int, duration: float, dead: int) -> tuple[int, int, int, int]:
+    """Samples until ``rounds`` or ``duration``: (rows sampled, torn, never written, rows of the killed appender ``dead``)."""
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    end = time.time() + duration
+    sampled = torn = unwritten = of_dead = 0
+    for _ in range(rounds):
+        if time.time() > end:
+            break
+        try:
+            td = store.sample(n)
+        except ValueError:  # nothing appended yet
+            time.sleep(0.001)
+            continue
+        t, u = bad_rows(td)
+        torn, unwritten = torn + t, unwritten + u
+        of_dead += int((td["tag"][:, 0] == dead).sum())
+        sampled += n
+    store.close()
+    return sampled, torn, unwritten, of_dead
+
+
+def stuck_appender(conn: dict[str, Any], td_id: str, proc: int, reserved: Any) -> None:
+    """Appends once, but stops for good between the reserve and the write (the test kills it there)."""
+    from tdstore._backend import append as _append
+
+    def hang(self: Any, start: int, exp: str) -> Any:
+        reserved.set()
+        time.sleep(120)
+        raise RuntimeError("not killed")
+
+    _append.AppendPlan.write_commands = hang  # type: ignore[method-assign]
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    store.extend(batch(proc, 0, 3))
+
+
+def layout_changer(conn: dict[str, Any], td_id: str, rounds: int, duration: float) -> int:
+    """Adds and deletes entries beside the appended ones (each a layout change); returns how many."""
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    cap = store.batch_size[0]
+    end = time.time() + duration
+    changes = 0
+    for i in range(rounds):
+        if time.time() > end:
+            break
+        store["side", f"k{i}"] = torch.zeros(cap, 8)
+        changes += 1
+        if i > 0:
+            del store["side", f"k{i - 1}"]
+            changes += 1
+    store.close()
+    return changes

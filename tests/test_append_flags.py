@@ -1,0 +1,141 @@
+"""The written-row flags of the two-step append, in one process (tdstore/_backend/append.py).
+
+A reservation made with the reserve script alone (an appender that died between its two
+steps) leaves rows that ``sample()`` and ``ring_state()`` never count; a write whose EXEC a
+layout change aborted is re-planned onto the same rows; a reservation the ring came round
+to is taken over.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdstore import TensorDictStore
+from tdstore._backend import append as _append
+from tdstore.store import ring as _ring
+
+CAP = 8
+
+
+def batch(value: float, n: int) -> TensorDict:
+    return TensorDict(x=torch.full((n, 2), value), y=torch.full((n,), value), batch_size=[n])
+
+
+@pytest.fixture
+def store(server):
+    s = TensorDictStore.from_schema({"x": ([2], torch.float32), "y": ([], torch.float32)}, batch_size=[CAP],
+                                    **server.connection_kwargs())
+    yield s
+    s.clear_redis()
+    s.close()
+
+
+def dead_reservation(store, n: int) -> int:
+    """Reserves ``n`` rows as an appender that dies before writing them; returns the cursor it got."""
+    conn = store._conn
+    layout = store._layout()
+    plan = _append.AppendPlan(conn.keys, [], lv=layout.lv, n=n, capacity=CAP, sub=(), reservation=_append.Reservation())
+    keys, args = plan.reserve_keys_args("new")
+    return int(conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))[0])
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["flags-read-whole", "flags-per-row"])
+def test_sample_skips_rows_reserved_and_not_written(store, monkeypatch, large):
+    if large:
+        monkeypatch.setattr(_ring, "_FLAGS_READ_MAX", 2)  # the BITFIELD path of large rings
+    store.extend(batch(1.0, 2))  # rows 0-1
+    assert dead_reservation(store, 3) == 2  # rows 2-4: reserved, never written
+    store.extend(batch(2.0, 2))  # rows 5-6
+    state = store.ring_state()
+    assert (state.valid, state.total, state.cursor) == (4, 7, 7)
+    drawn = store.sample(400)
+    assert set(drawn["y"].tolist()) == {1.0, 2.0}, "a sampled row was reserved but never written"
+    rows = store._draw_written(400, torch.Generator().manual_seed(0))
+    assert set(rows.tolist()) == {0, 1, 5, 6}
+
+
+def test_the_ring_comes_round_and_takes_the_dead_rows_over(store, server):
+    store.extend(batch(1.0, 2))
+    dead_reservation(store, 3)  # rows 2-4
+    for i in range(4):
+        store.extend(batch(float(i + 2), 2))  # rows 5-6, 7-0, 1-2, 3-4: over the dead rows
+    assert store.ring_state().valid == CAP
+    client = server.sync_client()
+    try:
+        base = store._conn.keys
+        assert client.exists(base.inflight) == 0, "the dead reservation was dropped"
+        assert client.get(base.fence) == b"1", "one takeover"
+    finally:
+        client.close()
+    assert 0.0 not in store.sample(200)["y"].tolist()
+
+
+def test_sample_of_an_empty_ring_and_of_only_dead_rows(store):
+    with pytest.raises(ValueError, match="no row was appended yet"):
+        store.sample(1)
+    dead_reservation(store, 2)
+    with pytest.raises(ValueError, match="no row was appended yet"):
+        store.sample(1)
+    assert store.ring_state().valid == 0
+
+
+def test_a_layout_change_between_the_steps_rewrites_the_same_rows(server, monkeypatch):
+    """The first EXEC is aborted by a layout change after the reserve (the layout version
+    bumped, as every commit that changes the layout does): the append is re-planned and
+    lands in the rows it reserved, written whole."""
+    store = TensorDictStore.from_schema({("buf", "x"): ([2], torch.float32), ("buf", "y"): ([], torch.float32)},
+                                        batch_size=[CAP], **server.connection_kwargs())
+    store["z"] = torch.zeros(CAP)
+    real = _append.AppendPlan.write_commands
+    calls = []
+    client = server.sync_client()
+
+    def change_layout_first(self, start, exp):
+        if not calls:  # (a raw client: this may run on tdstore's IO loop, which a store call would need)
+            client.hincrby(store._conn.keys.meta, "lv", 1)
+        calls.append(start)
+        return real(self, start, exp)
+
+    monkeypatch.setattr(_append.AppendPlan, "write_commands", change_layout_first)
+    assert store["buf"].extend(batch(1.0, 3)).tolist() == [0, 1, 2]
+    monkeypatch.setattr(_append.AppendPlan, "write_commands", real)
+    assert calls == [0, 0]  # the same rows, planned twice
+    state = store.ring_state()
+    assert (state.valid, state.total) == (3, 3)
+    assert store["buf", "y"][:4].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert store["z"].tolist() == [0.0] * CAP
+    client.close()
+    store.clear_redis()
+    store.close()
+
+
+def test_a_cursor_set_by_the_client_counts_its_rows_as_written(store):
+    """torchrl's load_state_dict sets the cursor (set_ring_total): those rows are valid,
+    and stay so after the next append."""
+    from tdstore._backend import ops as _backend
+
+    conn = store._conn
+    store[0:5] = batch(3.0, 5)
+    conn.run(lambda c: _backend.set_ring_total(c, conn.keys, 5))
+    assert store.ring_state().valid == 5
+    store.extend(batch(4.0, 1))  # row 5
+    assert store.ring_state().valid == 6
+    assert set(store.sample(300)["y"].tolist()) == {3.0, 4.0}
+    conn.run(lambda c: _backend.set_ring_total(c, conn.keys, 0))
+    assert store.ring_state().valid == 0
+
+
+def test_a_data_key_gone_from_the_server_is_reported(store, server):
+    """An evicted (here: deleted) data key: the write's SETRANGE replies are short, extend() says so."""
+    from tdstore.errors import DataLostError
+
+    store.extend(batch(1.0, 2))
+    client = server.sync_client()
+    try:
+        client.delete(store._conn.keys.data(("x",)))
+    finally:
+        client.close()
+    with pytest.raises(DataLostError, match="bytes were gone from the server"):
+        store.extend(batch(2.0, 2))
