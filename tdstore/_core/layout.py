@@ -326,6 +326,13 @@ def _s(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
+#: Registry entries already parsed, by their raw field and value: every read of a layout parses
+#: the whole registry, which rarely changes (3-4 us an entry to validate). Entries are
+#: immutable, so every layout may share them; only valid ones are kept.
+_PARSED: dict[tuple[Any, Any], tuple[tuple[str, ...], Entry]] = {}
+_PARSED_MAX = 8192
+
+
 def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout | None:
     """Builds a :class:`Layout` from the raw HGETALL replies of meta and registry.
 
@@ -347,10 +354,21 @@ def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout
     entries: dict[tuple[str, ...], Any] = {}
     for k, v in reg_raw.items():
         try:
+            hit = _PARSED.get((k, v))
+        except TypeError:  # not a RESP string: parse_entry says what it is
+            hit = None
+        if hit is not None:
+            entries[hit[0]] = hit[1]
+            continue
+        try:
             path = decode_path(k)
         except (UnicodeDecodeError, ValueError):
             raise CorruptMetadataError(f"the registry of the store {base} has a malformed field name {k!r:.200}") from None
-        entries[path] = parse_entry(path, v, base)
+        entry = entries[path] = parse_entry(path, v, base)
+        if isinstance(k, (bytes, str)) and isinstance(v, (bytes, str)):
+            if len(_PARSED) >= _PARSED_MAX:
+                _PARSED.clear()
+            _PARSED[(k, v)] = (path, entry)
     lv = meta.get("lv") or "0"
     if not lv.isdigit():
         raise CorruptMetadataError(f"the store {base} has a malformed layout version (meta field 'lv') {lv!r:.200}")
