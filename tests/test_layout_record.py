@@ -188,3 +188,25 @@ def test_registry_values_that_are_no_entry(raw: bytes) -> None:
     with pytest.raises(CorruptMetadataError) as err:
         parse_layout({b"lv": b"1"}, {b"x": raw}, "tensordict:{damaged}")
     assert "('x',)" in str(err.value) and "tensordict:{damaged}" in str(err.value)
+
+
+def test_parsed_entries_are_kept_by_raw_value_and_never_hide_damage() -> None:
+    """parse_layout keeps valid entries by their raw field and value: the same bytes give the
+    same record without parsing again, and other bytes for the same field are parsed (and
+    refused when damaged), never answered from what was kept."""
+    from tdstore._core import layout as _layout
+
+    meta = {b"lv": b"3", b"batch_size": b"[4]"}
+    good = json.dumps({"k": "t", "dtype": "float32", "shape": [4, 2]}).encode()
+    first = parse_layout(meta, {b"x": good}, "the store s")
+    again = parse_layout(meta, {b"x": good}, "the store s")
+    assert first is not None and again is not None
+    assert again.entries[("x",)] is first.entries[("x",)]  # kept, not parsed again
+    assert (b"x", good) in _layout._PARSED
+    bad = json.dumps({"k": "t", "dtype": "float32", "shape": [4, -2]}).encode()
+    with pytest.raises(CorruptMetadataError, match="shape"):
+        parse_layout(meta, {b"x": bad}, "the store s")
+    assert (b"x", bad) not in _layout._PARSED
+    other = json.dumps({"k": "t", "dtype": "int64", "shape": [4]}).encode()
+    got = parse_layout(meta, {b"x": other}, "the store s")
+    assert got is not None and got.entries[("x",)].dtype == "int64"
