@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import redis.exceptions
+
 from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
@@ -141,11 +143,9 @@ def read_runs_direct(
         if small:
             lv, data, strlen = client.evalsha(runner.sha("read_one"), 2, keys.meta, data_key, str(offset), str(last))
         else:
-            with client.pipeline(transaction=False) as pipe:
-                pipe.getrange(data_key, offset, last)
-                pipe.strlen(data_key)
-                pipe.hget(keys.meta, "lv")
-                data, strlen, lv = pipe.execute(raise_on_error=False)
+            data, strlen, lv = _exchange(
+                client, [("GETRANGE", data_key, offset, last), ("STRLEN", data_key), ("HGET", keys.meta, "lv")]
+            )
             _raise_first_error([data, strlen, lv])
         lv = None if lv is None else int(lv)
         _check_sizes(lv, checks, [strlen] * len(checks))
@@ -158,6 +158,29 @@ def read_runs_direct(
         replies = pipe.execute(raise_on_error=False)
     _raise_first_error(replies)
     return _split_checked(replies, recipe, checks)
+
+
+def _exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Sends ``commands`` in one packet on a connection of a blocking client and returns their
+    replies, errors as values: what ``pipeline(transaction=False).execute(raise_on_error=False)``
+    does for commands whose replies need no parsing callback (GETRANGE, STRLEN, HGET), without
+    redis-py's per-pipeline bookkeeping (a third of a one-row read's client time)."""
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(connection.read_response())
+            except redis.exceptions.ResponseError as err:
+                replies.append(err)
+    except BaseException:
+        connection.disconnect()  # replies may be left unread on it
+        pool.release(connection)
+        raise
+    pool.release(connection)
+    return replies
 
 
 def _single_run(
