@@ -226,16 +226,17 @@ def test_fakeredis_has_no_memory_limit_and_the_guard_stays_off():
 
 def test_estimate_counts_allocator_classes_and_bytes_in_flight():
     from tdstore._backend.ops import Op
+    from tdstore._core.layout import Entry
 
     assert _memory.alloc_size(16 * MIB) == 16 * MIB
     assert _memory.alloc_size(16 * MIB + 1) == 20 * MIB  # jemalloc: 4 classes per power of two
     assert _memory.alloc_size(100) == 112
     payload = bytes(16 * MIB)
-    written, needed = _memory.estimate([Op("put", ("x",), {"k": "t"}, payload=payload)])
+    written, needed = _memory.estimate([Op("put", ("x",), Entry("t"), payload=payload)])
     assert written == 16 * MIB and needed == 20 * MIB + 20 * MIB  # the value, and its bytes in the query buffer
-    written, needed = _memory.estimate([Op("put", ("x",), {"k": "t"}, payload=payload)], staged=True)
+    written, needed = _memory.estimate([Op("put", ("x",), Entry("t"), payload=payload)], staged=True)
     assert needed == 20 * MIB + _memory.alloc_size(16 * MIB + _memory.KEY_OVERHEAD)  # one step in flight
-    written, needed = _memory.estimate([Op("zero", ("x",), {"k": "t"}, nbytes=16 * MIB), Op("del", ("y",))])
+    written, needed = _memory.estimate([Op("zero", ("x",), Entry("t"), nbytes=16 * MIB), Op("del", ("y",))])
     assert (written, needed) == (16 * MIB, 20 * MIB)
 
 
