@@ -11,6 +11,7 @@ Redis Cluster slot and every script and transaction over them stays legal::
     <prefix>:{<td_id>}:rif           hash: appends in flight (reserved, not yet written)
     <prefix>:{<td_id>}:fence         string: bumped when a reservation in flight is taken over
     <prefix>:{<td_id>}:ac            hash: append counters, "a:<path>" per sub-store
+    <prefix>:{<td_id>}:rl            hash: readers' leases on the layout (see tdstore/_backend/lease.py)
     <prefix>:{<td_id>}:d:<path>      string: the raw bytes of one entry
     <prefix>:{<td_id>}:c:<k>:<path>  string: chunk k of a chunked entry (see tdstore._core.chunks)
     <prefix>:{<td_id>}:tmp:<nonce>   string: bytes in flight inside one MULTI (never outlives it)
