@@ -139,3 +139,37 @@ def test_a_data_key_gone_from_the_server_is_reported(store, server):
         client.close()
     with pytest.raises(DataLostError, match="bytes were gone from the server"):
         store.extend(batch(2.0, 2))
+
+
+def test_a_reply_lost_after_the_write_is_an_unknown_outcome_not_a_second_append(store, monkeypatch):
+    """The IO-loop driver: the connection dies after the server ran the MULTI/EXEC (redis-py
+    then reports ``WatchError: A ConnectionError occurred while watching ...``, as for a
+    connection lost before MULTI). The append raises OutcomeUnknownError and is not sent again:
+    its rows are in the store once (sending it again took new rows for the same data: a
+    duplicate append, found by tests/test_restart.py through real crashes)."""
+    import redis.asyncio.client
+    import redis.exceptions
+
+    from tdstore.errors import OutcomeUnknownError
+
+    monkeypatch.setattr(type(store._conn), "direct_client", lambda self: None)  # the IO-loop driver
+    real = redis.asyncio.client.Pipeline.execute
+    lost = []
+
+    async def execute_then_lose_the_reply(self, raise_on_error=True):
+        writes = any(str(args[0]).upper() == "SETRANGE" for args, _ in self.command_stack)
+        result = await real(self, raise_on_error=raise_on_error)  # the server runs it
+        if writes and not lost:
+            lost.append(1)
+            raise redis.exceptions.WatchError("A ConnectionError occurred while watching one or more keys")
+        return result
+
+    monkeypatch.setattr(redis.asyncio.client.Pipeline, "execute", execute_then_lose_the_reply)
+    with pytest.raises(OutcomeUnknownError, match="may or may not have been applied"):
+        store.extend(batch(1.0, 2))
+    monkeypatch.setattr(redis.asyncio.client.Pipeline, "execute", real)
+    assert lost == [1]
+    state = store.ring_state()
+    assert (state.valid, state.total) == (2, 2)  # applied once, not sent again
+    assert store["y"].tolist() == [1.0, 1.0] + [0.0] * (CAP - 2)
+    assert store.extend(batch(2.0, 1)).tolist() == [2]  # the store goes on

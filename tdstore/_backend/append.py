@@ -263,8 +263,16 @@ async def append_watched(client: Any, runner: ScriptRunner, plan: AppendPlan) ->
             pipe.execute_command(*command)
         try:
             result = await pipe.execute(raise_on_error=False)
-        except redis.exceptions.WatchError:
-            return ABORTED
+        except redis.exceptions.WatchError as err:
+            if "occurred while watching" in str(err):
+                # redis-py's report of a connection lost during the MULTI/EXEC (the same words
+                # as for one lost before it): the write may have been applied, and an append
+                # sent again would take new rows for the same data
+                raise OutcomeUnknownError(
+                    f"the connection to the server broke during an append to {plan.keys.base}: it may or may "
+                    "not have been applied (a re-sent append would take new rows)"
+                ) from err
+            return ABORTED  # EXEC did nothing: the layout changed or the fence moved
     plan.check(start, result)
     return start
 
