@@ -337,3 +337,42 @@ def test_lazy_one_step_read_matches(server, monkeypatch):
         assert (got[i]["x"] == expected[i]["x"]).all() and got[i]["s"] == f"e{i}"
         assert (got[i]["n", "y"] == i).all()
     store.clear_redis()
+
+
+def test_threads_making_the_direct_client_at_once_share_one(real_server, monkeypatch):
+    """Threads that first use a handle at the same moment get one direct client: two made at
+    once left the loser's client in use by the thread that got it, with a connection armed in
+    the store's slot from a pool the store no longer holds (test_fast_paths then counted two
+    connections held). Making a pool is slowed down (2 ms) so that the threads overlap."""
+    import redis
+
+    store = TensorDictStore(batch_size=[4], **real_server.connection_kwargs())
+    store["x"] = torch.zeros(4)
+    conn = store._conn
+
+    class SlowPool(redis.ConnectionPool):
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.002)  # releases the GIL, as a real first connect would
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(redis, "ConnectionPool", SlowPool)
+    clients = []
+    for _ in range(20):  # bounded: 20 rounds of 8 threads
+        conn._direct = None  # as on a handle's first direct call
+        barrier = threading.Barrier(8)
+        got: list = []
+
+        def first_use(barrier=barrier, got=got):
+            barrier.wait(10)
+            got.append(conn.direct_client())
+
+        threads = [threading.Thread(target=first_use) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        clients.append(len({id(c) for c in got}))
+    assert clients == [1] * 20, clients
+    assert conn.direct_client() is got[0]
+    store.clear_redis()
+    store.close()

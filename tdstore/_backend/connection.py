@@ -8,6 +8,7 @@ first use, so a store inherited by a forked DataLoader worker keeps working.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -72,6 +73,19 @@ def _config_int(reply: Any, name: str, default: int) -> int:
         return default
 
 _INHERITED_CLIENTS: list[Any] = []
+
+#: Held while a direct client is made: threads sharing a handle must get the same one (two
+#: made at once left a connection of the loser's pool armed and out of every pool).
+_DIRECT_LOCK = threading.Lock()
+
+
+def _new_direct_lock() -> None:
+    global _DIRECT_LOCK
+    _DIRECT_LOCK = threading.Lock()  # a child forked while another thread held it
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_direct_lock)
 
 #: Connection settings a direct (synchronous) client takes over from the store's own.
 _DIRECT_KWARGS = (
@@ -428,6 +442,14 @@ class Connection:
         direct = self._direct
         if direct is not None and self._direct_generation == generation:
             return None if self.closed else direct
+        with _DIRECT_LOCK:
+            return self._make_direct(generation)
+
+    def _make_direct(self, generation: int) -> Any:
+        """:meth:`direct_client`'s slow path, under ``_DIRECT_LOCK``."""
+        direct = self._direct
+        if direct is not None and self._direct_generation == generation:
+            return None if self.closed else direct  # another thread made it meanwhile
         if direct is not None:
             _INHERITED_CLIENTS.append(direct)  # inherited through fork(): never close the parent's sockets
             self._direct = None
