@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import redis.exceptions
-
+from tdstore._backend.armed_write import _discard_sync, _exchange_sync
 from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
@@ -162,24 +161,17 @@ def read_runs_direct(
 
 def _exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     """Sends ``commands`` in one packet on a connection of a blocking client and returns their
-    replies, errors as values: what ``pipeline(transaction=False).execute(raise_on_error=False)``
-    does for commands whose replies need no parsing callback (GETRANGE, STRLEN, HGET), without
-    redis-py's per-pipeline bookkeeping (a third of a one-row read's client time)."""
-    pool = client.connection_pool
-    connection = pool.get_connection()
+    replies, errors as values (armed_write's exchange): what ``pipeline(transaction=False)
+    .execute(raise_on_error=False)`` does for commands whose replies need no parsing callback
+    (GETRANGE, STRLEN, HGET), without redis-py's per-pipeline bookkeeping (a third of a
+    one-row read's client time)."""
+    connection = client.connection_pool.get_connection()
     try:
-        connection.send_packed_command(connection.pack_commands(commands), check_health=False)
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(connection.read_response())
-            except redis.exceptions.ResponseError as err:
-                replies.append(err)
+        replies = _exchange_sync(connection, commands)
     except BaseException:
-        connection.disconnect()  # replies may be left unread on it
-        pool.release(connection)
+        _discard_sync(client, connection)  # replies may be left unread on it
         raise
-    pool.release(connection)
+    client.connection_pool.release(connection)
     return replies
 
 
