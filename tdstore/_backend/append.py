@@ -22,17 +22,30 @@ for another capacity), it reserves new ones. An appender that dies between the t
 leaves its rows unflagged: :meth:`~tdstore.TensorDictStore.sample` never draws them, and the
 ring reuses them when it comes round.
 
+**One packet when uncontended** (:func:`append_direct` only). After an append's EXEC, the
+same packet WATCHes the meta hash, the ring cursor and the in-flight hash again and reads
+the layout version, the expiry, the cursor and the number of reservations in flight; the
+connection is kept out of the pool ("armed", as ``armed_write`` does for row writes). When
+no reservation was in flight, the next append on it needs no reserve step: one MULTI
+writes the rows at the cursor read, sets their flags and INCRBYs the cursor, and re-arms
+after EXEC. Any change of the watched keys in between (another append or reservation, a
+layout change, a cursor set) makes EXEC do nothing; the append then takes the two steps
+above, and the next ``COOL_APPENDS`` appends of the handle do too (appenders of one ring
+would otherwise keep aborting each other's armed MULTI, each time after sending its rows).
+Nothing is in flight in between, so there is nothing to take over and no fence to watch.
+
 Two drivers send the same commands:
 
 * :func:`append_direct`, on the store's blocking direct client (see
-  ``Connection.direct_client``), from the calling thread: two packets, the payload sent from
-  the tensors' memory (as ``armed_write.write_runs_direct``);
+  ``Connection.direct_client``), from the calling thread: one packet armed, else two, the
+  payload sent from the tensors' memory (as ``armed_write.write_runs_direct``);
 * :func:`append_watched`, on the IO loop (fakeredis, TLS, custom connection classes,
   cluster): a redis-py pipeline in WATCH mode.
 """
 
 from __future__ import annotations
 
+import select
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,7 +53,7 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.armed_write import _discard_sync, _exchange_sync
+from tdstore._backend.armed_write import ArmedSlot, _discard_sync, _exchange_sync
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.chunks import setrange_commands
@@ -48,12 +61,27 @@ from tdstore._core.keys import StoreKeys, encode_path
 from tdstore.errors import DataLostError, OutcomeUnknownError, StaleLayoutError, translate_response_error
 
 __all__ = [
-    "Reservation", "AppendPlan", "append_direct", "append_watched", "ABORTED",
+    "Reservation", "AppendPlan", "ArmedRing", "COOL_APPENDS", "append_direct", "append_watched", "ABORTED",
     "ring_counts", "ring_flags", "flag_bytes", "append_counters",
 ]
 
 #: What a driver returns when EXEC was aborted (the layout changed, or the fence moved).
 ABORTED = -1
+
+#: Appends that take the two steps after an armed one was aborted by another client's
+#: append (see the module docstring): each aborted armed MULTI cost the server its rows' bytes.
+COOL_APPENDS = 64
+
+
+@dataclass
+class ArmedRing:
+    """A direct connection left WATCHing a ring's meta hash, cursor and in-flight hash after an append."""
+
+    client: Any  #: the client whose pool lent ``connection``
+    connection: Any
+    lv: str  #: the layout version read after the WATCH
+    exp: str  #: the store's expiry ("" for none)
+    cursor: int  #: the ring cursor read after the WATCH: the next append's rows start there
 
 
 @dataclass
@@ -128,8 +156,10 @@ class AppendPlan:
             groups.append((path, runs, payload))
         return row0, first, groups
 
-    def write_commands(self, start: int, exp: str) -> list[tuple[Any, ...]]:
-        """The commands between MULTI and EXEC."""
+    def write_commands(self, start: int, exp: str, *, armed: bool = False) -> list[tuple[Any, ...]]:
+        """The commands between MULTI and EXEC: the rows' SETRANGEs, their flags, the HDEL of
+        the reservation (``armed``: the cursor's INCRBY instead, there being no reservation),
+        the write version's INCR and the append counter's HINCRBY."""
         keys, n = self.keys, self.n
         row0, first, groups = self._runs(start)
         out: list[tuple[Any, ...]] = [
@@ -139,14 +169,45 @@ class AppendPlan:
         out.append(("SETRANGE", keys.flags, row0, b"\x01" * first))
         if first < n:
             out.append(("SETRANGE", keys.flags, 0, b"\x01" * (n - first)))
-        out.append(("HDEL", keys.inflight, self.res.id))
+        if armed:
+            self._cursor_reply = len(out)
+            out.append(("INCRBY", keys.ring, n))
+        else:
+            out.append(("HDEL", keys.inflight, self.res.id))
         out.append(("INCR", keys.wv))
         out.append(("HINCRBY", keys.appends, "a:" + encode_path(self.sub), 1))
         if exp:
-            # both may be created here: they expire with the store (the meta hash is WATCHed)
-            out.append(("PEXPIREAT", keys.wv, int(exp)))
-            out.append(("PEXPIREAT", keys.appends, int(exp)))
+            # these may be created here: they expire with the store (the meta hash is WATCHed)
+            for key in (keys.wv, keys.appends) + ((keys.ring, keys.flags) if armed else ()):
+                out.append(("PEXPIREAT", key, int(exp)))
         return out
+
+    # -- the armed connection (one packet) ------------------------------------------------
+    def arm_commands(self) -> list[tuple[Any, ...]]:
+        """WATCH and the reads that arm a connection for the next append (sent after an EXEC)."""
+        keys = self.keys
+        return [
+            ("WATCH", keys.meta, keys.ring, keys.inflight), ("HMGET", keys.meta, "lv", "exp"),
+            ("GET", keys.ring), ("HLEN", keys.inflight),
+        ]
+
+    def armed_state(self, client: Any, connection: Any, replies: Sequence[Any]) -> ArmedRing | None:
+        """What the replies of :meth:`arm_commands` leave the connection armed with; None when
+        it cannot append in one packet (a reservation is in flight, the store is gone...)."""
+        if len(replies) != 4 or any(isinstance(r, Exception) for r in replies):
+            return None
+        meta, cursor, inflight = replies[1], replies[2], replies[3]
+        if not isinstance(meta, list) or meta[0] is None or inflight != 0:
+            return None
+        text = _s(cursor) or "0"
+        if not text.isdigit():
+            return None
+        return ArmedRing(client, connection, _s(meta[0]), _s(meta[1]), int(text))
+
+    def usable(self, armed: ArmedRing) -> bool:
+        """Whether this append may go out on ``armed`` (same layout, no reservation of its own
+        to write first, a connection the server did not close meanwhile)."""
+        return armed.lv == str(self.lv) and not self.res.held and _alive(armed.connection)
 
     def check(self, start: int, result: list[Any]) -> None:
         """Raises what the EXEC's replies report: a refused command, or a data key that was
@@ -191,8 +252,47 @@ def _raise_reply(reply: Any) -> None:
         raise reply
 
 
-def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan) -> int:
-    """One append try on a blocking client, from the calling thread: two packets.
+def _s(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _alive(connection: Any) -> bool:
+    """A parked connection still usable: connected, with nothing to read (a server that
+    closed it, on restart or idle timeout, leaves it readable at end of file)."""
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+def _connection_broke(plan: AppendPlan, err: BaseException) -> OutcomeUnknownError:
+    return OutcomeUnknownError(
+        f"the connection to the server broke during an append to {plan.keys.base}: it may or may "
+        "not have been applied (a re-sent append would take new rows)"
+    )
+
+
+def _park(slot: ArmedSlot | None, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any]) -> None:
+    """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it, else
+    drops it (disconnecting forgets its WATCH)."""
+    armed = plan.armed_state(client, connection, replies) if slot is not None else None
+    if armed is None or slot is None:
+        _discard_sync(client, connection)
+        return
+    displaced = slot.put(armed)  # type: ignore[arg-type]
+    if displaced is not None:
+        _discard_sync(displaced.client, displaced.connection)
+
+
+def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: ArmedSlot | None = None) -> int:
+    """One append try on a blocking client, from the calling thread: one packet on an armed
+    connection of ``slot``, else two.
 
     Returns:
         The cursor value the rows start at, or :data:`ABORTED` when EXEC did nothing (the
@@ -204,13 +304,53 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan) -> int:
         before that (nothing was written; a reservation may have been made, whose rows
         stay unflagged).
     """
-    connection = client.connection_pool.get_connection()
+    connection: Any = None
+    armed: ArmedRing | None = None
+    if slot is not None and not slot.cooling():  # (cooling() counts this append)
+        armed = slot.take(client)  # type: ignore[assignment]
+        if armed is not None and not plan.usable(armed):
+            slot.drop_sync(armed)  # type: ignore[arg-type]
+            armed = None
+    unwatch = False
+    if armed is not None:
+        connection, start = armed.connection, armed.cursor
+        commands = [("MULTI",), *plan.write_commands(start, armed.exp, armed=True), ("EXEC",)]
+        sent = len(commands)
+        try:
+            replies = _exchange_sync(connection, commands + plan.arm_commands())
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
+            _discard_sync(client, connection)
+            raise _connection_broke(plan, err) from err
+        except BaseException:
+            _discard_sync(client, connection)
+            raise
+        result = replies[sent - 1]
+        if isinstance(result, list):
+            _park(slot, client, connection, plan, replies[sent:])
+            plan.check(start, result)
+            return start
+        if isinstance(result, redis.exceptions.ResponseError):
+            _park(slot, client, connection, plan, replies[sent:])
+            first = next((r for r in replies[1 : sent - 1] if isinstance(r, Exception)), None)
+            _raise_reply(first if first is not None else result)
+        # EXEC did nothing: another client appended (or reserved) meanwhile, or the layout
+        # changed. Nothing was written: the two steps follow on this connection.
+        meta = replies[sent + 1] if len(replies) > sent + 1 else None
+        if slot is not None and isinstance(meta, list) and _s(meta[0]) == armed.lv:
+            slot.contended(COOL_APPENDS)
+        unwatch = True
+    else:
+        connection = client.connection_pool.get_connection()
     sha = runner.sha("reserve")
-    sent = False
+    sent_write = False
     try:
         while True:
             keys, args = plan.reserve_keys_args(plan.mode())
-            watch, reply = _exchange_sync(connection, [plan.watch_command(), ("EVALSHA", sha, len(keys), *keys, *args)])
+            first_commands: list[tuple[Any, ...]] = [("UNWATCH",)] if unwatch else []
+            first_commands += [plan.watch_command(), ("EVALSHA", sha, len(keys), *keys, *args)]
+            got_replies = _exchange_sync(connection, first_commands)
+            unwatch = False
+            watch, reply = got_replies[-2], got_replies[-1]
             _raise_reply(watch)
             _raise_reply(reply)
             got = plan.reserved(reply)
@@ -218,24 +358,26 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan) -> int:
                 break
         start, exp = got
         commands = [("MULTI",), *plan.write_commands(start, exp), ("EXEC",)]
-        sent = True
-        replies = _exchange_sync(connection, commands)
+        arm = slot is not None and slot.cool <= 0  # re-armed unless appends are cooling down
+        sent_write = True
+        replies = _exchange_sync(connection, commands + (plan.arm_commands() if arm else []))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
         _discard_sync(client, connection)
-        if sent:
-            raise OutcomeUnknownError(
-                f"the connection to the server broke during an append to {plan.keys.base}: it may or may "
-                "not have been applied (a re-sent append would take new rows)"
-            ) from err
+        if sent_write:
+            raise _connection_broke(plan, err) from err
         raise
     except BaseException:
         _discard_sync(client, connection)  # forgets the WATCH
         raise
-    client.connection_pool.release(connection)  # EXEC ended the WATCH
-    result = replies[-1]
+    sent = len(commands)
+    if arm:
+        _park(slot, client, connection, plan, replies[sent:])
+    else:
+        client.connection_pool.release(connection)  # EXEC ended the WATCH
+    result = replies[sent - 1]
     if isinstance(result, redis.exceptions.ResponseError):
         # EXECABORT: a command was refused when queued (e.g. over maxmemory); nothing ran
-        first = next((r for r in replies[1:-1] if isinstance(r, Exception)), None)
+        first = next((r for r in replies[1 : sent - 1] if isinstance(r, Exception)), None)
         _raise_reply(first if first is not None else result)
     if result is None:
         return ABORTED

@@ -113,9 +113,9 @@ class ArmedSlot:
             self.cool -= 1
             return True
 
-    def contended(self) -> None:
+    def contended(self, count: int = COOL_WRITES) -> None:
         with self._lock:
-            self.cool = COOL_WRITES
+            self.cool = count
 
     async def drop(self, armed: _Armed | None) -> None:
         """Disconnects an armed connection of an asyncio client (this forgets its WATCH) and gives it back."""

@@ -191,6 +191,7 @@ class Connection:
         self._direct_generation = -1
         self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
         self.direct_slot = ArmedSlot()  # ... and the direct client's
+        self.append_slot = ArmedSlot()  # the direct client's armed appends (tdstore/_backend/append.py)
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
         redis_kwargs = dict(redis_kwargs)
@@ -315,6 +316,7 @@ class Connection:
         self._direct_generation = -1
         self.armed_slot = ArmedSlot()
         self.direct_slot = ArmedSlot()
+        self.append_slot = ArmedSlot()
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
         self._client_class = state["client_class"]
@@ -638,6 +640,7 @@ class Connection:
         direct, self._direct = self._direct, None
         if direct is not None and self._direct_generation == _io.loop_generation():
             self.direct_slot.take(direct)  # (its connection is one of the pool's, disconnected next)
+            self.append_slot.take(direct)
             try:
                 direct.connection_pool.disconnect()
             except Exception:  # noqa: BLE001 - closing is best effort

@@ -39,7 +39,7 @@ class RingState(NamedTuple):
 
 def _append(conn: Any, plan: _append_mod.AppendPlan) -> int:
     """One append try: on the direct client from this thread, else on the IO loop."""
-    done = conn._direct_call(lambda c: _append_mod.append_direct(c, conn.runner, plan))
+    done = conn._direct_call(lambda c: _append_mod.append_direct(c, conn.runner, plan, conn.append_slot))
     if isinstance(done, int):
         return done
     # not idempotent: a re-sent write would be refused (its reservation is gone) or take rows twice

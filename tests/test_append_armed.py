@@ -1,0 +1,218 @@
+"""Appends in one packet on an armed connection (tdstore/_backend/append.py, ``append_direct``).
+
+After an append, the direct client's connection stays WATCHing the ring's meta hash, cursor
+and in-flight hash; the next append of the handle then writes its rows at the cursor it read
+and INCRBYs the cursor in one MULTI, with no reserve step. Anything that changes a watched key
+meanwhile (another appender, a reservation, a layout change, a cursor set) aborts that MULTI
+and the append takes the two steps; the next ``COOL_APPENDS`` appends do too.
+
+These run on real servers only (``real_server``): fakeredis has no direct client, so its
+appends always take the two steps (tests/test_append_flags.py covers those).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdstore import TensorDictStore
+from tdstore._backend import append as _append
+
+CAP = 8
+
+
+def batch(value: float, n: int) -> TensorDict:
+    return TensorDict(x=torch.full((n, 2), value), y=torch.full((n,), value), batch_size=[n])
+
+
+def make(server, **kw):
+    return TensorDictStore.from_schema(
+        {"x": ([2], torch.float32), "y": ([], torch.float32)}, batch_size=[CAP], **server.connection_kwargs(), **kw
+    )
+
+
+@pytest.fixture
+def store(real_server):
+    s = make(real_server)
+    yield s
+    s.clear_redis()
+    s.close()
+
+
+@pytest.fixture
+def admin(real_server):
+    client = real_server.sync_client()
+    yield client
+    client.close()
+
+
+def calls(admin) -> dict[str, int]:
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in admin.info("commandstats").items()}
+
+
+def rows(store) -> list[float]:
+    return store["y"].tolist()
+
+
+def test_uncontended_appends_take_one_packet_and_no_reserve(store, admin):
+    store.extend(batch(1.0, 2))  # two steps; arms the connection
+    admin.config_resetstat()
+    for i in range(5):
+        got = store.extend(batch(float(i + 2), 3))
+        assert got.tolist() == [(2 + 3 * i + k) % CAP for k in range(3)]
+    stats = calls(admin)
+    assert stats.get("evalsha", 0) == 0, "an uncontended append ran the reserve script"
+    assert stats["exec"] == 5 and stats["incrby"] == 5
+    assert rows(store) == [6.0, 4.0, 4.0, 5.0, 5.0, 5.0, 6.0, 6.0]
+    assert store.ring_state() == (CAP, 17, CAP, 1)
+    assert set(store.sample(300)["y"].tolist()) == {4.0, 5.0, 6.0}
+    assert store._conn.append_slot.armed is not None
+
+
+def test_another_appender_aborts_the_armed_append_and_no_row_is_lost(store, real_server, admin):
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        store.extend(batch(1.0, 1))  # row 0; armed at cursor 1
+        other.extend(batch(2.0, 2))  # rows 1-2: moves the cursor the armed connection watches
+        admin.config_resetstat()
+        assert store.extend(batch(3.0, 2)).tolist() == [3, 4], "the armed append wrote at a stale cursor"
+        stats = calls(admin)
+        assert stats["evalsha"] == 1, "the aborted armed append did not take the two steps"
+        assert stats["exec"] == 2  # the aborted armed MULTI, then the two steps' MULTI
+        assert store._conn.append_slot.cool == _append.COOL_APPENDS
+        assert rows(store)[:5] == [1.0, 2.0, 2.0, 3.0, 3.0]
+        assert store.ring_state().valid == 5
+    finally:
+        other.close()
+
+
+def test_appends_cool_down_after_contention_then_arm_again(store, real_server, admin, monkeypatch):
+    monkeypatch.setattr(_append, "COOL_APPENDS", 3)
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        store.extend(batch(1.0, 1))
+        other.extend(batch(2.0, 1))
+        store.extend(batch(3.0, 1))  # aborted armed try, then two steps; cooling starts
+        admin.config_resetstat()
+        for i in range(3):
+            store.extend(batch(4.0 + i, 1))  # two steps each; the last one re-arms
+        assert calls(admin)["evalsha"] == 3
+        admin.config_resetstat()
+        store.extend(batch(9.0, 1))
+        assert calls(admin).get("evalsha", 0) == 0, "appends did not arm again after cooling down"
+        assert rows(store)[:7] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 9.0]
+    finally:
+        other.close()
+
+
+def test_a_reservation_in_flight_keeps_appends_on_two_steps(store, admin):
+    store.extend(batch(1.0, 1))
+    conn = store._conn
+    plan = _append.AppendPlan(
+        conn.keys, [], lv=store._layout().lv, n=2, capacity=CAP, sub=(), reservation=_append.Reservation()
+    )
+    keys, args = plan.reserve_keys_args("new")
+    assert int(conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))[0]) == 1  # rows 1-2, never written
+    admin.config_resetstat()
+    assert store.extend(batch(2.0, 2)).tolist() == [3, 4]
+    assert calls(admin)["evalsha"] == 1  # the armed MULTI was aborted by the reservation: two steps
+    admin.config_resetstat()
+    assert store.extend(batch(3.0, 2)).tolist() == [5, 6]
+    assert calls(admin)["evalsha"] == 1, "an append went armed while a reservation was in flight"
+    assert store.ring_state().valid == 5  # rows 1-2 stay unflagged
+    assert 0.0 not in store.sample(200)["y"].tolist()
+
+
+def test_a_layout_change_between_appends_is_seen(store, real_server):
+    store.extend(batch(1.0, 2))
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        other["z"] = torch.zeros(CAP)  # a new entry: the next append must write it too
+    finally:
+        other.close()
+    with pytest.raises(Exception, match="missing"):
+        store.extend(batch(2.0, 1))
+    got = store.extend(TensorDict(x=torch.ones(1, 2), y=torch.ones(1), z=torch.full((1,), 5.0), batch_size=[1]))
+    assert got.tolist() == [2]
+    assert store["z"][2].item() == 5.0
+    assert rows(store)[:3] == [1.0, 1.0, 1.0]
+
+
+def test_a_parked_connection_the_server_closed_is_not_used(store, admin):
+    store.extend(batch(1.0, 1))
+    armed = store._conn.append_slot.armed
+    assert armed is not None
+    armed.connection.send_command("CLIENT", "ID")  # (a parked connection answers it; its WATCH stays)
+    client_id = armed.connection.read_response()
+    admin.execute_command("CLIENT", "KILL", "ID", client_id)
+    # not an unknown outcome: the dead connection is seen before anything is sent on it
+    assert store.extend(batch(2.0, 2)).tolist() == [1, 2]
+    assert store.extend(batch(3.0, 1)).tolist() == [3]
+    assert rows(store)[:4] == [1.0, 2.0, 2.0, 3.0]
+
+
+def test_the_cursor_set_meanwhile_is_followed(store, real_server):
+    store.extend(batch(1.0, 2))
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        other._conn.run(lambda c: _set_total(c, other, 6))
+    finally:
+        other.close()
+    assert store.extend(batch(2.0, 1)).tolist() == [6]
+
+
+async def _set_total(client, store, total):
+    from tdstore._backend import ops
+
+    await ops.set_ring_total(client, store._conn.keys, total)
+
+
+def test_armed_appends_keep_the_store_expiry(real_server, admin):
+    store = make(real_server, expire=60)
+    try:
+        store.extend(batch(1.0, 1))
+        store.extend(batch(2.0, 1))  # armed: may create the counters, must give them the expiry
+        keys = store._conn.keys
+        for key in (keys.ring, keys.flags, keys.wv, keys.appends):
+            assert 0 < admin.pttl(key) <= 60_000, f"{key} has no expiry"
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def test_threads_appending_on_one_handle_get_disjoint_rows(real_server):
+    store = TensorDictStore.from_schema({"y": ([], torch.int64)}, batch_size=[4000], **real_server.connection_kwargs())
+    errors: list[BaseException] = []
+    got: dict[int, list[int]] = {}
+
+    def work(t: int) -> None:
+        try:
+            mine = []
+            for i in range(40):
+                value = t * 1000 + i
+                mine += store.extend(TensorDict(y=torch.full((3,), value), batch_size=[3])).tolist()
+            got[t] = mine
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        everything = sorted(r for v in got.values() for r in v)
+        assert everything == list(range(480)), "rows reserved twice or skipped"
+        stored = store["y"][:480]
+        for t, mine in got.items():
+            values = stored[torch.tensor(mine)].view(-1, 3)
+            assert (values == values[:, :1]).all(), "a torn append"
+            assert sorted(set(values[:, 0].tolist())) == [t * 1000 + i for i in range(40)]
+        assert store.ring_state().valid == 480
+    finally:
+        store.clear_redis()
+        store.close()
