@@ -216,3 +216,26 @@ def test_threads_appending_on_one_handle_get_disjoint_rows(real_server):
     finally:
         store.clear_redis()
         store.close()
+
+
+def test_appends_that_cannot_arm_do_not_reconnect(real_server, admin):
+    """An append that finds a reservation in flight when it re-arms goes back to the two
+    steps on the connection it has: dropping it would cost the server a new connection."""
+    store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[1000], **real_server.connection_kwargs())
+    try:
+        store.extend(TensorDict(y=torch.zeros(1), batch_size=[1]))
+        conn = store._conn
+        plan = _append.AppendPlan(
+            conn.keys, [], lv=store._layout().lv, n=1, capacity=1000, sub=(), reservation=_append.Reservation()
+        )
+        keys, args = plan.reserve_keys_args("new")
+        conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))  # stays in flight: every arming fails
+        before = int(admin.info("stats")["total_connections_received"])
+        for i in range(100):
+            store.extend(TensorDict(y=torch.full((1,), float(i)), batch_size=[1]))
+        opened = int(admin.info("stats")["total_connections_received"]) - before
+        assert opened <= 1, f"{opened} connections opened by 100 appends"
+        assert store.ring_state() == (101, 102, 1000, 102)
+    finally:
+        store.clear_redis()
+        store.close()

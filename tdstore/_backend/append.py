@@ -278,12 +278,24 @@ def _connection_broke(plan: AppendPlan, err: BaseException) -> OutcomeUnknownErr
     )
 
 
-def _park(slot: ArmedSlot | None, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any]) -> None:
-    """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it, else
-    drops it (disconnecting forgets its WATCH)."""
-    armed = plan.armed_state(client, connection, replies) if slot is not None else None
-    if armed is None or slot is None:
-        _discard_sync(client, connection)
+def _park(slot: ArmedSlot, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any]) -> None:
+    """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it.
+
+    Else (a reservation of another appender in flight, mostly) the handle's next appends
+    take the two steps without arming (the cool-down), and the connection goes back to
+    the pool after an UNWATCH (kept connected: a new connection costs the server more
+    than the round trip).
+    """
+    armed = plan.armed_state(client, connection, replies)
+    if armed is None:
+        slot.contended(COOL_APPENDS)
+        try:
+            connection.send_command("UNWATCH")
+            connection.read_response()
+        except BaseException:
+            _discard_sync(client, connection)
+            raise
+        client.connection_pool.release(connection)
         return
     displaced = slot.put(armed)  # type: ignore[arg-type]
     if displaced is not None:
@@ -325,6 +337,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
             _discard_sync(client, connection)
             raise
         result = replies[sent - 1]
+        assert slot is not None
         if isinstance(result, list):
             _park(slot, client, connection, plan, replies[sent:])
             plan.check(start, result)
@@ -371,6 +384,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         raise
     sent = len(commands)
     if arm:
+        assert slot is not None
         _park(slot, client, connection, plan, replies[sent:])
     else:
         client.connection_pool.release(connection)  # EXEC ended the WATCH
