@@ -48,7 +48,7 @@ from __future__ import annotations
 import select
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis.exceptions
@@ -88,10 +88,20 @@ class ArmedRing:
 class Reservation:
     """The rows one ``extend()`` call holds across its tries: its id, and whether it reserved yet."""
 
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    _id: str = ""  #: made when first asked for (an armed append reserves nothing)
     n: int = 0
     capacity: int = 0
     held: bool = False
+
+    @property
+    def id(self) -> str:
+        if not self._id:
+            self._id = uuid.uuid4().hex
+        return self._id
+
+    @id.setter
+    def id(self, value: str) -> None:
+        self._id = value
 
 
 class AppendPlan:

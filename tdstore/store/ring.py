@@ -46,6 +46,17 @@ def _append(conn: Any, plan: _append_mod.AppendPlan) -> int:
     return int(conn.run(lambda c: _append_mod.append_watched(c, conn.runner, plan), idempotent=False))
 
 
+class _ExtendSpec(NamedTuple):
+    """What ``extend()`` needs of a layout: see ``RingBufferAPI._extend_spec``."""
+
+    batch: torch.Size
+    capacity: int
+    #: per tensor entry: (path, path relative to the handle, dtype, row shape, row bytes)
+    leaves: tuple[tuple[tuple[str, ...], tuple[str, ...], torch.dtype, torch.Size, int], ...]
+    relative: frozenset[tuple[str, ...]]  #: the relative paths of the tensor entries
+    per_row: tuple[tuple[str, ...], ...]  #: the per-row non-tensor entries (extend() refuses them)
+
+
 class RingBufferAPI(DenseBase):
     """Ring-buffer methods of :class:`~tdstore.TensorDictStore` (a mixin)."""
 
@@ -82,10 +93,8 @@ class RingBufferAPI(DenseBase):
 
         def once(_attempt: int) -> torch.Tensor:
             layout = self._layout()
-            batch = torch.Size(self._node(layout).batch_size or ())
-            if not batch:
-                raise SchemaError(f"extend() needs a store with a batch dim; {self._where()} has none")
-            capacity = batch[0]
+            spec = self._extend_spec(layout)
+            batch, capacity = spec.batch, spec.capacity
             n = td.batch_size[0] if td.batch_dims else 0
             if td.batch_dims == 0 or td.batch_size[1:] != batch[1:]:
                 raise SchemaError(
@@ -94,12 +103,10 @@ class RingBufferAPI(DenseBase):
                 )
             if not 1 <= n <= capacity:
                 raise SchemaError(f"extend() appends 1 to {capacity} rows at once into {self._where()}, got {n}")
-            leaves = {p: m for p, m in self._descendants(layout, self._path) if m.is_tensor}
             # non-tensor columns are not appended: refuse rather than leave old values beside new rows
             non_tensor = [k for k, v in td.items(True, False) if is_non_tensor(v)]
-            per_row = [p for p, m in self._descendants(layout, self._path) if m.is_non_tensor and m.stack]
-            if non_tensor or per_row:
-                key = _as_path(non_tensor[0]) if non_tensor else per_row[0][len(self._path) :]
+            if non_tensor or spec.per_row:
+                key = _as_path(non_tensor[0]) if non_tensor else spec.per_row[0][len(self._path) :]
                 name = key[0] if len(key) == 1 else key
                 why = (
                     f"td holds the non-tensor entry {name!r}" if non_tensor
@@ -109,28 +116,24 @@ class RingBufferAPI(DenseBase):
                     f"extend() into {self._where()} appends tensor entries only, and {why}. Nothing was "
                     "written; write non-tensor columns with store[rows] = td"
                 )
-            given = {self._path + (k if isinstance(k, tuple) else (k,)) for k in td.keys(True, True)}
-            if set(leaves) != given:
-                missing = sorted(map(str, set(leaves) - given))
-                extra = sorted(map(str, given - set(leaves)))
+            given = {k if isinstance(k, tuple) else (k,) for k in td.keys(True, True)}
+            if given != spec.relative:
+                missing = sorted(str(self._path + k) for k in spec.relative - given)
+                extra = sorted(str(self._path + k) for k in given - spec.relative)
                 raise SchemaError(
                     f"extend() writes every tensor entry of {self._where()} at once: missing {missing}, unknown {extra}"
                 )
             groups = []
             keep = []
-            nb = len(batch)
-            for path, meta in leaves.items():
-                dtype = meta.torch_dtype
-                feat = tuple((meta.shape or ())[nb:])
-                value = td.get(path[len(self._path) :])
-                if tuple(value.shape) != (n,) + tuple(batch[1:]) + feat:
+            for path, rel, dtype, row_shape, row_bytes in spec.leaves:
+                value = td.get(rel)
+                if value.shape[1:] != row_shape or value.shape[0] != n:
                     raise SchemaError(
                         f"extend(): entry {path!r} of {self._where()} takes rows of shape "
-                        f"{list(batch[1:]) + list(feat)}, got {list(value.shape[1:])}"
+                        f"{list(row_shape)}, got {list(value.shape[1:])}"
                     )
-                flat, view = _codec.tensor_view(value.to(dtype))
+                flat, view = _codec.tensor_view(value if value.dtype == dtype else value.to(dtype))
                 keep.append(flat)
-                row_bytes = _codec.tensor_nbytes(tuple(batch[1:]) + feat, dtype)
                 groups.append((path, row_bytes, view))
             plan = _append_mod.AppendPlan(
                 conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=self._path, reservation=reservation
@@ -143,6 +146,29 @@ class RingBufferAPI(DenseBase):
         # the rows reserved by a try whose write was aborted are written by the next try
         reservation = _append_mod.Reservation()
         return optimistic(once, where=self._where, what="extend()", on_stale=lambda: self._layout(refresh=True))
+
+    def _extend_spec(self: TensorDictStore, layout: Any) -> _ExtendSpec:  # type: ignore[misc]
+        """What ``extend()`` checks and writes under ``layout`` (memoized per layout)."""
+        key = ("extend", self._path)
+        spec: _ExtendSpec | None = layout.memo.get(key)
+        if spec is not None:
+            return spec
+        batch = torch.Size(self._node(layout).batch_size or ())
+        if not batch:
+            raise SchemaError(f"extend() needs a store with a batch dim; {self._where()} has none")
+        nb, depth = len(batch), len(self._path)
+        leaves = []
+        per_row = []
+        for path, meta in self._descendants(layout, self._path):
+            if meta.is_tensor:
+                dtype = meta.torch_dtype
+                row_shape = torch.Size(tuple(batch[1:]) + tuple((meta.shape or ())[nb:]))
+                leaves.append((path, path[depth:], dtype, row_shape, _codec.tensor_nbytes(row_shape, dtype)))
+            elif meta.is_non_tensor and meta.stack:
+                per_row.append(path)
+        spec = _ExtendSpec(batch, batch[0], tuple(leaves), frozenset(leaf[1] for leaf in leaves), tuple(per_row))
+        layout.memo[key] = spec
+        return spec
 
     def ring_state(self: TensorDictStore) -> RingState:  # type: ignore[misc]
         """How many rows are valid (written whole by an append), how many were ever reserved, and where the cursor is.
