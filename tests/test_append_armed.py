@@ -239,3 +239,45 @@ def test_appends_that_cannot_arm_do_not_reconnect(real_server, admin):
     finally:
         store.clear_redis()
         store.close()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+@pytest.mark.parametrize("parser", ["hiredis", "python"])
+def test_an_exchange_reads_every_reply_in_place(real_server, parser, protocol):
+    """``_exchange_sync`` reads a packet's replies straight from the hiredis reader (or one by
+    one through ``read_response`` for another parser): the same replies, errors in place."""
+    import redis
+    from redis._parsers import _HiredisParser, _RESP2Parser
+
+    from tdstore._backend import armed_write
+
+    if parser == "python":
+        from redis._parsers import _RESP3Parser
+
+        cls = _RESP2Parser if protocol == 2 else _RESP3Parser
+    else:
+        cls = _HiredisParser
+    kwargs = real_server.connection_kwargs()
+    pool_class = redis.UnixDomainSocketConnection if "unix_socket_path" in kwargs else redis.Connection
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        connection_class=pool_class, parser_class=cls, protocol=protocol, **kwargs
+    ))
+    connection = client.connection_pool.get_connection()
+    try:
+        assert (armed_write._hiredis_reader(connection) is not None) == (parser == "hiredis")
+        client.delete("t:x", "t:s")
+        client.set("t:s", "text")
+        big = b"y" * 300_000
+        replies = armed_write._exchange_sync(connection, [
+            ("INCR", "t:s"), ("MULTI",), ("INCR", "t:x"), ("INCR", "t:s"), ("SET", "t:b", memoryview(big)), ("EXEC",),
+            ("GET", "t:b"), ("GET", "t:missing"), ("HLEN", "t:missing"),
+        ])
+        assert isinstance(replies[0], redis.exceptions.ResponseError)
+        assert replies[1] == b"OK" and replies[2:5] == [b"QUEUED"] * 3
+        assert replies[5][0] == 1 and isinstance(replies[5][1], redis.exceptions.ResponseError) and replies[5][2] == b"OK"
+        assert replies[6] == big and replies[7] is None and replies[8] == 0
+        assert client.ping()  # the connection is still in step
+    finally:
+        client.connection_pool.release(connection)
+        client.delete("t:x", "t:s", "t:b")
+        client.close()

@@ -36,6 +36,8 @@ from typing import Any
 
 import redis.asyncio
 import redis.exceptions
+from redis._parsers import _HiredisParser
+from redis._parsers.hiredis import NOT_ENOUGH_DATA
 
 from tdstore._backend.ops import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
@@ -387,13 +389,47 @@ def _send_sync(connection: Any, pieces: list[Any]) -> None:
 
 
 def _exchange_sync(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place."""
     _send_sync(connection, _packed(commands))
+    reader = _hiredis_reader(connection)
+    if reader is not None:
+        return _read_replies(connection._parser, reader, len(commands))
     out: list[Any] = []
     for _ in commands:
         try:
             out.append(connection.read_response())
         except redis.exceptions.ResponseError as err:
             out.append(err)
+    return out
+
+
+def _hiredis_reader(connection: Any) -> Any:
+    """The hiredis reader of a connection of redis-py's (None for another parser: replies are
+    then read one by one through ``read_response``)."""
+    parser = getattr(connection, "_parser", None)
+    if type(parser) is not _HiredisParser:
+        return None
+    return getattr(parser, "_reader", None)
+
+
+def _read_replies(parser: Any, reader: Any, count: int) -> list[Any]:
+    """``count`` replies straight from the hiredis reader: what ``read_response`` returns for
+    each (RESP2 or RESP3), without its per-reply bookkeeping."""
+    push = getattr(parser, "_hiredis_PushNotificationType", None)
+    out: list[Any] = []
+    while len(out) < count:
+        reply = reader.gets()
+        if reply is NOT_ENOUGH_DATA:
+            parser.read_from_socket()
+            continue
+        if isinstance(reply, redis.exceptions.ConnectionError):
+            raise reply
+        if push is not None and isinstance(reply, push):
+            parser.handle_push_response(reply)  # (RESP3: not a reply to a command)
+            continue
+        if isinstance(reply, list) and reply and isinstance(reply[0], redis.exceptions.ConnectionError):
+            raise reply[0]
+        out.append(reply)
     return out
 
 
