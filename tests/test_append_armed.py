@@ -281,3 +281,41 @@ def test_an_exchange_reads_every_reply_in_place(real_server, parser, protocol):
         client.connection_pool.release(connection)
         client.delete("t:x", "t:s", "t:b")
         client.close()
+
+
+def test_an_armed_handle_appends_after_fork_in_the_children_and_the_parent(real_server):
+    """The parent's armed connection is never used by a forked child (it has its own client)."""
+    import multiprocessing as mp
+
+    store = TensorDictStore.from_schema({"y": ([], torch.int64)}, batch_size=[100], **real_server.connection_kwargs())
+    try:
+        store.extend(TensorDict(y=torch.full((2,), 1), batch_size=[2]))
+        store.extend(TensorDict(y=torch.full((2,), 1), batch_size=[2]))
+        assert store._conn.append_slot.armed is not None
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+
+        def child(value: int) -> None:
+            try:
+                got = [store.extend(TensorDict(y=torch.full((2,), value), batch_size=[2])).tolist() for _ in range(3)]
+                q.put(("ok", got))
+            except Exception as err:  # noqa: BLE001 - reported to the parent
+                q.put(("err", repr(err)))
+
+        procs = [ctx.Process(target=child, args=(v,)) for v in (2, 3)]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert all(kind == "ok" for kind, _ in results), results
+        mine = store.extend(TensorDict(y=torch.full((2,), 9), batch_size=[2])).tolist()
+        rows = sorted(r for _, got in results for batch_rows in got for r in batch_rows) + mine
+        assert sorted(rows) == list(range(4, 18)), "rows reserved twice or skipped"
+        values = store["y"][:18]
+        assert values[torch.tensor(mine)].tolist() == [9, 9]
+        assert sorted(values.tolist()) == [1] * 4 + [2] * 6 + [3] * 6 + [9] * 2
+        assert store.ring_state().valid == 18
+    finally:
+        store.clear_redis()
+        store.close()

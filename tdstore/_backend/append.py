@@ -176,6 +176,13 @@ class AppendPlan:
             ("SETRANGE", key, offset, data) for key, offset, data in setrange_commands(keys, groups)
         ]
         self._setranges = len(out)
+        chunks = keys.chunks
+        if not chunks or all(chunks.get(path) is None for path, _rb, _p in self.groups):
+            # one SETRANGE per run of each entry, into a key of capacity rows (see check())
+            runs = 1 if first == n else 2
+            self._lengths: list[int] | None = [self.capacity * rb for _p, rb, _d in self.groups for _ in range(runs)]
+        else:
+            self._lengths = None
         out.append(("SETRANGE", keys.flags, row0, b"\x01" * first))
         if first < n:
             out.append(("SETRANGE", keys.flags, 0, b"\x01" * (n - first)))
@@ -227,7 +234,7 @@ class AppendPlan:
                 exc = translate_response_error(reply)
                 raise exc from (reply if exc is not reply else None)
         lengths = [int(r) for r in result[: self._setranges]]
-        if lengths != self._full_lengths(start):
+        if lengths != (self._lengths if self._lengths is not None else self._full_lengths(start)):
             raise DataLostError(
                 f"an entry appended to at {self.keys.base} is registered but its bytes were gone from the server"
             )
