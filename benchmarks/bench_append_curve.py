@@ -17,6 +17,10 @@ and number of samplers (``--samplers``, default 0,2), two points run, tdstore's 
   entry (two where the batch wraps); the samplers ``GET`` the cursor, then read 256
   random rows of each entry in one MULTI (768 GETRANGEs) and build the tensors.
 
+``--sample-rate R`` paces each sampler at R calls a second on both sides, so that both do
+the same sampling work: unpaced, the side whose ``sample()`` is cheaper loops faster and, on a
+machine with fewer cores than processes, takes more CPU from its own appenders.
+
 Every process of a point connects and makes one untimed call first; then they all start
 at the same instant, run for ``--seconds`` (each loop also stops after ``MAX_CALLS``)
 and report their calls and the p50 / p99 time of a call. Throughput = rows appended /
@@ -155,7 +159,15 @@ def _worker(pipe: Connection, seed: int) -> None:
                 times = []
                 cpu0 = time.process_time()  # this process, all threads (tdstore's IO thread too)
                 now = time.monotonic()
+                rate = float(msg.get("rate") or 0.0) if msg.get("role") == "sample" else 0.0
                 while now < t_end and calls < MAX_CALLS:
+                    if rate:  # a paced sampler: call number k starts at t_start + k / rate
+                        due = t_start + calls / rate
+                        if due > now:
+                            time.sleep(min(due - now, t_end - now))
+                            now = time.monotonic()
+                            if now >= t_end:
+                                break
                     once()
                     calls += 1
                     times.append(time.monotonic() - now)
@@ -308,7 +320,8 @@ def _curve(
                 sides = [("tdstore", ours), ("raw", theirs)]
                 for _ in range(args.rounds):
                     for side, target in sides[::-1] if flip else sides:
-                        runs[side].append(run_point(workers, side, n, s, {"conn": conn, **target}, args.seconds, info))
+                        job = {"conn": conn, "rate": args.sample_rate, **target}
+                        runs[side].append(run_point(workers, side, n, s, job, args.seconds, info))
                     flip = not flip
                 for side_runs in runs.values():
                     results.extend({"server": kind, "transport": tr, **x} for x in side_runs)
@@ -345,13 +358,18 @@ def main() -> None:
                         "the table gives the medians (default 2)")
     parser.add_argument("--quick", action="store_true", help="one round of 1 s points")
     parser.add_argument("--json", metavar="FILE", help="also write every run's figures to FILE")
+    parser.add_argument(
+        "--sample-rate", type=float, default=0.0, metavar="R",
+        help="pace each sampler at R sample() calls a second, on both sides (default 0: as fast as it can; "
+        "on a small machine faster samplers then take CPU from the appenders)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.rounds = 1.0, 1
     args.appenders = [int(x) for x in args.appenders.split(",")]
     args.samplers = [int(x) for x in args.samplers.split(",")]
-    if min(args.appenders) < 1 or min(args.samplers) < 0 or args.seconds <= 0 or args.rounds < 1:
-        parser.error("--appenders must be >= 1, --samplers >= 0, --seconds > 0, --rounds >= 1")
+    if min(args.appenders) < 1 or min(args.samplers) < 0 or args.seconds <= 0 or args.rounds < 1 or args.sample_rate < 0:
+        parser.error("--appenders must be >= 1, --samplers >= 0, --seconds > 0, --rounds >= 1, --sample-rate >= 0")
     torch.set_num_threads(1)
     # forked before any server, connection or IO thread exists in this process
     workers = Workers(max(args.appenders) + max(args.samplers))
@@ -361,7 +379,8 @@ def main() -> None:
         for kind in args.servers.split(","):
             with bench_server(kind) as srv:
                 banner = server_banner(srv)
-                print(f"# {banner}; load {load_average()}; {args.rounds} x {args.seconds:g} s a point", flush=True)
+                paced = f"; samplers paced at {args.sample_rate:g} calls/s" if args.sample_rate else ""
+                print(f"# {banner}; load {load_average()}; {args.rounds} x {args.seconds:g} s a point{paced}", flush=True)
                 info = srv.sync_client()
                 table: list[list[str]] = []
                 try:
