@@ -44,6 +44,29 @@ def appender(conn: dict[str, Any], td_id: str, sub: tuple[str, ...], proc: int, 
     return out
 
 
+def paced_appender(conn: dict[str, Any], td_id: str, proc: int, count: int, rows: int, duration: float,
+                   cool: int, pause: float) -> list[int]:
+    """:func:`appender`, with ``COOL_APPENDS = cool`` (how many appends take the two steps
+    after an armed one was aborted) and a random pause of up to ``pause`` s between appends,
+    so that appends go armed (one packet) as well as in two steps, and armed ones get aborted."""
+    import random
+
+    from tdstore._backend import append as _append
+
+    _append.COOL_APPENDS = cool
+    rng = random.Random(proc)
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    end = time.time() + duration
+    out: list[int] = []
+    for seq in range(count):
+        if time.time() > end:
+            break
+        out.extend(store.extend(batch(proc, seq, rows)).tolist())
+        time.sleep(rng.uniform(0, pause))
+    store.close()
+    return out
+
+
 def sampler(conn: dict[str, Any], td_id: str, n: int, rounds: int, duration: float, dead: int) -> tuple[int, int, int, int]:
     """Samples until ``rounds`` or ``duration``: (rows sampled, torn, never written, rows of the killed appender ``dead``)."""
     store = TensorDictStore.from_store(td_id=td_id, **conn)

@@ -69,6 +69,47 @@ def test_samplers_never_see_a_torn_or_unwritten_row(real_server, pool, request):
     store.close()
 
 
+def test_armed_and_two_step_appends_mixed_never_collide(real_server, pool, request):
+    """Appenders whose appends go armed (one packet) and in two steps, armed ones aborted by
+    the others (no cool-down), beside samplers: every append lands whole in the rows it
+    returned, no row is returned twice, no sampled row is torn or unwritten."""
+    conn = real_server.connection_kwargs()
+    cap, rows, count = 2000, 3, 60  # no wrap: every acknowledged append must still be there
+    store = TensorDictStore.from_schema(SCHEMA, batch_size=[cap], **conn)
+    admin = real_server.sync_client()
+    try:
+        admin.config_resetstat()
+        appenders = [pool.submit(w.paced_appender, conn, store.td_id, p, count, rows, 30.0, 0, 0.002) for p in (1, 2, 3)]
+        samplers = [pool.submit(w.sampler, conn, store.td_id, 16, 300, 30.0, -1) for _ in range(2)]
+        got = {p: f.result(90) for p, f in zip((1, 2, 3), appenders, strict=True)}
+        sampled, torn, unwritten, _ = (sum(x) for x in zip(*(f.result(90) for f in samplers), strict=True))
+        stats = {k.removeprefix("cmdstat_"): v["calls"] for k, v in admin.info("commandstats").items()}
+        appends = 3 * count
+        two_step = stats.get("hdel", 0)  # each two-step write drops its reservation (no wrap: no takeover)
+        aborted = stats.get("unwatch", 0)  # an aborted armed MULTI, or an arming refused, ends in UNWATCH
+        rows_all = [r for v in got.values() for r in v]
+        twice = len(rows_all) - len(set(rows_all))
+        tags = store["tag"]
+        misplaced = 0
+        for p, mine in got.items():
+            for seq in range(count):
+                want = torch.tensor([[p, seq, i] for i in range(rows)])
+                misplaced += int(not torch.equal(tags[torch.tensor(mine[seq * rows : (seq + 1) * rows])], want))
+        _record(request, appended=appends, armed_appends=appends - two_step, armed_aborted_or_refused=aborted,
+                rows_returned_twice=twice, misplaced_appends=misplaced, sampled=sampled, torn_rows=torn,
+                unwritten_rows=unwritten)
+        assert len(rows_all) == appends * rows
+        assert (twice, misplaced, torn, unwritten) == (0, 0, 0, 0)
+        assert sorted(rows_all) == list(range(appends * rows)), "a gap or a row taken twice"
+        assert 0 < two_step < appends, "the appends did not go both ways"
+        assert sampled > 0
+        assert store.ring_state() == (appends * rows, appends * rows, cap, appends * rows)
+    finally:
+        admin.close()
+        store.clear_redis()
+        store.close()
+
+
 def test_appender_killed_between_its_two_steps(real_server, pool, request):
     conn = real_server.connection_kwargs()
     cap, rows = 32, 2
