@@ -218,11 +218,10 @@ def read_entries_direct(
     """
     big, device = _big_entries(paths, options)
     under = options.get("under")
+    from tdstore._backend.reads import transaction
+
     attempt = _EntriesTry(keys, paths, with_layout, big, device, _chunking_of(keys, paths, under), under)
-    with client.pipeline(transaction=True) as pipe:
-        attempt.build(pipe)
-        replies = pipe.execute(raise_on_error=False)
-    got = attempt.parse(replies)
+    got = attempt.parse(transaction(client, attempt.commands()))
     if isinstance(got, _Pieces):
         if not _large.read_pieces_direct(client, got.read):
             return None
@@ -273,27 +272,31 @@ class _EntriesTry:
         self.entry_keys = [self.keys.entry_keys(p, self.chunking[p]) for p in self.paths]
 
     def build(self, pipe: Any) -> None:
-        """Queues the snapshot's commands: the metadata, one MGET of the strings read whole
-        (one command costs the server a third less than a GET per string), a STRLEN per
-        string read in pieces."""
+        """Queues the snapshot's commands (:meth:`commands`) on a pipeline."""
+        for command in self.commands():
+            pipe.execute_command(*command)
+
+    def commands(self) -> list[tuple[Any, ...]]:
+        """The snapshot's commands: the metadata, one MGET of the strings read whole (one
+        command costs the server a fifth to a third less than a GET per string), a STRLEN
+        per string read in pieces."""
         keys, paths, with_layout, big, entry_keys = self.keys, self.paths, self.with_layout, self.big, self.entry_keys
+        out: list[tuple[Any, ...]] = []
         if with_layout:
-            pipe.hgetall(keys.meta)
-            pipe.hgetall(keys.reg)
-            pipe.get(keys.wv)
+            out += [("HGETALL", keys.meta), ("HGETALL", keys.reg), ("GET", keys.wv)]
         else:
-            pipe.hget(keys.meta, "lv")
+            out.append(("HGET", keys.meta, "lv"))
             if paths and self.under is None:
-                pipe.hmget(keys.reg, [encode_path(p) for p in paths])
+                out.append(("HMGET", keys.reg, *[encode_path(p) for p in paths]))
         whole = [name for path, names in zip(paths, entry_keys, strict=True) if path not in big for name in names]
         if whole:
-            pipe.mget(whole)
+            out.append(("MGET", *whole))
         for path, names in zip(paths, entry_keys, strict=True):
             if path in big:
-                for name in names:
-                    pipe.strlen(name)  # read below, in pieces
+                out += [("STRLEN", name) for name in names]  # read below, in pieces
         if big and not with_layout:
-            pipe.get(keys.wv)
+            out.append(("GET", keys.wv))
+        return out
 
     def _data_replies(self, replies: list[Any]) -> list[Any]:
         """The replies of :meth:`build`'s data commands, one per entry key in order (the MGET's
@@ -316,7 +319,7 @@ class _EntriesTry:
         under = self.under
         with_reg = not with_layout and bool(paths) and under is None
         if with_layout:
-            layout = parse_layout(replies[0], replies[1], keys.base)
+            layout = parse_layout(_hash(replies[0]), _hash(replies[1]), keys.base)
         elif with_reg and isinstance(replies[1], Exception):
             layout = parse_layout({}, replies[1], keys.base)  # raises: the registry is not a hash
         _raise_first_error(replies)
@@ -368,6 +371,14 @@ class _EntriesTry:
                 pieces.append((path, blobs[i], chunking[path]))
             return _Pieces(_large.PieceRead(keys, pieces, wv, lv_raw), (lv, metas, list(blobs), layout))
         return lv, metas, list(blobs), layout
+
+
+def _hash(reply: Any) -> Any:
+    """An HGETALL reply as a dict: RESP2 sends a flat list of fields and values where no
+    parsing callback made it one (the direct client's :func:`~tdstore._backend.reads.transaction`)."""
+    if isinstance(reply, list):
+        return dict(zip(reply[::2], reply[1::2], strict=True))
+    return reply
 
 
 async def _read_entries_once(
