@@ -217,9 +217,9 @@ def read_entries_direct(
     the caller does the same.
     """
     big, device = _big_entries(paths, options)
-    under = options.get("under")
-    from tdstore._backend.reads import transaction
+    from tdstore._backend.reads import transaction  # (reads imports this module)
 
+    under = options.get("under")
     attempt = _EntriesTry(keys, paths, with_layout, big, device, _chunking_of(keys, paths, under), under)
     got = attempt.parse(transaction(client, attempt.commands()))
     if isinstance(got, _Pieces):
@@ -299,7 +299,7 @@ class _EntriesTry:
         return out
 
     def _data_replies(self, replies: list[Any]) -> list[Any]:
-        """The replies of :meth:`build`'s data commands, one per entry key in order (the MGET's
+        """The replies of the data commands of :meth:`commands`, one per entry key in order (the MGET's
         values and the STRLENs of the strings read in pieces)."""
         whole = sum(len(names) for path, names in zip(self.paths, self.entry_keys, strict=True) if path not in self.big)
         values = iter(replies[0] if whole else ())

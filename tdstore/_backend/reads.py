@@ -177,7 +177,9 @@ def transaction(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     """MULTI, ``commands`` and EXEC sent in one packet on a blocking client (:func:`_exchange`):
     EXEC's replies, errors as values, as ``pipeline(transaction=True).execute(raise_on_error=
     False)`` gives them for commands whose replies need no parsing callback, without redis-py's
-    per-command bookkeeping (measured: a third of a small snapshot's client time).
+    per-command bookkeeping (measured on the busy 2-core VM, the MULTIs of ``to_tensordict()``
+    of 32 small leaves and of a lazy element read: 254 and 98 us a call, against 325 and 170
+    through the pipeline).
 
     Raises what the server refused before EXEC ran (a command it would not queue, e.g. over
     maxmemory; EXECABORT), as redis-py's errors: the caller's direct try then falls back to
