@@ -184,3 +184,34 @@ def test_cached_handle_reads_every_layout_change(server, cache_metadata: bool) -
     reader.clear_redis()
     reader.close()
     writer.close()
+
+
+def test_store_made_again_at_a_lower_version_is_read_at_once(server, monkeypatch) -> None:
+    """A store deleted and made again starts at a random layout version, which may be lower
+    than the one a handle holds: its next whole read takes the new layout (one refresh), not
+    the one-step fallback after three stale tries."""
+    kwargs = server.connection_kwargs()
+    reader = TensorDictStore(batch_size=[4], **kwargs)
+    reader["x"] = torch.arange(4.0)
+    reader.to_tensordict()  # caches the layout
+    other = TensorDictStore.from_store(td_id=reader.td_id, **kwargs)
+    other.clear_redis()
+    from tdstore._backend import ops as _ops
+
+    monkeypatch.setattr(_ops.secrets, "randbits", lambda _bits: 0)  # the new store starts at version 0
+    other["x"] = torch.arange(4, dtype=torch.int32)
+    other["y"] = torch.ones(4)
+    monkeypatch.undo()
+
+    def no_one_step(*_args: Any) -> Any:
+        raise AssertionError("a whole read fell back to the one-step read")
+
+    monkeypatch.setattr(TensorDictStore, "_snapshot_one_step", no_one_step)
+    got = reader.to_tensordict()
+    assert got["x"].dtype == torch.int32 and torch.equal(got["x"], torch.arange(4, dtype=torch.int32))
+    assert set(got.keys()) == {"x", "y"}
+    lv = int(server.sync_client().hget(f"tensordict:{{{reader.td_id}}}:meta", "lv"))
+    assert reader._conn.layout is not None and reader._conn.layout.lv == lv
+    reader.clear_redis()
+    reader.close()
+    other.close()

@@ -188,6 +188,8 @@ class StoreReads(DenseBase):
                 if lv is None:
                     raise self._not_found()
                 if lv != layout.lv:
+                    if lv < layout.lv:
+                        conn.layout = None  # the store was deleted and made again: a lower version is no older
                     self._layout(refresh=True)
                     raise Retry()
                 snap = layout
