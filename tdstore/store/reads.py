@@ -126,7 +126,7 @@ class StoreReads(DenseBase):
         return self._snapshot(progress)[0]
 
     def _snapshot(self, progress: bool | None = None) -> tuple[TensorDict, _backend.Layout]:
-        """The store in memory and the layout it was read at (its meta holds the write version)."""
+        """The store in memory and the layout it was read at."""
         conn = self._conn
         bar: Progress | None = None
         staged_tries = 0
@@ -161,24 +161,38 @@ class StoreReads(DenseBase):
                     raise Retry()
                 snap, blobs = got
             else:
+                # read at the layout planned with: its version with the bytes, not the registry
+                # (every registry change bumps the version in its step, docs/guarantees.md 2),
+                # so the snapshot is that layout when the version read is its own
                 large = _large_sizes(layout, paths)
                 device = self._cached_device()
 
                 async def read_all(c: Any) -> Any:
-                    return await _backend.read_entries(c, conn.keys, paths, with_layout=True, large=large, device=device)
+                    return await _backend.read_entries(c, conn.keys, paths, large=large, device=device, under=layout)
 
                 got_all = None
                 if _has_large(large) or (
-                    sum(large.values()) <= _DIRECT_SNAPSHOT_MAX and not any(conn.keys.chunks.get(p) is not None for p in paths)
+                    sum(large.values()) <= _DIRECT_SNAPSHOT_MAX and not any(m.chunk is not None for _, m in leaves)
                 ):
                     # small one-string entries: on the direct client, no hop to the IO loop;
                     # large ones: received there straight into their tensors
                     got_all = conn.read(
-                        lambda c, _r: _backend.read_entries_direct(c, conn.keys, paths, large=large, device=device), read_all
+                        lambda c, _r: _backend.read_entries_direct(
+                            c, conn.keys, paths, False, large=large, device=device, under=layout
+                        ),
+                        read_all,
                     )
                 if got_all is None:
                     got_all = conn.run(read_all)
-                _, _, blobs, snap = got_all
+                lv, _, blobs, _ = got_all
+                if lv is None:
+                    raise self._not_found()
+                if lv != layout.lv:
+                    if lv < layout.lv:
+                        conn.layout = None  # the store was deleted and made again: a lower version is no older
+                    self._layout(refresh=True)
+                    raise Retry()
+                snap = layout
             if snap is None:
                 raise self._not_found()
             if snap.lv != layout.lv:
