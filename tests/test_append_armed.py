@@ -319,3 +319,35 @@ def test_an_armed_handle_appends_after_fork_in_the_children_and_the_parent(real_
     finally:
         store.clear_redis()
         store.close()
+
+
+def test_a_failure_after_the_append_was_applied_does_not_send_it_again(real_server, monkeypatch):
+    """The UNWATCH that gives back a connection that could not arm runs after the append was
+    applied: its failure must not reach the driver, which would send the append again."""
+    import redis
+
+    monkeypatch.setattr(_append, "COOL_APPENDS", 0)  # every append tries to arm after its write
+    store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[100], **real_server.connection_kwargs())
+    try:
+        conn = store._conn
+        plan = _append.AppendPlan(
+            conn.keys, [], lv=store._layout().lv, n=1, capacity=100, sub=(), reservation=_append.Reservation()
+        )
+        keys, args = plan.reserve_keys_args("new")
+        conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))  # row 0, in flight: every arming fails
+        store.extend(TensorDict(y=torch.zeros(1), batch_size=[1]))
+        real_send = redis.connection.AbstractConnection.send_command
+
+        def send(self, *args, **kwargs):
+            if args and args[0] == "UNWATCH":
+                raise redis.exceptions.ConnectionError("the connection broke after the append")
+            return real_send(self, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_command", send)
+        got = [store.extend(TensorDict(y=torch.full((1,), float(i)), batch_size=[1])).tolist() for i in range(1, 4)]
+        assert got == [[2], [3], [4]]
+        assert store.ring_state().total == 5, "an append was sent twice"
+        assert store["y"][1:5].tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        store.clear_redis()
+        store.close()

@@ -295,6 +295,21 @@ def _connection_broke(plan: AppendPlan, err: BaseException) -> OutcomeUnknownErr
     )
 
 
+def _unwatch(client: Any, connection: Any) -> None:
+    """Gives ``connection`` back to the pool without its WATCH; never raises (it runs after
+    an append was applied: an error here must not make the caller send it again)."""
+    try:
+        connection.send_command("UNWATCH")
+        connection.read_response()
+    except Exception:  # noqa: BLE001 - the connection is dropped instead (disconnecting forgets the WATCH)
+        try:
+            _discard_sync(client, connection)
+        except Exception:  # noqa: BLE001
+            pass
+        return
+    client.connection_pool.release(connection)
+
+
 def _park(slot: ArmedSlot, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any]) -> None:
     """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it.
 
@@ -306,17 +321,14 @@ def _park(slot: ArmedSlot, client: Any, connection: Any, plan: AppendPlan, repli
     armed = plan.armed_state(client, connection, replies)
     if armed is None:
         slot.contended(COOL_APPENDS)
-        try:
-            connection.send_command("UNWATCH")
-            connection.read_response()
-        except BaseException:
-            _discard_sync(client, connection)
-            raise
-        client.connection_pool.release(connection)
+        _unwatch(client, connection)
         return
     displaced = slot.put(armed)  # type: ignore[arg-type]
     if displaced is not None:
-        _discard_sync(displaced.client, displaced.connection)
+        try:
+            _discard_sync(displaced.client, displaced.connection)
+        except Exception:  # noqa: BLE001 - (another thread's connection; the append is applied)
+            pass
 
 
 def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: ArmedSlot | None = None) -> int:
@@ -338,7 +350,10 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
     if slot is not None and not slot.cooling():  # (cooling() counts this append)
         armed = slot.take(client)  # type: ignore[assignment]
         if armed is not None and not plan.usable(armed):
-            slot.drop_sync(armed)  # type: ignore[arg-type]
+            if _alive(armed.connection):
+                _unwatch(client, armed.connection)  # (kept connected: a new connection costs the server more)
+            else:
+                slot.drop_sync(armed)  # type: ignore[arg-type]
             armed = None
     unwatch = False
     if armed is not None:
