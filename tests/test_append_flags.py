@@ -173,3 +173,24 @@ def test_a_reply_lost_after_the_write_is_an_unknown_outcome_not_a_second_append(
     assert (state.valid, state.total) == (2, 2)  # applied once, not sent again
     assert store["y"].tolist() == [1.0, 1.0] + [0.0] * (CAP - 2)
     assert store.extend(batch(2.0, 1)).tolist() == [2]  # the store goes on
+
+
+def test_a_damaged_counter_fails_the_append_once_and_clearly(store, server):
+    """A key of the store holding another type (here the append counters): the write's MULTI
+    ran but for that command; the append is reported once, never sent again."""
+    from tdstore.errors import CorruptMetadataError
+
+    store.extend(batch(1.0, 2))
+    client = server.sync_client()
+    try:
+        client.delete(store._conn.keys.appends)
+        client.set(store._conn.keys.appends, "not a hash")
+        for value in (2.0, 3.0):
+            with pytest.raises(CorruptMetadataError, match="refused part of an append"):
+                store.extend(batch(value, 2))
+        assert int(client.get(store._conn.keys.ring)) == 6, "an append was sent again"
+        assert store["y"][:6].tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    finally:
+        client.close()
+    store.clear_redis()
+    assert not any(True for _ in server.sync_client().scan_iter(match=f"*{store.td_id}*"))

@@ -58,7 +58,14 @@ from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import StoreKeys, encode_path
-from tdstore.errors import DataLostError, OutcomeUnknownError, StaleLayoutError, translate_response_error
+from tdstore.errors import (
+    CorruptMetadataError,
+    DataLostError,
+    OutcomeUnknownError,
+    StaleLayoutError,
+    TDStoreError,
+    translate_response_error,
+)
 
 __all__ = [
     "Reservation", "AppendPlan", "ArmedRing", "COOL_APPENDS", "append_direct", "append_watched", "ABORTED",
@@ -232,7 +239,14 @@ class AppendPlan:
         for reply in result:
             if isinstance(reply, redis.exceptions.ResponseError):
                 exc = translate_response_error(reply)
-                raise exc from (reply if exc is not reply else None)
+                if not isinstance(exc, TDStoreError):
+                    # the other commands of the MULTI ran (a server does not roll back): an
+                    # error a driver would retry must not make it send the append again
+                    exc = CorruptMetadataError(
+                        f"the server refused part of an append to {self.keys.base} (a key of the store holds "
+                        f"another type of value, damaged or written by hand?), after applying the rest: {reply}"
+                    )
+                raise exc from reply
         lengths = [int(r) for r in result[: self._setranges]]
         if lengths != (self._lengths if self._lengths is not None else self._full_lengths(start)):
             raise DataLostError(
