@@ -30,8 +30,20 @@ def bad_rows(td: TensorDict) -> tuple[int, int]:
 
 
 def appender(conn: dict[str, Any], td_id: str, sub: tuple[str, ...], proc: int, count: int, rows: int,
-             duration: float) -> list[int]:
-    """Appends ``count`` batches of ``rows`` rows into ``store[sub]``; returns the rows it got."""
+             duration: float, cool: int | None = None, pause: float = 0.0) -> list[int]:
+    """Appends ``count`` batches of ``rows`` rows into ``store[sub]``; returns the rows it got.
+
+    ``cool``: ``COOL_APPENDS`` (appends that take the two steps after an armed one was
+    aborted); ``pause``: a random pause of up to that many seconds after each append. Both
+    make appends go armed (one packet) as well as in two steps, and armed ones get aborted.
+    """
+    import random
+
+    from tdstore._backend import append as _append
+
+    if cool is not None:
+        _append.COOL_APPENDS = cool
+    rng = random.Random(proc)
     store = TensorDictStore.from_store(td_id=td_id, **conn)
     target = store[sub] if sub else store
     end = time.time() + duration
@@ -40,29 +52,8 @@ def appender(conn: dict[str, Any], td_id: str, sub: tuple[str, ...], proc: int, 
         if time.time() > end:
             break
         out.extend(target.extend(batch(proc, seq, rows)).tolist())
-    store.close()
-    return out
-
-
-def paced_appender(conn: dict[str, Any], td_id: str, proc: int, count: int, rows: int, duration: float,
-                   cool: int, pause: float) -> list[int]:
-    """:func:`appender`, with ``COOL_APPENDS = cool`` (how many appends take the two steps
-    after an armed one was aborted) and a random pause of up to ``pause`` s between appends,
-    so that appends go armed (one packet) as well as in two steps, and armed ones get aborted."""
-    import random
-
-    from tdstore._backend import append as _append
-
-    _append.COOL_APPENDS = cool
-    rng = random.Random(proc)
-    store = TensorDictStore.from_store(td_id=td_id, **conn)
-    end = time.time() + duration
-    out: list[int] = []
-    for seq in range(count):
-        if time.time() > end:
-            break
-        out.extend(store.extend(batch(proc, seq, rows)).tolist())
-        time.sleep(rng.uniform(0, pause))
+        if pause:
+            time.sleep(rng.uniform(0, pause))
     store.close()
     return out
 

@@ -79,7 +79,7 @@ def test_armed_and_two_step_appends_mixed_never_collide(real_server, pool, reque
     admin = real_server.sync_client()
     try:
         admin.config_resetstat()
-        appenders = [pool.submit(w.paced_appender, conn, store.td_id, p, count, rows, 30.0, 0, 0.002) for p in (1, 2, 3)]
+        appenders = [pool.submit(w.appender, conn, store.td_id, (), p, count, rows, 30.0, 0, 0.002) for p in (1, 2, 3)]
         samplers = [pool.submit(w.sampler, conn, store.td_id, 16, 300, 30.0, -1) for _ in range(2)]
         got = {p: f.result(90) for p, f in zip((1, 2, 3), appenders, strict=True)}
         sampled, torn, unwritten, _ = (sum(x) for x in zip(*(f.result(90) for f in samplers), strict=True))

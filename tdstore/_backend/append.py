@@ -53,7 +53,7 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.armed_write import ArmedSlot, _discard_sync, _exchange_sync
+from tdstore._backend.armed_write import ArmedSlot, _discard_sync, _exchange_sync, _s
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.chunks import setrange_commands
@@ -183,13 +183,6 @@ class AppendPlan:
             ("SETRANGE", key, offset, data) for key, offset, data in setrange_commands(keys, groups)
         ]
         self._setranges = len(out)
-        chunks = keys.chunks
-        if not chunks or all(chunks.get(path) is None for path, _rb, _p in self.groups):
-            # one SETRANGE per run of each entry, into a key of capacity rows (see check())
-            runs = 1 if first == n else 2
-            self._lengths: list[int] | None = [self.capacity * rb for _p, rb, _d in self.groups for _ in range(runs)]
-        else:
-            self._lengths = None
         out.append(("SETRANGE", keys.flags, row0, b"\x01" * first))
         if first < n:
             out.append(("SETRANGE", keys.flags, 0, b"\x01" * (n - first)))
@@ -248,7 +241,7 @@ class AppendPlan:
                     )
                 raise exc from reply
         lengths = [int(r) for r in result[: self._setranges]]
-        if lengths != (self._lengths if self._lengths is not None else self._full_lengths(start)):
+        if lengths != self._full_lengths(start):
             raise DataLostError(
                 f"an entry appended to at {self.keys.base} is registered but its bytes were gone from the server"
             )
@@ -256,6 +249,10 @@ class AppendPlan:
     def _full_lengths(self, start: int) -> list[int]:
         """The full length of the key of each SETRANGE of :meth:`write_commands`, in order."""
         keys, capacity = self.keys, self.capacity
+        if not keys.chunks or all(keys.chunks.get(path) is None for path, _rb, _p in self.groups):
+            # (the common case, on the hot path) one SETRANGE per run of each entry's one key
+            pieces = 1 if self.n <= capacity - start % capacity else 2
+            return [capacity * rb for _p, rb, _d in self.groups for _ in range(pieces)]
         row_bytes = {path: rb for path, rb, _ in self.groups}
         out = []
         for path, runs, payload in self._runs(start)[2]:
@@ -281,12 +278,6 @@ def _raise_reply(reply: Any) -> None:
         raise exc from (reply if exc is not reply else None)
     if isinstance(reply, Exception):
         raise reply
-
-
-def _s(value: Any) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _alive(connection: Any) -> bool:
