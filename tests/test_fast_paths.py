@@ -93,6 +93,47 @@ def test_packed_commands_match_redis_py_and_keep_large_buffers_uncopied():
         assert len(sent) == len(big) and all(a is b for a, b in zip(sent, big, strict=True))  # the tensor's own memory, not copies
 
 
+@pytest.mark.parametrize("batch", [512, 3])
+def test_gathered_send_delivers_every_byte_in_order_through_partial_sends(batch, monkeypatch):
+    """One ``sendmsg`` per batch of pieces: a socket that takes part of the data (small
+    buffer, a timeout, a slow reader) still gets every byte, in order, once."""
+    import random
+    import socket
+
+    from tdstore._backend import armed_write
+
+    monkeypatch.setattr(armed_write, "_IOV_BATCH", batch)
+    rng = random.Random(5)
+    pieces: list = []
+    for _ in range(40):
+        size = rng.choice([0, 1, 7, 1000, 70_000, 300_000])
+        data = bytes(rng.getrandbits(8) for _ in range(min(size, 64))) * (size // 64 + 1)
+        pieces.append(memoryview(data[:size]) if rng.random() < 0.5 else data[:size])
+    want = b"".join(bytes(p) for p in pieces)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.settimeout(30)  # (a socket with a timeout may send part of a sendmsg)
+    got = bytearray()
+
+    def reader() -> None:
+        while len(got) < len(want):
+            chunk = b.recv(rng.choice([1, 500, 65536]))
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        armed_write._send_gathered(a, pieces)
+        thread.join(60)
+    finally:
+        a.close()
+        b.close()
+    assert not thread.is_alive()
+    assert bytes(got) == want
+
+
 def test_direct_send_never_reconnects(real_server):
     """A connection closed under an armed write (say, by close() in another thread) fails the
     write: redis-py would reconnect it and send the MULTI without the WATCH."""

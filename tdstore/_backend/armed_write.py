@@ -29,6 +29,7 @@ new client, an error or a cancellation drops it (disconnected, never reused).
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -368,6 +369,30 @@ def _packed(commands: list[tuple[Any, ...]]) -> list[Any]:
     return out
 
 
+#: Buffers one ``sendmsg`` call passes (Linux's IOV_MAX is 1024).
+_IOV_BATCH = 512
+_GATHER = hasattr(socket.socket, "sendmsg")
+
+
+def _send_gathered(sock: Any, pieces: list[Any]) -> None:
+    """``sendall`` of ``pieces`` back to back, with one ``sendmsg`` system call per batch of
+    buffers instead of one call each: the server then finds a packet's commands together
+    (one read, not one wake-up per piece), and the client makes fewer system calls."""
+    views = [memoryview(piece).cast("B") for piece in pieces]
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _IOV_BATCH]
+        sent = sock.sendmsg(batch)
+        # (a blocking socket with a timeout may take part of the data: send the rest)
+        for view in batch:
+            if sent >= view.nbytes:
+                sent -= view.nbytes
+                i += 1
+                continue
+            views[i] = view[sent:]
+            break
+
+
 def _send_sync(connection: Any, pieces: list[Any]) -> None:
     """Writes ``pieces`` to the connection's socket, never reconnecting.
 
@@ -378,8 +403,11 @@ def _send_sync(connection: Any, pieces: list[Any]) -> None:
     if sock is None:
         raise redis.exceptions.ConnectionError("the armed connection was closed")
     try:
-        for piece in pieces:
-            sock.sendall(piece)
+        if len(pieces) == 1 or not _GATHER:
+            for piece in pieces:
+                sock.sendall(piece)
+        else:
+            _send_gathered(sock, pieces)
     except TimeoutError:
         connection.disconnect()
         raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
