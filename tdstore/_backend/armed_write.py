@@ -33,6 +33,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import redis.asyncio
@@ -340,6 +341,13 @@ async def write_runs_armed(
 _ZERO_COPY_MIN = 64 * 1024
 
 
+@lru_cache(maxsize=4096)
+def _bulk_str(arg: str) -> bytes:
+    """The RESP bulk string of ``arg`` (keys and field names recur: memoized)."""
+    data = arg.encode()
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
 def _packed(commands: list[tuple[Any, ...]]) -> list[Any]:
     """The RESP encoding of ``commands``: ``bytes`` pieces, with every large buffer argument
     in between as itself, to be sent from its own memory.
@@ -352,7 +360,15 @@ def _packed(commands: list[tuple[Any, ...]]) -> list[Any]:
     for command in commands:
         head += b"*%d\r\n" % len(command)
         for arg in command:
-            if isinstance(arg, memoryview):
+            kind = type(arg)  # (exact types first: this runs for every argument of every packet)
+            if kind is str:
+                head += _bulk_str(arg)
+                continue
+            if kind is int:
+                data = b"%d" % arg
+            elif kind is bytes:
+                data = arg
+            elif isinstance(arg, memoryview):
                 head += b"$%d\r\n" % arg.nbytes
                 if arg.nbytes >= _ZERO_COPY_MIN:
                     out.append(bytes(head))
@@ -360,10 +376,12 @@ def _packed(commands: list[tuple[Any, ...]]) -> list[Any]:
                     head = bytearray(b"\r\n")
                     continue
                 head += arg
+                head += b"\r\n"
+                continue
             else:
                 data = arg if isinstance(arg, bytes) else str(arg).encode()
-                head += b"$%d\r\n" % len(data)
-                head += data
+            head += b"$%d\r\n" % len(data)
+            head += data
             head += b"\r\n"
     out.append(bytes(head))
     return out
@@ -447,6 +465,10 @@ def _read_replies(parser: Any, reader: Any, count: int) -> list[Any]:
     out: list[Any] = []
     while len(out) < count:
         reply = reader.gets()
+        kind = type(reply)
+        if kind is bytes or kind is int:  # (most replies: QUEUED, OK, counters, lengths)
+            out.append(reply)
+            continue
         if reply is NOT_ENOUGH_DATA:
             parser.read_from_socket()
             continue
