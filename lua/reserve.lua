@@ -4,31 +4,34 @@ MULTI of the rows' SETRANGEs, is sent by the client: see tdstore/_backend/append
 row byte passes through this script.
 
 It checks the layout version (and, when given, that every data key exists with its full
-size), advances the cursor by n, records the reservation as in flight, and clears the rows' "written"
-flags, so that sample() stops drawing them until the client's MULTI writes the rows and
-sets their flags again. A reservation whose rows the new one would overlap (its appender
-is slow, or died between the two steps, and the ring came round) is taken over: it is
-dropped from the in-flight hash and the fence counter is bumped. Every appender WATCHes
-the fence between its two steps, so the dropped one's MULTI is aborted and never writes
-rows that are now another appender's; it then finds its reservation gone and reserves
-new rows.
+size), advances the cursor by n and clears the rows' "written" flags, so that sample()
+stops drawing them until the client's MULTI writes the rows and sets their flags again.
+
+The flags are also the record of the appends in flight: a row reserved before (the ring
+came round) whose flag is still clear was reserved by an append that has not written it
+yet (it is slow, or died between its two steps). Its reservation is taken over: the fence
+counter is bumped. Every appender WATCHes the fence between its two steps, so the slow
+one's MULTI is aborted and never writes rows that are now another appender's; its "keep"
+then finds the cursor more than a ring past its rows, and it reserves new ones.
 
 KEYS[1]   meta hash of the store (layout version "lv", expiry "exp")
 KEYS[2]   ring cursor: rows ever reserved (a string key)
 KEYS[3]   row flags: one byte per row, 1 when the row holds a whole appended row
-KEYS[4]   in-flight hash: reservation id -> "cursor:n:capacity"
-KEYS[5]   fence counter, bumped when a reservation is taken over
-KEYS[6..] optional: the data keys of each entry written, in the order of the ARGV groups:
+KEYS[4]   fence counter, bumped when a reservation in flight is taken over
+KEYS[5..] optional: the data keys of each entry written, in the order of the ARGV groups:
           its one key, or its chunks in order (a chunked entry, see tdstore/_core/chunks.py)
 
 ARGV[1]   expected layout version (decimal string)
 ARGV[2]   number of rows n (1 <= n <= capacity)
 ARGV[3]   capacity: the size of the first batch dim
-ARGV[4]   reservation id (the client's, unique)
-ARGV[5]   "new": reserve n rows; "keep": the reservation ARGV[4] was made before (its
-          MULTI was aborted by a layout change or the fence): check it again under the
-          current layout, without moving the cursor
-ARGV[6..] optional: one pair per entry: the bytes of one row, the bytes of one chunk ("0"
+ARGV[4]   "new": reserve n rows; "keep": the rows reserved before at cursor ARGV[5] (the
+          append's MULTI was aborted by a layout change or the fence): check them again
+          under the current layout, without moving the cursor
+ARGV[5]   "keep": the cursor value the reservation started at ("new": ignored)
+ARGV[6]   "keep": the layout version the reservation was made under ("new": ignored). The
+          store must be the same one: a layout change adds 1 to the version, and a store
+          created anew starts at a random multiple of 1024 (see lua/commit.lua)
+ARGV[7..] optional: one pair per entry: the bytes of one row, the bytes of one chunk ("0"
           for an entry kept in one key). The client sends the data keys and these pairs
           when it re-plans ("keep"). A first reserve goes without them: the checks cost
           the server more than the rest of the script, and the write finds a key that
@@ -38,8 +41,9 @@ ARGV[6..] optional: one pair per entry: the bytes of one row, the bytes of one c
 A store with an expiry (meta field "exp") gives the keys this script writes that expiry.
 
 Returns: {the cursor value the rows start at (the rows are (start + i) % capacity),
-          the store's expiry "exp" or ""}; the start is -1 when "keep" finds the
-          reservation taken over (or made for other rows): the client reserves anew
+          the store's expiry "exp" or "", the layout version}; the start is -1 when
+          "keep" finds the rows taken over (or the store made anew): the client reserves
+          new rows
 
 Errors:
   TDS_NOSTORE  the store does not exist
@@ -67,12 +71,12 @@ if n == nil or capacity == nil or n ~= n or capacity ~= capacity or capacity > 9
     or n < 1 or n ~= math.floor(n) or capacity ~= math.floor(capacity) or n > capacity then
   return fail('TDS_BADARG', 'need 1 <= rows <= capacity, got ' .. tostring(ARGV[2]) .. ' and ' .. tostring(ARGV[3]))
 end
-local id, mode = ARGV[4], ARGV[5]
-if id == nil or id == '' or string.find(id, ':', 1, true) or (mode ~= 'new' and mode ~= 'keep') then
-  return fail('TDS_BADARG', 'expected a reservation id and "new" or "keep"')
+local mode = ARGV[4]
+if (mode ~= 'new' and mode ~= 'keep') or #ARGV < 6 then
+  return fail('TDS_BADARG', 'expected "new" or "keep", a cursor and a layout version')
 end
-if (#ARGV - 5) % 2 ~= 0 then
-  return fail('TDS_BADARG', 'expected pairs of (row bytes, chunk bytes), got ' .. (#ARGV - 5) .. ' values')
+if (#ARGV - 6) % 2 ~= 0 then
+  return fail('TDS_BADARG', 'expected pairs of (row bytes, chunk bytes), got ' .. (#ARGV - 6) .. ' values')
 end
 
 local function count(value)
@@ -83,9 +87,9 @@ end
 
 -- every data key exists with its full size (a SETRANGE into a missing or short key would
 -- create it zero-padded)
-local next_key = 6
-for g = 1, (#ARGV - 5) / 2 do
-  local row_bytes, chunk = count(ARGV[4 + 2 * g]), count(ARGV[5 + 2 * g])
+local next_key = 5
+for g = 1, (#ARGV - 6) / 2 do
+  local row_bytes, chunk = count(ARGV[5 + 2 * g]), count(ARGV[6 + 2 * g])
   if row_bytes == nil or chunk == nil then
     return fail('TDS_BADARG', 'group ' .. g .. ' is not a pair of byte counts')
   end
@@ -114,14 +118,15 @@ if next_key ~= #KEYS + 1 then
 end
 
 if mode == 'keep' then
-  local held = rcall('HGET', KEYS[4], id)
-  if not held then return {-1, exp} end
-  local start, rows, cap = string.match(held, '^(%d+):(%d+):(%d+)$')
-  if tonumber(rows) ~= n or tonumber(cap) ~= capacity then
-    rcall('HDEL', KEYS[4], id)
-    return {-1, exp}
+  -- still this append's rows: the same store (its layout version moved by layout changes
+  -- only), no later reservation reached them (the cursor is at most a ring past them)
+  local start, lv0, lv = count(ARGV[5]), count(ARGV[6]), tonumber(meta[1])
+  local cursor = count(rcall('GET', KEYS[2]) or '0')
+  if start == nil or lv0 == nil or lv == nil or cursor == nil or lv < lv0 or lv - lv0 >= 1048576
+      or start + n > cursor or cursor > start + capacity then
+    return {-1, exp, meta[1]}
   end
-  return {tonumber(start), exp}
+  return {start, exp, meta[1]}
 end
 
 -- the last check: the INCRBY of the cursor is this script's first write (an INCRBY of a
@@ -132,38 +137,43 @@ if type(moved) ~= 'number' or moved < n then
   return fail('TDS_BADARG', 'the cursor of ' .. KEYS[1] .. ' is not a row count')
 end
 local cursor = moved - n
+local start = cursor % capacity
+local first = math.min(n, capacity - start)
 
 -- a ring appended to before the flags existed (or whose cursor was set by the client):
 -- its first min(cursor, capacity) rows count as written
-if cursor > 0 and rcall('EXISTS', KEYS[3]) == 0 then
+local function adopt()
+  if rcall('EXISTS', KEYS[3]) == 1 then return false end
   rcall('SETRANGE', KEYS[3], '0', string.rep('\1', math.min(cursor, capacity)))
+  return true
 end
 
--- take over the reservations in flight whose rows these would overlap
-local start = cursor % capacity
-local fenced = false
-local held = rcall('HGETALL', KEYS[4])
-for i = 1, #held, 2 do
-  local s, rows, cap = string.match(held[i + 1], '^(%d+):(%d+):(%d+)$')
-  s, rows = tonumber(s), tonumber(rows)
-  -- (a malformed or other-capacity entry is dropped too: it can never be written)
-  if s == nil or tonumber(cap) ~= capacity or (s - start) % capacity < n or (start - s) % capacity < rows then
-    rcall('HDEL', KEYS[4], held[i])
-    fenced = true
+-- whether rows from .. from + count - 1 are all flagged as written
+local function written(from, count)
+  return rcall('GETRANGE', KEYS[3], int_str(from), int_str(from + count - 1)) == string.rep('\1', count)
+end
+
+-- the rows these take that were reserved before (the cursor came round): a clear flag is
+-- an append still in flight there (or one that died between its steps): take it over
+if cursor > 0 and cursor + n <= capacity then
+  adopt()  -- (rows never reserved: nothing to take over)
+elseif cursor > 0 then
+  local whole = true
+  if cursor >= capacity then whole = written(start, first) end
+  if whole and first < n then whole = written(0, n - first) end
+  if not whole and not adopt() then
+    rcall('INCR', KEYS[4])
   end
 end
-if fenced then rcall('INCR', KEYS[5]) end
-rcall('HSET', KEYS[4], id, int_str(cursor) .. ':' .. int_str(n) .. ':' .. int_str(capacity))
 
 -- clear the flags of the rows (SETRANGE pads a new key with zeros: unflagged)
-local first = math.min(n, capacity - start)
 rcall('SETRANGE', KEYS[3], int_str(start), string.rep('\0', first))
 if first < n then
   rcall('SETRANGE', KEYS[3], '0', string.rep('\0', n - first))
 end
 if exp ~= '' then
-  for k = 2, 5 do
+  for k = 2, 4 do
     if rcall('EXISTS', KEYS[k]) == 1 then rcall('PEXPIREAT', KEYS[k], exp) end
   end
 end
-return {cursor, exp}
+return {cursor, exp, meta[1]}

@@ -1,7 +1,7 @@
 """Appends in one packet on an armed connection (tdstore/_backend/append.py, ``append_direct``).
 
-After an append, the direct client's connection stays WATCHing the ring's meta hash, cursor
-and in-flight hash; the next append of the handle then writes its rows at the cursor it read
+After an append, the direct client's connection stays WATCHing the ring's meta hash and
+cursor (and has read the flags of the rows ahead: none in flight); the next append of the handle then writes its rows at the cursor it read
 and INCRBYs the cursor in one MULTI, with no reserve step. Anything that changes a watched key
 meanwhile (another appender, a reservation, a layout change, a cursor set) aborts that MULTI
 and the append takes the two steps; the next ``COOL_APPENDS`` appends do too.
@@ -108,22 +108,57 @@ def test_appends_cool_down_after_contention_then_arm_again(store, real_server, a
         other.close()
 
 
-def test_a_reservation_in_flight_keeps_appends_on_two_steps(store, admin):
-    store.extend(batch(1.0, 1))
+def dead_reservation(store, n: int, capacity: int = CAP) -> int:
+    """Reserves ``n`` rows as an appender that dies before writing them; returns the cursor it got."""
     conn = store._conn
     plan = _append.AppendPlan(
-        conn.keys, [], lv=store._layout().lv, n=2, capacity=CAP, sub=(), reservation=_append.Reservation()
+        conn.keys, [], lv=store._layout().lv, n=n, capacity=capacity, sub=(), reservation=_append.Reservation()
     )
     keys, args = plan.reserve_keys_args("new")
-    assert int(conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))[0]) == 1  # rows 1-2, never written
+    return int(conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))[0])
+
+
+def test_an_append_in_flight_on_the_next_rows_keeps_appends_off_the_armed_path(store, admin, monkeypatch):
+    """Arming reads the flags of the rows the next appends would take where the ring came
+    round to them: an append in flight there (flags clear) keeps the handle on the two
+    steps, whose reserve takes those rows over (the fence) instead of writing over them.
+    An append in flight elsewhere does not stop arming."""
+    monkeypatch.setattr(_append, "COOL_APPENDS", 0)
+    store.extend(batch(1.0, CAP))  # a whole lap: from here on the rows were reserved before
+    assert dead_reservation(store, 2) == CAP  # rows 0-1, in flight for ever
     admin.config_resetstat()
-    assert store.extend(batch(2.0, 2)).tolist() == [3, 4]
-    assert calls(admin)["evalsha"] == 1  # the armed MULTI was aborted by the reservation: two steps
+    assert store.extend(batch(2.0, 2)).tolist() == [2, 3]  # the armed MULTI was aborted (the cursor moved)
+    assert calls(admin)["evalsha"] == 1
+    for want in ([4, 5], [6, 7]):
+        admin.config_resetstat()
+        assert store.extend(batch(3.0, 2)).tolist() == want
+        assert calls(admin)["evalsha"] == 1, "an append went armed while the rows ahead were in flight"
+    assert store._conn.append_slot.armed is None
     admin.config_resetstat()
-    assert store.extend(batch(3.0, 2)).tolist() == [5, 6]
-    assert calls(admin)["evalsha"] == 1, "an append went armed while a reservation was in flight"
-    assert store.ring_state().valid == 5  # rows 1-2 stay unflagged
-    assert 0.0 not in store.sample(200)["y"].tolist()
+    assert store.extend(batch(4.0, 2)).tolist() == [0, 1]  # two steps: takes the dead rows over
+    # (the takeover's fence aborts its own first write too: it checks its rows again, "keep")
+    assert calls(admin)["evalsha"] == 2 and admin.get(store._conn.keys.fence) == b"1"
+    admin.config_resetstat()
+    assert store.extend(batch(5.0, 2)).tolist() == [2, 3]
+    assert calls(admin).get("evalsha", 0) == 0, "the rows ahead are written: the append goes armed"
+    assert rows(store) == [4.0, 4.0, 5.0, 5.0, 3.0, 3.0, 3.0, 3.0]
+
+
+def test_an_append_in_flight_elsewhere_leaves_appends_armed(real_server, admin, monkeypatch):
+    monkeypatch.setattr(_append, "COOL_APPENDS", 0)
+    store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[1000], **real_server.connection_kwargs())
+    try:
+        store.extend(TensorDict(y=torch.ones(1), batch_size=[1]))  # row 0
+        assert dead_reservation(store, 2, 1000) == 1  # rows 1-2, in flight for ever
+        store.extend(TensorDict(y=torch.ones(1), batch_size=[1]))  # row 3: armed MULTI aborted, two steps, re-armed
+        admin.config_resetstat()
+        got = [store.extend(TensorDict(y=torch.full((1,), float(i)), batch_size=[1])).item() for i in range(5)]
+        assert got == [4, 5, 6, 7, 8]
+        assert calls(admin).get("evalsha", 0) == 0, "a reservation in flight behind the cursor stopped arming"
+        assert store.ring_state() == (7, 9, 1000, 9)  # rows 1-2 stay unflagged
+    finally:
+        store.clear_redis()
+        store.close()
 
 
 def test_a_layout_change_between_appends_is_seen(store, real_server):
@@ -218,25 +253,28 @@ def test_threads_appending_on_one_handle_get_disjoint_rows(real_server):
         store.close()
 
 
-def test_appends_that_cannot_arm_do_not_reconnect(real_server, admin):
-    """An append that finds a reservation in flight when it re-arms goes back to the two
-    steps on the connection it has: dropping it would cost the server a new connection."""
-    store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[1000], **real_server.connection_kwargs())
+def test_appends_that_cannot_arm_do_not_reconnect(real_server, admin, monkeypatch):
+    """An append whose re-arming is refused (another handle appended meanwhile), or whose
+    armed MULTI is aborted, goes on the connection it has: dropping it would cost the server
+    a new connection."""
+    monkeypatch.setattr(_append, "COOL_APPENDS", 0)  # every append tries to arm
+    kwargs = real_server.connection_kwargs()
+    store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[1000], **kwargs)
+    other = TensorDictStore.from_store(td_id=store.td_id, **kwargs)
     try:
-        store.extend(TensorDict(y=torch.zeros(1), batch_size=[1]))
-        conn = store._conn
-        plan = _append.AppendPlan(
-            conn.keys, [], lv=store._layout().lv, n=1, capacity=1000, sub=(), reservation=_append.Reservation()
-        )
-        keys, args = plan.reserve_keys_args("new")
-        conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))  # stays in flight: every arming fails
+        for handle in (store, other):
+            handle.extend(TensorDict(y=torch.zeros(1), batch_size=[1]))
+        admin.config_resetstat()
         before = int(admin.info("stats")["total_connections_received"])
-        for i in range(100):
-            store.extend(TensorDict(y=torch.full((1,), float(i)), batch_size=[1]))
+        for i in range(50):
+            for handle in (store, other):  # each append moves the cursor the other one watches
+                handle.extend(TensorDict(y=torch.full((1,), float(i)), batch_size=[1]))
         opened = int(admin.info("stats")["total_connections_received"]) - before
-        assert opened <= 1, f"{opened} connections opened by 100 appends"
-        assert store.ring_state() == (101, 102, 1000, 102)
+        assert opened == 0, f"{opened} connections opened by 100 appends"
+        assert calls(admin)["unwatch"] >= 90, "the appends were not aborted nor refused"
+        assert store.ring_state() == (102, 102, 1000, 102)
     finally:
+        other.close()
         store.clear_redis()
         store.close()
 
@@ -327,14 +365,10 @@ def test_a_failure_after_the_append_was_applied_does_not_send_it_again(real_serv
     import redis
 
     monkeypatch.setattr(_append, "COOL_APPENDS", 0)  # every append tries to arm after its write
-    store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[100], **real_server.connection_kwargs())
+    store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[4], **real_server.connection_kwargs())
     try:
-        conn = store._conn
-        plan = _append.AppendPlan(
-            conn.keys, [], lv=store._layout().lv, n=1, capacity=100, sub=(), reservation=_append.Reservation()
-        )
-        keys, args = plan.reserve_keys_args("new")
-        conn.run(lambda c: conn.runner.call(c, "reserve", keys, args))  # row 0, in flight: every arming fails
+        # row 0 in flight: every arming fails (the ring comes round to it) until an append takes it over
+        assert dead_reservation(store, 1, 4) == 0
         store.extend(TensorDict(y=torch.zeros(1), batch_size=[1]))
         real_send = redis.connection.AbstractConnection.send_command
 
@@ -345,9 +379,9 @@ def test_a_failure_after_the_append_was_applied_does_not_send_it_again(real_serv
 
         monkeypatch.setattr(redis.connection.AbstractConnection, "send_command", send)
         got = [store.extend(TensorDict(y=torch.full((1,), float(i)), batch_size=[1])).tolist() for i in range(1, 4)]
-        assert got == [[2], [3], [4]]
+        assert got == [[2], [3], [0]]
         assert store.ring_state().total == 5, "an append was sent twice"
-        assert store["y"][1:5].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert store["y"].tolist() == [3.0, 0.0, 1.0, 2.0]
     finally:
         store.clear_redis()
         store.close()

@@ -1,38 +1,42 @@
 """Appends in two steps, with no row byte passing through Lua (issue 16).
 
 1. **Reserve** (``lua/reserve.lua``, a tiny script): checks the layout version (and the data
-   keys when it re-plans), advances the ring cursor by ``n``, records the reservation in the in-flight hash and
-   clears the rows' "written" flags (``keys.flags``, one byte per row).
+   keys when it re-plans), advances the ring cursor by ``n`` and clears the rows' "written"
+   flags (``keys.flags``, one byte per row).
 2. **Write**: a MULTI of the rows' SETRANGEs (each chunk's, for a chunked entry), the
-   SETRANGE that sets the rows' flags, the HDEL of the reservation, the write version's INCR
-   and the HINCRBY of the append counter of the sub-store appended to (``keys.appends``,
-   not the meta hash: the number of appends is the sum of its fields), then EXEC.
+   SETRANGE that sets the rows' flags, the write version's INCR and the HINCRBY of the
+   append counter of the sub-store appended to (``keys.appends``, not the meta hash: the
+   number of appends is the sum of its fields), then EXEC.
 
 The connection WATCHes the meta hash and the fence counter from before the reserve until
 EXEC. The meta hash changes with every layout change and never with an append, so
 appenders do not abort each other, and a layout change between the two steps (an entry
 added or deleted, the store re-created) aborts the write instead of redirecting its
-SETRANGEs. The fence is bumped by a reserve that takes over a reservation still in flight
-(the ring came round to the rows of a slow or dead appender): the slow appender's EXEC is
-aborted, and it never writes rows that are now another appender's.
+SETRANGEs. The flags are the record of the appends in flight: a reserve that comes round
+to a row reserved before and finds its flag still clear (its appender is slow, or died
+between the two steps) takes it over and bumps the fence. The slow appender's EXEC is
+then aborted, and it never writes rows that are now another appender's.
 
 After an aborted EXEC the client re-plans under the current layout and checks its
-reservation again (``"keep"``): still its own, it writes the same rows; taken over (or made
-for another capacity), it reserves new ones. An appender that dies between the two steps
-leaves its rows unflagged: :meth:`~tdstore.TensorDictStore.sample` never draws them, and the
-ring reuses them when it comes round.
+reservation again (``"keep"``): no later reservation reached its rows (the cursor is at
+most a ring past them) and the store is the same one, so it writes the same rows; else
+(or when it was made for another capacity) it reserves new ones. An appender that dies
+between the two steps leaves its rows unflagged: :meth:`~tdstore.TensorDictStore.sample`
+never draws them, and the ring reuses them when it comes round.
 
 **One packet when uncontended** (:func:`append_direct` only). After an append's EXEC, the
-same packet WATCHes the meta hash, the ring cursor and the in-flight hash again and reads
-the layout version, the expiry, the cursor and the number of reservations in flight; the
-connection is kept out of the pool ("armed", as ``armed_write`` does for row writes). When
-no reservation was in flight, the next append on it needs no reserve step: one MULTI
-writes the rows at the cursor read, sets their flags and INCRBYs the cursor, and re-arms
-after EXEC. Any change of the watched keys in between (another append or reservation, a
-layout change, a cursor set) makes EXEC do nothing; the append then takes the two steps
-above, and the next ``COOL_APPENDS`` appends of the handle do too (appenders of one ring
-would otherwise keep aborting each other's armed MULTI, each time after sending its rows).
-Nothing is in flight in between, so there is nothing to take over and no fence to watch.
+same packet WATCHes the meta hash and the ring cursor again and reads the layout version,
+the expiry, the cursor and the flags of the next ``max(n, ARM_ROWS)`` rows, where the
+ring came round to them; the connection is kept out of the pool ("armed",
+as ``armed_write`` does for row writes). When the cursor is where this append left it and
+those flags are set (no append is in flight on those rows), the next append of at most as
+many rows needs no reserve step: one MULTI writes the rows at that cursor, sets their flags and INCRBYs the
+cursor, and re-arms after EXEC. Any change of the watched keys in between (another
+append or reservation, a layout change, a cursor set) makes EXEC do nothing; the append
+then takes the two steps above, and the next ``COOL_APPENDS`` appends of the handle do too
+(appenders of one ring would otherwise keep aborting each other's armed MULTI, each time
+after sending its rows). An armed append reserves nothing, so there is nothing in flight
+to take over and no fence to watch.
 
 Two drivers send the same commands:
 
@@ -46,7 +50,6 @@ Two drivers send the same commands:
 from __future__ import annotations
 
 import select
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,36 +82,33 @@ ABORTED = -1
 #: append (see the module docstring): each aborted armed MULTI cost the server its rows' bytes.
 COOL_APPENDS = 64
 
+#: An armed connection checks the flags of the next max(n, ARM_ROWS) rows (the next append
+#: may be larger than the last).
+ARM_ROWS = 64
+
 
 @dataclass
 class ArmedRing:
-    """A direct connection left WATCHing a ring's meta hash, cursor and in-flight hash after an append."""
+    """A direct connection left WATCHing a ring's meta hash and cursor after an append."""
 
     client: Any  #: the client whose pool lent ``connection``
     connection: Any
     lv: str  #: the layout version read after the WATCH
     exp: str  #: the store's expiry ("" for none)
     cursor: int  #: the ring cursor read after the WATCH: the next append's rows start there
+    rows: int  #: an append of at most this many rows finds its rows written (none in flight)
 
 
 @dataclass
 class Reservation:
-    """The rows one ``extend()`` call holds across its tries: its id, and whether it reserved yet."""
+    """The rows one ``extend()`` call holds across its tries: where they start, the layout
+    version they were reserved under, and whether it reserved yet."""
 
-    _id: str = ""  #: made when first asked for (an armed append reserves nothing)
+    start: int = 0  #: the cursor value the rows start at
+    lv: str = ""  #: the layout version the reserve found (the "keep" check's)
     n: int = 0
     capacity: int = 0
     held: bool = False
-
-    @property
-    def id(self) -> str:
-        if not self._id:
-            self._id = uuid.uuid4().hex
-        return self._id
-
-    @id.setter
-    def id(self, value: str) -> None:
-        self._id = value
 
 
 class AppendPlan:
@@ -126,7 +126,6 @@ class AppendPlan:
         self.sub, self.res = sub, reservation
         if reservation.held and (reservation.n, reservation.capacity) != (n, capacity):
             reservation.held = False  # another capacity: the old rows cannot be written
-            reservation.id = uuid.uuid4().hex
         reservation.n, reservation.capacity = n, capacity
 
     # -- step 1 ------------------------------------------------------------------------
@@ -134,9 +133,9 @@ class AppendPlan:
         return ("WATCH", self.keys.meta, self.keys.fence)
 
     def reserve_keys_args(self, mode: str) -> tuple[list[str], list[str]]:
-        keys = self.keys
-        kl = [keys.meta, keys.ring, keys.flags, keys.inflight, keys.fence]
-        args = [str(self.lv), str(self.n), str(self.capacity), self.res.id, mode]
+        keys, res = self.keys, self.res
+        kl = [keys.meta, keys.ring, keys.flags, keys.fence]
+        args = [str(self.lv), str(self.n), str(self.capacity), mode, str(res.start), res.lv or "0"]
         if mode == "new":
             return kl, args  # the data keys are checked by the write's replies (see check())
         for path, row_bytes, _payload in self.groups:
@@ -150,13 +149,11 @@ class AppendPlan:
 
     def reserved(self, reply: Any) -> tuple[int, str] | None:
         """(start, expiry) from the reserve script's reply; None when the reservation was taken over."""
-        start, exp = int(reply[0]), reply[1]
-        exp = exp.decode() if isinstance(exp, bytes) else str(exp or "")
+        start, exp = int(reply[0]), _s(reply[1])
         if start < 0:
             self.res.held = False
-            self.res.id = uuid.uuid4().hex
             return None
-        self.res.held = True
+        self.res.held, self.res.start, self.res.lv = True, start, _s(reply[2])
         return start, exp
 
     # -- step 2 ------------------------------------------------------------------------
@@ -174,9 +171,9 @@ class AppendPlan:
         return row0, first, groups
 
     def write_commands(self, start: int, exp: str, *, armed: bool = False) -> list[tuple[Any, ...]]:
-        """The commands between MULTI and EXEC: the rows' SETRANGEs, their flags, the HDEL of
-        the reservation (``armed``: the cursor's INCRBY instead, there being no reservation),
-        the write version's INCR and the append counter's HINCRBY."""
+        """The commands between MULTI and EXEC: the rows' SETRANGEs, their flags (``armed``:
+        and the cursor's INCRBY, there being no reservation), the write version's INCR and
+        the append counter's HINCRBY."""
         keys, n = self.keys, self.n
         row0, first, groups = self._runs(start)
         out: list[tuple[Any, ...]] = [
@@ -187,10 +184,7 @@ class AppendPlan:
         if first < n:
             out.append(("SETRANGE", keys.flags, 0, b"\x01" * (n - first)))
         if armed:
-            self._cursor_reply = len(out)
             out.append(("INCRBY", keys.ring, n))
-        else:
-            out.append(("HDEL", keys.inflight, self.res.id))
         out.append(("INCR", keys.wv))
         out.append(("HINCRBY", keys.appends, "a:" + encode_path(self.sub), 1))
         if exp:
@@ -200,31 +194,57 @@ class AppendPlan:
         return out
 
     # -- the armed connection (one packet) ------------------------------------------------
-    def arm_commands(self) -> list[tuple[Any, ...]]:
-        """WATCH and the reads that arm a connection for the next append (sent after an EXEC)."""
-        keys = self.keys
-        return [
-            ("WATCH", keys.meta, keys.ring, keys.inflight), ("HMGET", keys.meta, "lv", "exp"),
-            ("GET", keys.ring), ("HLEN", keys.inflight),
-        ]
+    def _armed_rows(self) -> int:
+        """The rows whose flags an arming checks: an armed append of at most as many may go."""
+        return min(self.capacity, max(self.n, ARM_ROWS))
 
-    def armed_state(self, client: Any, connection: Any, replies: Sequence[Any]) -> ArmedRing | None:
+    def _reused(self, cursor: int, n: int) -> list[tuple[int, int]]:
+        """The flag ranges (first and last row) of the rows an append of ``n`` rows at
+        ``cursor`` would take that were reserved before (the ring came round to them)."""
+        capacity = self.capacity
+        if cursor + n <= capacity:
+            return []
+        row0 = cursor % capacity
+        first = min(n, capacity - row0)
+        out = [(row0, row0 + first - 1)] if cursor >= capacity else []
+        if first < n:
+            out.append((0, n - first - 1))
+        return out
+
+    def arm_commands(self, after: int) -> list[tuple[Any, ...]]:
+        """WATCH and the reads that arm a connection for the next append (sent after an
+        EXEC that left the cursor at ``after``): the layout version, the expiry, the cursor
+        and the flags of the next ``max(n, ARM_ROWS)`` rows where the ring came round to
+        them (all set: no append is in flight there)."""
+        keys = self.keys
+        out: list[tuple[Any, ...]] = [
+            ("WATCH", keys.meta, keys.ring), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.ring),
+        ]
+        out += [("GETRANGE", keys.flags, lo, hi) for lo, hi in self._reused(after, self._armed_rows())]
+        return out
+
+    def armed_state(self, client: Any, connection: Any, replies: Sequence[Any], after: int) -> ArmedRing | None:
         """What the replies of :meth:`arm_commands` leave the connection armed with; None when
-        it cannot append in one packet (a reservation is in flight, the store is gone...)."""
-        if len(replies) != 4 or any(isinstance(r, Exception) for r in replies):
+        it cannot append in one packet (another client appended meanwhile, an append is in
+        flight on the next rows, the store is gone...)."""
+        rows = self._armed_rows()
+        ranges = self._reused(after, rows)
+        if len(replies) != 3 + len(ranges) or any(isinstance(r, Exception) for r in replies):
             return None
-        meta, cursor, inflight = replies[1], replies[2], replies[3]
-        if not isinstance(meta, list) or meta[0] is None or inflight != 0:
+        meta = replies[1]
+        if not isinstance(meta, list) or meta[0] is None or _s(replies[2]) != str(after):
             return None
-        text = _s(cursor) or "0"
-        if not text.isdigit():
-            return None
-        return ArmedRing(client, connection, _s(meta[0]), _s(meta[1]), int(text))
+        for (lo, hi), flags in zip(ranges, replies[3:], strict=True):
+            if flags != b"\x01" * (hi - lo + 1):
+                return None
+        return ArmedRing(client, connection, _s(meta[0]), _s(meta[1]), after, rows)
 
     def usable(self, armed: ArmedRing) -> bool:
-        """Whether this append may go out on ``armed`` (same layout, no reservation of its own
-        to write first, a connection the server did not close meanwhile)."""
-        return armed.lv == str(self.lv) and not self.res.held and _alive(armed.connection)
+        """Whether this append may go out on ``armed`` (same layout, rows checked free, no
+        reservation of its own to write first, a connection the server did not close meanwhile)."""
+        return (
+            armed.lv == str(self.lv) and self.n <= armed.rows and not self.res.held and _alive(armed.connection)
+        )
 
     def check(self, start: int, result: list[Any]) -> None:
         """Raises what the EXEC's replies report: a refused command, or a data key that was
@@ -315,15 +335,17 @@ def _unwatch(client: Any, connection: Any) -> None:
     client.connection_pool.release(connection)
 
 
-def _park(slot: ArmedSlot, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any]) -> None:
+def _park(
+    slot: ArmedSlot, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any], after: int
+) -> None:
     """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it.
 
-    Else (a reservation of another appender in flight, mostly) the handle's next appends
+    Else (another appender appended meanwhile, mostly) the handle's next appends
     take the two steps without arming (the cool-down), and the connection goes back to
     the pool after an UNWATCH (kept connected: a new connection costs the server more
     than the round trip).
     """
-    armed = plan.armed_state(client, connection, replies)
+    armed = plan.armed_state(client, connection, replies, after)
     if armed is None:
         slot.contended(COOL_APPENDS)
         _unwatch(client, connection)
@@ -366,7 +388,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         commands = [("MULTI",), *plan.write_commands(start, armed.exp, armed=True), ("EXEC",)]
         sent = len(commands)
         try:
-            replies = _exchange_sync(connection, commands + plan.arm_commands())
+            replies = _exchange_sync(connection, commands + plan.arm_commands(start + plan.n))
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
             _discard_sync(client, connection)
             raise _connection_broke(plan, err) from err
@@ -376,11 +398,11 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         result = replies[sent - 1]
         assert slot is not None
         if isinstance(result, list):
-            _park(slot, client, connection, plan, replies[sent:])
+            _park(slot, client, connection, plan, replies[sent:], start + plan.n)
             plan.check(start, result)
             return start
         if isinstance(result, redis.exceptions.ResponseError):
-            _park(slot, client, connection, plan, replies[sent:])
+            _park(slot, client, connection, plan, replies[sent:], start + plan.n)
             first = next((r for r in replies[1 : sent - 1] if isinstance(r, Exception)), None)
             _raise_reply(first if first is not None else result)
         # EXEC did nothing: another client appended (or reserved) meanwhile, or the layout
@@ -410,7 +432,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         commands = [("MULTI",), *plan.write_commands(start, exp), ("EXEC",)]
         arm = slot is not None and slot.cool <= 0  # re-armed unless appends are cooling down
         sent_write = True
-        replies = _exchange_sync(connection, commands + (plan.arm_commands() if arm else []))
+        replies = _exchange_sync(connection, commands + (plan.arm_commands(start + plan.n) if arm else []))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
         _discard_sync(client, connection)
         if sent_write:
@@ -422,7 +444,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
     sent = len(commands)
     if arm:
         assert slot is not None
-        _park(slot, client, connection, plan, replies[sent:])
+        _park(slot, client, connection, plan, replies[sent:], start + plan.n)
     else:
         client.connection_pool.release(connection)  # EXEC ended the WATCH
     result = replies[sent - 1]

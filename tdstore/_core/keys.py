@@ -8,7 +8,7 @@ Redis Cluster slot and every script and transaction over them stays legal::
     <prefix>:{<td_id>}:wv            string: write version, bumped by every write (compare-and-set)
     <prefix>:{<td_id>}:ring          string: ring-buffer cursor, rows ever reserved by extend()
     <prefix>:{<td_id>}:rf            string: one byte per ring row, 1 once an append wrote it whole
-    <prefix>:{<td_id>}:rif           hash: appends in flight (reserved, not yet written)
+    <prefix>:{<td_id>}:rif           hash: appends in flight, of earlier versions (the flags record them now)
     <prefix>:{<td_id>}:fence         string: bumped when a reservation in flight is taken over
     <prefix>:{<td_id>}:ac            hash: append counters, "a:<path>" per sub-store
     <prefix>:{<td_id>}:rl            hash: readers' leases on the layout (see tdstore/_backend/lease.py)

@@ -248,28 +248,28 @@ class TestCommitLifetime:
 # reserve (the first step of an append) and write_runs
 # =========================================================================== #
 
-RESERVE_KEYS = [META, RING, b"td:{s}:rf", b"td:{s}:rif", b"td:{s}:fence"]
+RESERVE_KEYS = [META, RING, b"td:{s}:rf", b"td:{s}:fence"]
 
 
 class TestReserveLifetime:
-    def test_cursor_flags_and_reservation_get_the_expiry(self, r: ClockRedis, lua_version: str) -> None:
+    def test_cursor_and_flags_get_the_expiry(self, r: ClockRedis, lua_version: str) -> None:
         make_store(r, entries={"x": b"abcdefgh"})
         exp = with_exp(r, 300)
-        assert r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "id", "new"], lua_version) == [0, str(exp).encode()]
+        assert r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "new", "0", "0"], lua_version) == [0, str(exp).encode(), b"2"]
         assert state(r)[RING] == b"1"
-        rf, rif = RESERVE_KEYS[2], RESERVE_KEYS[3]
-        assert ttls(r) == {META: 300, REG: 300, D("x"): 300, RING: 300, rf: 300, rif: 300}
+        rf = RESERVE_KEYS[2]
+        assert ttls(r) == {META: 300, REG: 300, D("x"): 300, RING: 300, rf: 300}
 
     def test_a_takeover_gives_the_fence_the_expiry(self, r: ClockRedis, lua_version: str) -> None:
         make_store(r, entries={"x": b"abcdefgh"}, cursor=4)
         with_exp(r, 300)
-        r.data[RESERVE_KEYS[3]] = {b"dead": b"0:1:4"}
-        r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "id", "new"], lua_version)
-        assert r.data[RESERVE_KEYS[4]] == b"1" and ttls(r)[RESERVE_KEYS[4]] == 300
+        r.data[RESERVE_KEYS[2]] = b"\x00\x01\x01\x01"  # row 0: an appender died between its steps
+        r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "new", "0", "0"], lua_version)
+        assert r.data[RESERVE_KEYS[3]] == b"1" and ttls(r)[RESERVE_KEYS[3]] == 300
 
     def test_no_expiry_no_ttl(self, r: ClockRedis, lua_version: str) -> None:
         make_store(r, entries={"x": b"abcdefgh"})
-        r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "id", "new"], lua_version)
+        r.run("reserve", RESERVE_KEYS, ["2", "1", "4", "new", "0", "0"], lua_version)
         assert ttls(r) == {} and r.commands("PEXPIREAT") == []
 
 
