@@ -133,7 +133,8 @@ def test_an_append_in_flight_on_the_next_rows_keeps_appends_off_the_armed_path(s
         admin.config_resetstat()
         assert store.extend(batch(3.0, 2)).tolist() == want
         assert calls(admin)["evalsha"] == 1, "an append went armed while the rows ahead were in flight"
-    assert store._conn.append_slot.armed is None
+    held = store._conn.append_slot.armed
+    assert held is None or held.lv == "", "the connection was armed"  # (kept for the two steps)
     admin.config_resetstat()
     assert store.extend(batch(4.0, 2)).tolist() == [0, 1]  # two steps: takes the dead rows over
     # (the takeover's fence aborts its own first write too: it checks its rows again, "keep")
@@ -142,6 +143,25 @@ def test_an_append_in_flight_on_the_next_rows_keeps_appends_off_the_armed_path(s
     assert store.extend(batch(5.0, 2)).tolist() == [2, 3]
     assert calls(admin).get("evalsha", 0) == 0, "the rows ahead are written: the append goes armed"
     assert rows(store) == [4.0, 4.0, 5.0, 5.0, 3.0, 3.0, 3.0, 3.0]
+
+
+def test_cooling_appends_keep_their_connection_then_arm_it_again(store, admin):
+    """The two steps of a cooling handle go on the connection it keeps in its slot (no WATCH
+    left on it), not through the pool's checkout and return; it is armed again after."""
+    store.extend(batch(1.0, 1))
+    slot = store._conn.append_slot
+    slot.contended(4)  # the next 4 appends take the two steps
+    store.extend(batch(2.0, 1))
+    kept = slot.armed
+    assert kept is not None and not kept.watching
+    for i in range(3):
+        store.extend(batch(3.0 + i, 1))
+        assert slot.armed is not None and slot.armed.connection is kept.connection
+    assert slot.armed.watching, "armed again after the cool-down"
+    admin.config_resetstat()
+    store.extend(batch(9.0, 1))
+    assert calls(admin).get("evalsha", 0) == 0 and slot.armed.connection is kept.connection
+    assert rows(store)[:6] == [1.0, 2.0, 3.0, 4.0, 5.0, 9.0]
 
 
 def test_an_append_in_flight_elsewhere_leaves_appends_armed(real_server, admin, monkeypatch):
@@ -360,11 +380,15 @@ def test_an_armed_handle_appends_after_fork_in_the_children_and_the_parent(real_
 
 
 def test_a_failure_after_the_append_was_applied_does_not_send_it_again(real_server, monkeypatch):
-    """The UNWATCH that gives back a connection that could not arm runs after the append was
-    applied: its failure must not reach the driver, which would send the append again."""
+    """The UNWATCH that gives back a connection that could not arm (when another thread's
+    connection holds the slot) runs after the append was applied: its failure must not
+    reach the driver, which would send the append again."""
     import redis
 
+    from tdstore._backend.armed_write import ArmedSlot
+
     monkeypatch.setattr(_append, "COOL_APPENDS", 0)  # every append tries to arm after its write
+    monkeypatch.setattr(ArmedSlot, "keep", lambda self, armed: False)  # the slot is always another thread's
     store = TensorDictStore.from_schema({"y": ([], torch.float32)}, batch_size=[4], **real_server.connection_kwargs())
     try:
         # row 0 in flight: every arming fails (the ring comes round to it) until an append takes it over

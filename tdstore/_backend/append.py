@@ -97,6 +97,9 @@ class ArmedRing:
     exp: str  #: the store's expiry ("" for none)
     cursor: int  #: the ring cursor read after the WATCH: the next append's rows start there
     rows: int  #: an append of at most this many rows finds its rows written (none in flight)
+    #: False: a connection kept for the next append's two steps, with no WATCH (the
+    #: handle's appends are cooling down): spared the pool's checkout and return
+    watching: bool = True
 
 
 @dataclass
@@ -241,10 +244,8 @@ class AppendPlan:
 
     def usable(self, armed: ArmedRing) -> bool:
         """Whether this append may go out on ``armed`` (same layout, rows checked free, no
-        reservation of its own to write first, a connection the server did not close meanwhile)."""
-        return (
-            armed.lv == str(self.lv) and self.n <= armed.rows and not self.res.held and _alive(armed.connection)
-        )
+        reservation of its own to write first)."""
+        return armed.lv == str(self.lv) and self.n <= armed.rows and not self.res.held
 
     def check(self, start: int, result: list[Any]) -> None:
         """Raises what the EXEC's replies report: a refused command, or a data key that was
@@ -341,14 +342,16 @@ def _park(
     """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it.
 
     Else (another appender appended meanwhile, mostly) the handle's next appends
-    take the two steps without arming (the cool-down), and the connection goes back to
-    the pool after an UNWATCH (kept connected: a new connection costs the server more
-    than the round trip).
+    take the two steps without arming (the cool-down); the connection stays in the slot
+    for them, still WATCHing (their first packet starts with UNWATCH), or goes back to
+    the pool after an UNWATCH when another thread's is there.
     """
     armed = plan.armed_state(client, connection, replies, after)
     if armed is None:
         slot.contended(COOL_APPENDS)
-        _unwatch(client, connection)
+        # kept for the next append's two steps, which send the UNWATCH in their first packet
+        if not slot.keep(ArmedRing(client, connection, "", "", 0, 0)):  # type: ignore[arg-type]
+            _unwatch(client, connection)
         return
     displaced = slot.put(armed)  # type: ignore[arg-type]
     if displaced is not None:
@@ -374,15 +377,18 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
     """
     connection: Any = None
     armed: ArmedRing | None = None
-    if slot is not None and not slot.cooling():  # (cooling() counts this append)
-        armed = slot.take(client)  # type: ignore[assignment]
-        if armed is not None and not plan.usable(armed):
-            if _alive(armed.connection):
-                _unwatch(client, armed.connection)  # (kept connected: a new connection costs the server more)
-            else:
-                slot.drop_sync(armed)  # type: ignore[arg-type]
-            armed = None
     unwatch = False
+    if slot is not None:
+        cooling = slot.cooling()  # (counts this append)
+        held: ArmedRing | None = slot.take(client)  # type: ignore[assignment]
+        if held is not None and not _alive(held.connection):
+            slot.drop_sync(held)  # type: ignore[arg-type]
+        elif held is not None and held.watching and not cooling and plan.usable(held):
+            armed = held
+        elif held is not None:
+            # the two steps on it (kept connected: a new connection costs the server more),
+            # its WATCH ended in the same packet
+            connection, unwatch = held.connection, held.watching
     if armed is not None:
         connection, start = armed.connection, armed.cursor
         commands = [("MULTI",), *plan.write_commands(start, armed.exp, armed=True), ("EXEC",)]
@@ -411,7 +417,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         if slot is not None and isinstance(meta, list) and _s(meta[0]) == armed.lv:
             slot.contended(COOL_APPENDS)
         unwatch = True
-    else:
+    elif connection is None:
         connection = client.connection_pool.get_connection()
     sha = runner.sha("reserve")
     sent_write = False
@@ -445,7 +451,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
     if arm:
         assert slot is not None
         _park(slot, client, connection, plan, replies[sent:], start + plan.n)
-    else:
+    elif slot is None or not slot.keep(ArmedRing(client, connection, "", "", 0, 0, watching=False)):  # type: ignore[arg-type]
         client.connection_pool.release(connection)  # EXEC ended the WATCH
     result = replies[sent - 1]
     if isinstance(result, redis.exceptions.ResponseError):

@@ -109,6 +109,14 @@ class ArmedSlot:
             return None
         return old
 
+    def keep(self, armed: _Armed) -> bool:
+        """Keeps ``armed`` when the slot is empty; False (nothing kept) when another thread's is there."""
+        with self._lock:
+            if self.armed is not None:
+                return False
+            self.armed = armed
+            return True
+
     def cooling(self) -> bool:
         """Whether this write goes the plain way (and counts it)."""
         with self._lock:
