@@ -215,6 +215,34 @@ def test_direct_read_of_a_deleted_store_and_lost_bytes(real_server, wire):
     store.close()
 
 
+def test_direct_reads_keep_one_connection_and_drop_it_when_killed(real_server):
+    """Direct reads reuse the connection kept after the last one (no pool checkout); one the
+    server closed meanwhile is dropped before anything is sent on it, and the read goes on
+    a fresh one."""
+    from tdstore._backend.armed_write import _SPARE
+
+    store = TensorDictStore.from_tensordict(TensorDict(x=torch.arange(40.0).reshape(10, 4), batch_size=[10]),
+                                            **real_server.connection_kwargs())
+    admin = real_server.sync_client()
+    try:
+        assert store[3]["x"].tolist() == [12.0, 13.0, 14.0, 15.0]
+        direct = store._conn.direct_client()
+        _pid, kept = direct.__dict__[_SPARE]
+        for i in range(5):
+            assert store[i]["x"].tolist() == [4.0 * i + k for k in range(4)]
+            assert direct.__dict__[_SPARE][1] is kept, "a read took another connection"
+        host, port = kept._sock.getsockname()[:2]
+        admin.client_kill(f"{host}:{port}")  # the server closes it (as on an idle timeout)
+        time.sleep(0.1)
+        assert store[7]["x"].tolist() == [28.0, 29.0, 30.0, 31.0]
+        now = direct.__dict__[_SPARE][1]
+        assert now._sock.getsockname()[:2] != (host, port), "the closed connection was kept"
+    finally:
+        admin.close()
+        store.clear_redis()
+        store.close()
+
+
 def test_direct_reads_survive_a_crash_restart(request):
     with start_server("redis", config={"appendonly": "yes", "appendfsync": "always"}) as srv:
         store = _big(srv, n=8)

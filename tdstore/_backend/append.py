@@ -49,14 +49,13 @@ Two drivers send the same commands:
 
 from __future__ import annotations
 
-import select
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.armed_write import ArmedSlot, _discard_sync, _exchange_sync, _s
+from tdstore._backend.armed_write import ArmedSlot, _alive, _discard_sync, _exchange_sync, _s
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.chunks import setrange_commands
@@ -299,19 +298,6 @@ def _raise_reply(reply: Any) -> None:
         raise exc from (reply if exc is not reply else None)
     if isinstance(reply, Exception):
         raise reply
-
-
-def _alive(connection: Any) -> bool:
-    """A parked connection still usable: connected, with nothing to read (a server that
-    closed it, on restart or idle timeout, leaves it readable at end of file)."""
-    sock = getattr(connection, "_sock", None)
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return False
-    return not readable
 
 
 def _connection_broke(plan: AppendPlan, err: BaseException) -> OutcomeUnknownError:

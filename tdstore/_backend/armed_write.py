@@ -29,6 +29,8 @@ new client, an error or a cancellation drops it (disconnected, never reused).
 
 from __future__ import annotations
 
+import os
+import select
 import socket
 import threading
 from collections.abc import Sequence
@@ -489,6 +491,45 @@ def _read_replies(parser: Any, reader: Any, count: int) -> list[Any]:
             raise reply[0]
         out.append(reply)
     return out
+
+
+def _alive(connection: Any) -> bool:
+    """A parked connection still usable: connected, with nothing to read (a server that
+    closed it, on restart or idle timeout, leaves it readable at end of file)."""
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+#: The attribute of a blocking client of tdstore's that holds a connection kept between
+#: direct exchanges: ``(pid, connection)``.
+_SPARE = "_tdstore_spare"
+
+
+def take_spare(client: Any) -> Any:
+    """A connection of ``client``'s pool for one exchange: the one kept after the last (no
+    checkout), else one from the pool. Thread-safe: ``dict.pop`` hands it to one thread."""
+    held = client.__dict__.pop(_SPARE, None)
+    if held is not None:
+        pid, connection = held
+        if pid == os.getpid():  # (a forked child leaves its parent's connection alone)
+            if _alive(connection):
+                return connection
+            _discard_sync(client, connection)  # closed by the server, or by close()
+    return client.connection_pool.get_connection()
+
+
+def keep_spare(client: Any, connection: Any) -> None:
+    """Keeps ``connection`` (idle, nothing to read on it) for the next exchange of
+    ``client``; back to the pool when another thread's is kept already."""
+    held = (os.getpid(), connection)
+    if client.__dict__.setdefault(_SPARE, held) is not held:
+        client.connection_pool.release(connection)
 
 
 def _connected(connection: Any) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.armed_write import _discard_sync, _exchange_sync
+from tdstore._backend.armed_write import _discard_sync, _exchange_sync, keep_spare, take_spare
 from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
@@ -163,13 +163,13 @@ def _exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     .execute(raise_on_error=False)`` does for commands whose replies need no parsing callback
     (GETRANGE, STRLEN, HGET), without redis-py's per-pipeline bookkeeping (a third of a
     one-row read's client time)."""
-    connection = client.connection_pool.get_connection()
+    connection = take_spare(client)  # (the one kept after the last exchange: no pool checkout)
     try:
         replies = _exchange_sync(connection, commands)
     except BaseException:
         _discard_sync(client, connection)  # replies may be left unread on it
         raise
-    client.connection_pool.release(connection)
+    keep_spare(client, connection)
     return replies
 
 
