@@ -16,8 +16,8 @@ can be chosen by the numbers before it is written:
   script + the layout-version read (the design the issue hints at);
 * two steps as ``extend()`` sends them (tdstore/_backend/append.py): WATCH + the
   ``reserve`` script (lua/reserve.lua), then a MULTI of the 3 SETRANGEs, the SETRANGE of
-  the rows' written flags, the HDEL of the reservation, the INCR of the write version and
-  the HINCRBY of the append counter;
+  the rows' written flags, the INCR of the write version and the HINCRBY of the append
+  counter;
 * one-row reads: a plain GETRANGE, today's read_one.lua-like script (HGET lv + GETRANGE),
   and a MULTI of HGET + GETRANGE.
 """
@@ -116,7 +116,7 @@ def run(kind: str, ops: int) -> list[tuple[str, float]]:
         measure("extend: tiny script, MULTI(3 SETRANGE + tiny script + HGET)", two_steps)
         reserve = c.script_load(get_script("reserve").text(False))
         c.hset("t:{s}:meta", mapping={"lv": "1", "fmt": "1"})
-        ring_keys = ["t:{s}:meta", "t:{s}:ring", "t:{s}:rf", "t:{s}:rif", "t:{s}:fence"]
+        ring_keys = ["t:{s}:meta", "t:{s}:ring", "t:{s}:rf", "t:{s}:fence"]
 
         conn = c.connection_pool.get_connection()
 
@@ -126,15 +126,13 @@ def run(kind: str, ops: int) -> list[tuple[str, float]]:
             return [conn.read_response() for _ in commands]
 
         def shipped(i: int) -> None:
-            rid = f"r{i}"
-            evalsha = ("EVALSHA", reserve, len(ring_keys), *ring_keys, "1", ROWS, CAP, rid, "new")
+            evalsha = ("EVALSHA", reserve, len(ring_keys), *ring_keys, "1", ROWS, CAP, "new", "0", "0")
             f = int(exchange([("WATCH", "t:{s}:meta", "t:{s}:fence"), evalsha])[1][0]) % CAP
             body: list[tuple[Any, ...]] = [("SETRANGE", k, f * size, payload[k]) for k, size in SIZES.items()]
-            body += [("SETRANGE", "t:{s}:rf", f, b"\x01" * ROWS), ("HDEL", "t:{s}:rif", rid), ("INCR", "t:{s}:wv"),
-                     ("HINCRBY", "t:{s}:ac", "a:", 1)]
+            body += [("SETRANGE", "t:{s}:rf", f, b"\x01" * ROWS), ("INCR", "t:{s}:wv"), ("HINCRBY", "t:{s}:ac", "a:", 1)]
             exchange([("MULTI",), *body, ("EXEC",)])
 
-        measure("extend: WATCH + reserve.lua, MULTI(3 SETRANGE + flags + HDEL + INCR + HINCRBY)", shipped)
+        measure("extend: WATCH + reserve.lua, MULTI(3 SETRANGE + flags + INCR + HINCRBY)", shipped)
         measure("read1: GETRANGE", lambda i: c.getrange("o", (i % CAP) * row, (i % CAP + 1) * row - 1))
         measure("read1: script HGET lv + GETRANGE", lambda i: c.evalsha(read_one, 2, "meta", "o", (i % CAP) * row, (i % CAP + 1) * row - 1))
 
