@@ -322,6 +322,12 @@ def _unwatch(client: Any, connection: Any) -> None:
     client.connection_pool.release(connection)
 
 
+def _kept(client: Any, connection: Any, *, watching: bool) -> ArmedRing:
+    """A connection kept in the slot for the next append's two steps, not armed (no layout
+    version: :meth:`AppendPlan.usable` refuses it); ``watching``: its WATCH is still on."""
+    return ArmedRing(client, connection, "", "", 0, 0, watching=watching)
+
+
 def _park(
     slot: ArmedSlot, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any], after: int
 ) -> None:
@@ -336,7 +342,7 @@ def _park(
     if armed is None:
         slot.contended(COOL_APPENDS)
         # kept for the next append's two steps, which send the UNWATCH in their first packet
-        if not slot.keep(ArmedRing(client, connection, "", "", 0, 0)):  # type: ignore[arg-type]
+        if not slot.keep(_kept(client, connection, watching=True)):  # type: ignore[arg-type]
             _unwatch(client, connection)
         return
     displaced = slot.put(armed)  # type: ignore[arg-type]
@@ -437,7 +443,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
     if arm:
         assert slot is not None
         _park(slot, client, connection, plan, replies[sent:], start + plan.n)
-    elif slot is None or not slot.keep(ArmedRing(client, connection, "", "", 0, 0, watching=False)):  # type: ignore[arg-type]
+    elif slot is None or not slot.keep(_kept(client, connection, watching=False)):  # type: ignore[arg-type]
         client.connection_pool.release(connection)  # EXEC ended the WATCH
     result = replies[sent - 1]
     if isinstance(result, redis.exceptions.ResponseError):
