@@ -11,7 +11,17 @@ and transport, same run), and reads ``INFO cpu`` before and after each batch:
 where a server lacks the main-thread fields). That covers reading the request, running it
 and writing the reply, unlike ``INFO commandstats`` (which counts a command inside
 MULTI/EXEC or a script twice and leaves out parsing and socket work). ``--rounds`` batches
-of each alternate; the table gives the median per-op figure of the rounds.
+of each alternate; the table gives the median per-op figure of the rounds, their ratio, and
+the *paired* ratio: the median over rounds of the round's tdstore figure over the raw figure
+of the batch run next to it. On a shared VM whose speed drifts by 2-3x between seconds, the
+paired ratio compares batches that ran under the same conditions; many short rounds (e.g.
+``--ops 300 --rounds 20``) make it steady.
+
+``--pin`` puts the server's threads on CPU 0 and this process on the others, as on a machine
+where the server has a core of its own. Unpinned on a small VM, the scheduler sometimes runs
+client and server on one vCPU (a wake-up is cheap) and sometimes on two (a wake-up costs the
+hypervisor an interrupt): one batch's server µs per op then differs from the next by 2-3x for
+the same commands, depending on where the threads landed rather than on what was sent.
 
 Wall time is the median of the per-op times of all batches (tdstore from this thread, so
 it pays the hop to its IO loop; raw awaited inside its own loop, see ``_common.RawRedis``).
@@ -31,6 +41,7 @@ Workloads (obs rows: 84x84x3 uint8 = 21,168 B; small rows: 64 float32 + 4 float3
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -76,6 +87,21 @@ class Case:
         self.name, self.ours, self.raw, self.raw_label = name, ours, raw, raw_label
 
 
+_CPUS = sorted(os.sched_getaffinity(0))  # before pin() narrows this process's
+
+
+def pin(server_pid: int | None) -> str:
+    """The server's threads on CPU 0, this process (the threads it starts after this call) on the
+    other CPUs it may use; returns a note for the banner."""
+    cpus = _CPUS
+    if server_pid is None or len(cpus) < 2:
+        return "not pinned (needs a server process and two CPUs)"
+    for tid in os.listdir(f"/proc/{server_pid}/task"):
+        os.sched_setaffinity(int(tid), {cpus[0]})
+    os.sched_setaffinity(0, set(cpus[1:]))
+    return f"server on CPU {cpus[0]}, clients on CPU {','.join(map(str, cpus[1:]))}"
+
+
 def run_case(case: Case, raw: RawRedis, tr: str, info_client: Any, ops: int, rounds: int) -> dict[str, Any]:
     """Alternates batches of ``ops`` tdstore and raw operations; per-op server CPU and wall time."""
     client = raw.clients[tr]
@@ -110,7 +136,9 @@ def run_case(case: Case, raw: RawRedis, tr: str, info_client: Any, ops: int, rou
             c1 = server_cpu(info_client)
             cpu[who].append((c1 - c0) / ops)
             wall[who].extend(times)
+    paired = [o / r for o, r in zip(cpu["ours"], cpu["raw"], strict=True) if r > 0]
     return {
+        "cpu_paired": statistics.median(paired) if paired else float("nan"),
         "cpu_ours": statistics.median(cpu["ours"]), "cpu_raw": statistics.median(cpu["raw"]),
         "wall_ours": statistics.median(wall["ours"]), "wall_raw": statistics.median(wall["raw"]),
     }
@@ -295,6 +323,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="batches of each side (default 4)")
     parser.add_argument("--quick", action="store_true", help="a short run: --ops 60 --rounds 2")
     parser.add_argument("--cases", default=None, help="comma-separated subset of the workloads")
+    parser.add_argument("--pin", action="store_true", help="server on CPU 0, this process on the others (see above)")
     args = parse(parser)
     if args.quick:
         args.ops, args.rounds = 60, 2
@@ -302,7 +331,8 @@ def main() -> None:
     which = set(args.cases.split(",")) if args.cases else None
     for kind in kinds:
         with bench_server(kind) as srv:
-            print(f"# {server_banner(srv)}; load {load_average()}; {args.ops} ops x {args.rounds} rounds")
+            placement = pin(srv.pid) if args.pin else "not pinned"
+            print(f"# {server_banner(srv)}; load {load_average()}; {args.ops} ops x {args.rounds} rounds; {placement}")
             raw = RawRedis(srv)
             info_client = srv.sync_client()
             table: list[list[str]] = []
@@ -316,6 +346,7 @@ def main() -> None:
                                 case.name, tr, case.raw_label,
                                 f"{r['cpu_ours'] * 1e6:.0f}", f"{r['cpu_raw'] * 1e6:.0f}",
                                 f"{r['cpu_ours'] / r['cpu_raw']:.2f}x" if r["cpu_raw"] > 0 else "-",
+                                f"{r['cpu_paired']:.2f}x",
                                 f"{r['wall_ours'] * 1e6:.0f}", f"{r['wall_raw'] * 1e6:.0f}",
                                 f"{r['wall_ours'] / r['wall_raw']:.2f}x",
                             ])
@@ -328,10 +359,11 @@ def main() -> None:
                 raw.cleanup()
             print_table(
                 f"server CPU and wall time per op, {kind}",
-                ["workload", "transport", "raw form", "server us tdstore", "raw", "ratio",
+                ["workload", "transport", "raw form", "server us tdstore", "raw", "ratio", "paired",
                  "wall us tdstore", "raw", "ratio"],
                 table,
-                ["server us: main-thread CPU (INFO cpu) per op, median of rounds; wall: median per op"],
+                ["server us: main-thread CPU (INFO cpu) per op, median of rounds; paired: median over rounds of "
+                 "tdstore / raw of neighbouring batches; wall: median per op"],
             )
 
 
