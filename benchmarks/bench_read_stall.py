@@ -8,7 +8,7 @@ everyone else by as long as the server spends on its commands back to back. For 
 round while another process PINGs the server in a loop and reports its slowest PING:
 
 * ``store["x"]`` with the default read window (``_large.READ_WINDOW`` GETRANGE pieces of
-  ``_large.READ_PIECE`` bytes sent at a time) and with a window of 8 (the old default);
+  ``_large.READ_PIECE`` bytes sent at a time) and with a window of 8;
 * raw redis-py ``GET`` + ``torch.frombuffer`` (the server builds the whole reply at once).
 
 Cells: median over ``--repeat`` rounds (cases interleaved) of the read time and of the
@@ -110,7 +110,7 @@ def main() -> None:
         assert torch.equal(store["x"], value)
         cases = {
             f"store['x'], window {default_window} (default)": ours(default_window),
-            "store['x'], window 8 (before)": ours(8),
+            "store['x'], window 8": ours(8),
             "raw GET + frombuffer": raw_get,
         }
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
