@@ -210,3 +210,17 @@ def test_parsed_entries_are_kept_by_raw_value_and_never_hide_damage() -> None:
     other = json.dumps({"k": "t", "dtype": "int64", "shape": [4]}).encode()
     got = parse_layout(meta, {b"x": other}, "the store s")
     assert got is not None and got.entries[("x",)].dtype == "int64"
+
+
+def test_a_batch_size_nested_too_deep_is_a_value_error() -> None:
+    """JSON nested deeper than the parser goes raises RecursionError in ``json.loads``; the
+    layout says ValueError, as for any batch size that does not parse (its callers turn that
+    into CorruptMetadataError), and remembers nothing."""
+    from tdstore._core.layout import Layout
+
+    deep = "[" * 100_000 + "]" * 100_000
+    layout = Layout(lv=1, meta={"batch_size": deep}, entries={})
+    with pytest.raises(ValueError, match="nested too deep"):
+        layout.batch_size  # noqa: B018 - the property parses
+    assert "batch_size" not in layout.memo
+    assert Layout(lv=1, meta={"batch_size": "[4, 2]"}, entries={}).batch_size == [4, 2]

@@ -300,7 +300,12 @@ class Layout:
         JSON that does not parse raises ``ValueError``."""
         value = self.memo.get("batch_size")
         if value is None:
-            value = self.memo["batch_size"] = json.loads(self.meta.get("batch_size") or "[]")
+            raw = self.meta.get("batch_size") or "[]"
+            try:
+                value = json.loads(raw)
+            except RecursionError:  # (nested too deep for the parser: damage, as bad JSON is)
+                raise ValueError(f"batch size nested too deep to parse: {raw!r:.100}") from None
+            self.memo["batch_size"] = value
         return value
 
 
