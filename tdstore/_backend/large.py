@@ -302,12 +302,12 @@ def read_pieces_direct(client: Any, read: PieceRead) -> bool:
 def _prefault(buf: torch.Tensor) -> None:
     """Writes zeros over a new buffer before the socket fills it.
 
-    Fresh memory is mapped on first write, one page fault per 4 KiB. Taken inside
-    ``recv_into`` (the kernel's copy), those faults made a 64 MiB read 1.3-1.6x slower than
-    taking them here first, in one ``zero_()``: 0.51-0.63x of raw ``GET`` before, 0.37-0.39x
-    after, over unix (same-run A/B, Valkey; a buffer already mapped reads in a third of the
-    time, so the faults are most of the cost). Pinned memory is mapped already and is left
-    alone (it exists only once CUDA is initialized).
+    Fresh memory is mapped on first write, one page fault per 4 KiB: a 64 MiB read takes
+    21-24 ms into a buffer already mapped and 50-84 ms into a fresh one (Valkey, unix).
+    Taken inside ``recv_into`` (the kernel's copy), the faults cost more than taken here
+    first, in one ``zero_()``: the read was 6-15% slower with 1 MiB pieces and 9-41% with
+    4 MiB ones (same-run A/B). Pinned memory is mapped already and is left alone (it exists
+    only once CUDA is initialized).
     """
     import torch
 
