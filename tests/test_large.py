@@ -410,3 +410,53 @@ def test_tls_large_round_trip(tls_server, small_pieces):
     finally:
         store.clear_redis()
         store.close()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mapper_never_writes_a_piece_the_reader_took(seed):
+    """The helper that maps the buffer ahead of the socket zeroes only pieces the reader has
+    not reached: every piece written after ``ready(i)`` keeps its bytes, whichever side took
+    it, while the two race (random pauses on the reader's side)."""
+    import random
+
+    rng = random.Random(seed)
+    size, n = 64 * 1024, 256
+    buf = torch.full((size * n,), 0xEE, dtype=torch.uint8)
+    targets = [(buf, i * size, (i + 1) * size) for i in range(n)]
+    mapper = _large._Mapper(targets)
+    try:
+        for i in range(n):
+            mapper.ready(i)
+            buf[i * size : (i + 1) * size] = i % 251  # "received"
+            if rng.random() < 0.05:
+                time.sleep(rng.random() / 1000)  # (mostly the reader runs ahead of the helper)
+    finally:
+        mapper.stop()
+    assert not mapper.thread.is_alive()
+    expected = (torch.arange(n) % 251).to(torch.uint8).repeat_interleave(size)
+    assert torch.equal(buf, expected)
+    assert mapper.next == n
+
+
+def test_mapper_with_a_slow_helper_waits_for_its_piece(monkeypatch):
+    """A helper slower than the socket (each piece's zeros take 2 ms): the reader waits for
+    the piece the helper is writing before it receives into it, and no piece received
+    loses its bytes."""
+    import ctypes
+    import types
+
+    def slow_memset(address: int, value: int, length: int) -> None:
+        time.sleep(0.002)
+        ctypes.memset(address, value, length)
+
+    monkeypatch.setattr(_large, "ctypes", types.SimpleNamespace(memset=slow_memset))
+    size, n = 4096, 50
+    buf = torch.full((size * n,), 0xEE, dtype=torch.uint8)
+    mapper = _large._Mapper([(buf, i * size, (i + 1) * size) for i in range(n)])
+    try:
+        for i in range(n):
+            mapper.ready(i)
+            buf[i * size : (i + 1) * size] = i + 1
+    finally:
+        mapper.stop()
+    assert torch.equal(buf, torch.arange(1, n + 1, dtype=torch.uint8).repeat_interleave(size))

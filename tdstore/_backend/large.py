@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import types
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -43,15 +44,16 @@ __all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", 
 
 #: Entries at least this large (bytes) are read in pieces (:func:`read_pieces`).
 READ_MIN = 32 * 1024 * 1024
-#: Bytes per GETRANGE piece: the client's peak is the entry plus about two windows. Pieces
-#: of 1 MiB (window 4) read a 64 MiB entry 10-25% faster than 4 MiB ones (window 2): the
-#: first bytes come back sooner (same-run A/B, Valkey and Redis, unix and TCP).
-READ_PIECE = 1024 * 1024
+#: Bytes per GETRANGE piece: the client's peak is the entry plus about two windows. With the
+#: buffer mapped ahead (:class:`_Mapper`), pieces of 2 MiB, 2 per window, read 64-256 MiB
+#: entries as fast as or faster than 1 MiB x 4 and 2 MiB x 4 (same-run A/B, Redis and
+#: Valkey, unix and TCP).
+READ_PIECE = 2 * 1024 * 1024
 #: GETRANGE commands sent at a time; two windows are in flight at most. The server runs a
 #: client's pipelined commands back to back, so a window is also how long other clients
 #: wait: 8 pieces of 4 MiB stalled them 29-42 ms, 2 pieces 4-7 ms, and the read did not
-#: get slower (benchmarks/bench_read_stall.py); a window is 4 MiB either way.
-READ_WINDOW = 4
+#: get slower (benchmarks/bench_read_stall.py); a window is 4 MiB.
+READ_WINDOW = 2
 #: ``memoryview`` arguments at least this large are written piece by piece (:func:`streamed`).
 WRITE_MIN = 1024 * 1024
 #: Bytes handed to the socket's transport at a time.
@@ -258,14 +260,14 @@ def read_pieces_direct(client: Any, read: PieceRead) -> bool:
     pool = client.connection_pool
     conn = pool.get_connection()
     clean = False
+    ahead = None
     try:
         if conn._sock is None:
             conn.connect()
         replies = _RawReplies(conn._sock)
         windows = [commands[i : i + READ_WINDOW] for i in range(0, len(commands), READ_WINDOW)]
         replies.send(conn.pack_commands(windows[0]))
-        for buf in {id(buf): buf for buf, _, _ in targets}.values():
-            _prefault(buf)  # while the server runs the first window
+        ahead = _Mapper(targets)  # maps the buffers' pages beside the receive
         complete = True
         error: BaseException | None = None
         versions: list[Any] = []
@@ -280,6 +282,8 @@ def read_pieces_direct(client: Any, read: PieceRead) -> bool:
                     versions.append(got)
                 else:
                     buf, offset, end = targets[n]
+                    if ahead is not None:
+                        ahead.ready(n)
                     got = replies.bulk_into(views[id(buf)][offset:end] if complete else None)
                     complete = complete and got is True  # short (or gone): the entry changed
                 if isinstance(got, BaseException):
@@ -291,6 +295,8 @@ def read_pieces_direct(client: Any, read: PieceRead) -> bool:
     except OSError as err:
         raise redis.exceptions.ConnectionError(f"error while reading a large entry: {err}") from err
     finally:
+        if ahead is not None:
+            ahead.stop()
         if not clean:
             conn.disconnect()  # replies may be left unread on it
         pool.release(conn)
@@ -299,21 +305,70 @@ def read_pieces_direct(client: Any, read: PieceRead) -> bool:
     return read.settled(complete, versions)
 
 
-def _prefault(buf: torch.Tensor) -> None:
-    """Writes zeros over a new buffer before the socket fills it.
+class _Mapper:
+    """Maps a new buffer's pages ahead of the socket: a helper thread writes zeros over each
+    piece's bytes, in the order the pieces are received, while the calling thread receives
+    the ones before.
 
-    Fresh memory is mapped on first write, one page fault per 4 KiB: a 64 MiB read takes
-    21-24 ms into a buffer already mapped and 50-84 ms into a fresh one (Valkey, unix).
-    Taken inside ``recv_into`` (the kernel's copy), the faults cost more than taken here
-    first, in one ``zero_()``: the read was 6-15% slower with 1 MiB pieces and 9-41% with
-    4 MiB ones (same-run A/B). Pinned memory is mapped already and is left alone (it exists
-    only once CUDA is initialized).
+    Fresh memory is mapped on first write, one page fault per 4 KiB. A 64 MiB read takes
+    21-24 ms into a buffer already mapped and 50-96 ms into a fresh one (Valkey, unix). Taken
+    inside ``recv_into`` (the kernel's copy, while the server waits for the socket to drain),
+    the faults cost the most; taken first in one ``zero_()``, they still add up before the
+    first byte is read; taken here, beside the receive, the read took 0.32-0.36x raw
+    ``GET``'s time, against 0.38-0.56x for zeroing first and 0.40-0.59x for neither
+    (same-run A/B, 2 MiB pieces, Redis and Valkey, unix, 64 and 256 MiB; over TCP 0.30x
+    against 0.39x and 0.32x).
+
+    A piece the helper has not reached when its bytes are due is taken from it (received
+    with its faults); the helper never writes a piece the receiving thread has started.
+    The zeros are written with ``memset`` (no torch thread pool in the helper; the GIL is
+    released). Pinned memory is mapped already and is left out (it exists only once CUDA
+    is initialized).
     """
-    import torch
 
-    if torch.cuda.is_initialized() and buf.is_pinned():
-        return
-    buf.zero_()
+    def __init__(self, targets: Sequence[tuple[torch.Tensor, int, int]]) -> None:
+        import threading
+
+        import torch
+
+        cuda = torch.cuda.is_initialized()
+        #: (address, length) of each piece, None for a piece of pinned memory
+        self.spans = [
+            None if cuda and buf.is_pinned() else (buf.data_ptr() + offset, end - offset)
+            for buf, offset, end in targets
+        ]
+        self.lock = threading.Lock()
+        self.next = 0  #: the first piece neither side has taken yet
+        self.done = [threading.Event() for _ in targets]
+        self.thread = threading.Thread(target=self._run, name="tdstore-map-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                i = self.next
+                if i >= len(self.spans):
+                    return
+                self.next = i + 1
+            try:
+                span = self.spans[i]
+                if span is not None:
+                    ctypes.memset(span[0], 0, span[1])
+            finally:
+                self.done[i].set()
+
+    def ready(self, i: int) -> None:
+        """Before piece ``i`` is received: waits for the helper if it took it, else takes it."""
+        with self.lock:
+            if self.next <= i:
+                self.next = i + 1
+                return
+        self.done[i].wait()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.next = len(self.spans)
+        self.thread.join()
 
 
 class _RawReplies:
