@@ -460,3 +460,24 @@ def test_mapper_with_a_slow_helper_waits_for_its_piece(monkeypatch):
     finally:
         mapper.stop()
     assert torch.equal(buf, torch.arange(1, n + 1, dtype=torch.uint8).repeat_interleave(size))
+
+
+def test_mapper_without_a_thread_leaves_every_piece_to_the_reader(monkeypatch):
+    """Where no thread can start (at interpreter shutdown, say), the read goes on without
+    the helper: the reader takes every piece, and none waits."""
+    import threading
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    size, n = 1024, 8
+    buf = torch.full((size * n,), 0xEE, dtype=torch.uint8)
+    mapper = _large._Mapper([(buf, i * size, (i + 1) * size) for i in range(n)])
+    assert mapper.thread is None
+    for i in range(n):
+        mapper.ready(i)  # (would wait for ever on a piece no helper took)
+        buf[i * size : (i + 1) * size] = i
+    mapper.stop()
+    assert mapper.next == n and not any(event.is_set() for event in mapper.done)
+    assert torch.equal(buf, torch.arange(n, dtype=torch.uint8).repeat_interleave(size))

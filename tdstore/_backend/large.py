@@ -340,8 +340,11 @@ class _Mapper:
         self.lock = threading.Lock()
         self.next = 0  #: the first piece neither side has taken yet
         self.done = [threading.Event() for _ in targets]
-        self.thread = threading.Thread(target=self._run, name="tdstore-map-ahead", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = threading.Thread(target=self._run, name="tdstore-map-ahead", daemon=True)
+        try:
+            self.thread.start()
+        except RuntimeError:  # no new thread (e.g. at interpreter shutdown): the reader takes every piece
+            self.thread = None
 
     def _run(self) -> None:
         while True:
@@ -368,7 +371,8 @@ class _Mapper:
     def stop(self) -> None:
         with self.lock:
             self.next = len(self.spans)
-        self.thread.join()
+        if self.thread is not None:
+            self.thread.join()
 
 
 class _RawReplies:
