@@ -331,20 +331,23 @@ class _Mapper:
 
         import torch
 
-        cuda = torch.cuda.is_initialized()
+        buffers = {id(buf): buf for buf, _, _ in targets}
+        pinned = {key for key, buf in buffers.items() if buf.is_pinned()} if torch.cuda.is_initialized() else set()
         #: (address, length) of each piece, None for a piece of pinned memory
         self.spans = [
-            None if cuda and buf.is_pinned() else (buf.data_ptr() + offset, end - offset)
-            for buf, offset, end in targets
+            None if id(buf) in pinned else (buf.data_ptr() + offset, end - offset) for buf, offset, end in targets
         ]
         self.lock = threading.Lock()
         self.next = 0  #: the first piece neither side has taken yet
         self.done = [threading.Event() for _ in targets]
-        self.thread: threading.Thread | None = threading.Thread(target=self._run, name="tdstore-map-ahead", daemon=True)
-        try:
-            self.thread.start()
-        except RuntimeError:  # no new thread (e.g. at interpreter shutdown): the reader takes every piece
-            self.thread = None
+        self.thread: threading.Thread | None = None
+        if any(span is not None for span in self.spans):  # (else nothing to map: the reader takes every piece)
+            thread = threading.Thread(target=self._run, name="tdstore-map-ahead", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # no new thread (e.g. at interpreter shutdown): the reader takes every piece
+                return
+            self.thread = thread
 
     def _run(self) -> None:
         while True:
