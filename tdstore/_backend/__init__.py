@@ -1,5 +1,5 @@
 """Every byte that goes to the server: the IO loop, the scripts, the connection and its retry policy,
-the operations (``ops``), indexed reads, armed writes, large transfers, cluster routing, credentials,
+the operations (``ops``), indexed reads and writes (``reads``, ``row_writes``), armed writes, large transfers, cluster routing, credentials,
 and the probes of ``tdstore doctor`` (``probe``). ``translate`` is the one table from server errors
 to tdstore's exceptions and retry classes.
 

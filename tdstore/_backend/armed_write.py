@@ -1,6 +1,6 @@
 """Row writes of large runs in one round trip: a connection left WATCHing the store between writes.
 
-``_backend.write_runs_watched`` guards its SETRANGEs with WATCH on the store's meta hash:
+``row_writes.write_runs_watched`` guards its SETRANGEs with WATCH on the store's meta hash:
 WATCH, read the layout version, then MULTI/EXEC, which the server runs only if the meta
 hash did not change since the WATCH. That costs three round trips before the bytes move.
 
@@ -43,7 +43,7 @@ import redis.exceptions
 from redis._parsers import _HiredisParser
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
 
-from tdstore._backend.ops import write_runs_watched
+from tdstore._backend.row_writes import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._core.chunks import setrange_commands, written_keys

@@ -26,6 +26,7 @@ from tdstore._backend import credentials as _credentials
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
+from tdstore._backend import row_writes as _row_writes
 from tdstore._backend import translate as _translate
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
 from tdstore._backend.retry import (
@@ -526,7 +527,7 @@ class Connection:
         if done is True:
             return
         if done is False or not self.owned_replies or self.cluster_route is not None:
-            self.run(lambda c: _backend.write_runs_watched(c, keys, self.runner, groups, expected=expected))
+            self.run(lambda c: _row_writes.write_runs_watched(c, keys, self.runner, groups, expected=expected))
         else:
             self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
 

@@ -17,6 +17,7 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from tensordict.utils import is_tensorclass
 
 from tdstore._backend import ops as _backend
+from tdstore._backend import row_writes as _row_writes
 from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
@@ -253,7 +254,7 @@ class LazyWrites(LazyBase):
             if not groups and not nontensor:
                 return
             changed = conn.run(
-                lambda c: _backend.write_runs_watched(
+                lambda c: _row_writes.write_runs_watched(
                     c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=True, nontensor=nontensor
                 )
             )

@@ -1,9 +1,9 @@
 """Indexed writes (``store[idx] = value``, ``set_at_``): every entry's rows in one atomic step.
 
 The rows are written on the server (the ``write_runs`` script, or SETRANGEs in a
-WATCH-guarded MULTI; see ``_backend.choose_write``); nothing is read back first. Entries
+WATCH-guarded MULTI; see ``_row_writes.choose_write``); nothing is read back first. Entries
 that do not exist yet are created zero-filled, and non-tensor entries updated element-wise,
-in the same MULTI (``_backend.write_runs_watched``).
+in the same MULTI (``_row_writes.write_runs_watched``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack
 
 from tdstore._backend import ops as _backend
+from tdstore._backend import row_writes as _row_writes
 from tdstore._backend.optimistic import optimistic
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
@@ -156,16 +157,16 @@ def write_index(
         expected = str(layout.lv)
         if nontensor or create:
             changed = conn.run(
-                lambda c: _backend.write_runs_watched(
+                lambda c: _row_writes.write_runs_watched(
                     c, conn.keys, conn.runner, groups, expected=expected, creates=create, nontensor=nontensor
                 )
             )
             if changed:
                 conn.layout = None
-        elif _backend.choose_write(groups) == "multi":
+        elif _row_writes.choose_write(groups) == "multi":
             conn.write_rows(groups, expected)
         else:
-            conn.run(lambda c: _backend.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
+            conn.run(lambda c: _row_writes.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
 
     optimistic(attempt, where=where, what="an indexed write", on_stale=lambda: store._layout(refresh=True))
 

@@ -18,6 +18,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
 from tdstore._backend import ops as _backend
+from tdstore._backend import row_writes as _row_writes
 from tdstore._backend import transfer as _transfer
 from tdstore._backend.optimistic import optimistic
 from tdstore._core.indexing import normalize_index, select_rows
@@ -110,7 +111,7 @@ class StoreWrites(DenseBase):
                 # (SETRANGE at 0 in a WATCH-guarded MULTI), with no tmp key and no rename
                 groups = [(op.path, [(0, len(op.payload))], op.payload) for op in ops]
                 conn.run(
-                    lambda c: _backend.write_runs_watched(
+                    lambda c: _row_writes.write_runs_watched(
                         c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=check_lock,
                         small_via_script=False,
                     )
