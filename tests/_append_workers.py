@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -17,9 +18,12 @@ def warm_up(seconds: float) -> int:
     return 0
 
 
-def sub_appender(conn: dict[str, Any], td_id: str, sub: str, start: float, count: int, duration: float) -> int:
+def sub_appender(
+    conn: dict[str, Any], td_id: str, sub: str, start: float, count: int, duration: float, stop_file: str | None = None
+) -> int:
     """Appends 4-row batches to ``store[sub]`` from ``start`` (a time.time()) on, at most
-    ``count`` times and ``duration`` seconds; returns the number of appends."""
+    ``count`` times and ``duration`` seconds, and until ``stop_file`` exists; returns the
+    number of appends."""
     store = TensorDictStore.from_store(td_id=td_id, **conn)
     part = store[sub]
     batch = TensorDict(obs=torch.ones(4, 8), batch_size=[4])
@@ -27,6 +31,8 @@ def sub_appender(conn: dict[str, Any], td_id: str, sub: str, start: float, count
     deadline = time.time() + duration
     done = 0
     while done < count and time.time() < deadline:
+        if stop_file is not None and done % 8 == 0 and os.path.exists(stop_file):
+            break
         part.extend(batch)
         done += 1
     store.close()
