@@ -323,7 +323,7 @@ def test_failures_are_classified_by_what_the_server_may_have_applied():
     tries = 1
     while sleep_before_retry(policy, tries, started):
         tries += 1
-    assert time.monotonic() - started <= 0.2 + 0.01 and 3 <= tries < 100
+    assert time.monotonic() - started <= 0.2 + 0.05 and 3 <= tries < 100  # 0.05: the OS's sleep overshoot
     assert not sleep_before_retry(RetryPolicy(attempts=3), 3, time.monotonic())
 
 
