@@ -140,8 +140,8 @@ local cursor = moved - n
 local start = cursor % capacity
 local first = math.min(n, capacity - start)
 
--- a ring appended to before the flags existed (or whose cursor was set by the client):
--- its first min(cursor, capacity) rows count as written
+-- a ring appended to before the flags existed: its first min(cursor, capacity) rows count
+-- as written (a cursor set by the client, lua/ring_total.lua, writes the flags itself)
 local function adopt()
   if rcall('EXISTS', KEYS[3]) == 1 then return false end
   rcall('SETRANGE', KEYS[3], '0', string.rep('\1', math.min(cursor, capacity)))

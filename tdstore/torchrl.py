@@ -289,8 +289,9 @@ class TensorDictStoreStorage(TensorStorage):
         self._local_len = 0
         self._known_full = False
         if self._storage is not None:
-            conn = self._storage._conn
-            conn.run(lambda c: _backend.set_ring_total(c, conn.keys, 0))
+            # (a store deleted meanwhile holds no rows: nothing to empty, and nothing is written)
+            conn, cap = self._storage._conn, self.max_size
+            conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, 0, cap))
         self._bump_mutation_revision()
 
     def state_dict(self) -> dict[str, Any]:
@@ -323,7 +324,8 @@ class TensorDictStoreStorage(TensorStorage):
         store.update(data, inplace=True)
         conn = store._conn
         total = int(state_dict.get("total", state_dict["_len"]))
-        conn.run(lambda c: _backend.set_ring_total(c, conn.keys, total))
+        if not conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, total, self.max_size)):
+            raise store._not_found()
         self._local_len = int(state_dict["_len"])
         self._bump_mutation_revision()
 

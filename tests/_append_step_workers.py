@@ -109,3 +109,51 @@ def layout_changer(conn: dict[str, Any], td_id: str, rounds: int, duration: floa
             changes += 1
     store.close()
     return changes
+
+
+def cursor_setter(conn: dict[str, Any], td_id: str, rounds: int, duration: float, seed: int) -> int:
+    """Sets the ring cursor (as TorchRL's empty() and load_state_dict() do) to random counts
+    from 0 to twice the capacity, ``rounds`` times or for ``duration`` seconds; returns how many."""
+    import random
+
+    from tdstore._backend import ops as _backend
+
+    rng = random.Random(seed)
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    conn_ = store._conn
+    cap = store.batch_size[0]
+    end = time.time() + duration
+    done = 0
+    for _ in range(rounds):
+        if time.time() > end:
+            break
+        total = rng.choice([0, 0, rng.randint(1, cap // 4), rng.randint(1, cap), rng.randint(cap, 2 * cap)])
+        assert conn_.run(lambda c, t=total: _backend.set_ring_total(c, conn_.keys, conn_.runner, t, cap))
+        done += 1
+        time.sleep(rng.uniform(0.0, 0.003))
+    store.close()
+    return done
+
+
+def ring_checker(conn: dict[str, Any], td_id: str, n: int, rounds: int, duration: float) -> tuple[int, int, int, int, int]:
+    """Reads ``ring_state()`` and samples until ``rounds`` or ``duration``: (checks, rows
+    counted as written past the cursor's rows, rows sampled, torn, never written)."""
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    cap = store.batch_size[0]
+    end = time.time() + duration
+    checks = over = sampled = torn = unwritten = 0
+    for _ in range(rounds):
+        if time.time() > end:
+            break
+        state = store.ring_state()
+        checks += 1
+        over += max(0, state.valid - min(state.total, cap))
+        try:
+            td = store.sample(n)
+        except ValueError:  # no row counted as written
+            continue
+        t, u = bad_rows(td)
+        torn, unwritten = torn + t, unwritten + u
+        sampled += n
+    store.close()
+    return checks, over, sampled, torn, unwritten

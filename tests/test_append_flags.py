@@ -121,13 +121,106 @@ def test_a_cursor_set_by_the_client_counts_its_rows_as_written(store):
 
     conn = store._conn
     store[0:5] = batch(3.0, 5)
-    conn.run(lambda c: _backend.set_ring_total(c, conn.keys, 5))
+    assert conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, 5, CAP))
     assert store.ring_state().valid == 5
     store.extend(batch(4.0, 1))  # row 5
     assert store.ring_state().valid == 6
     assert set(store.sample(300)["y"].tolist()) == {3.0, 4.0}
-    conn.run(lambda c: _backend.set_ring_total(c, conn.keys, 0))
+    assert conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, 0, CAP))
     assert store.ring_state().valid == 0
+
+
+def _set_total_elsewhere(server, store, total: int) -> None:
+    """``set_ring_total`` from another connection on a loop of its own (this may run on
+    tdstore's IO loop, which another store's call would need)."""
+    import asyncio
+    import threading
+
+    from tdstore._backend import ops as _backend
+
+    got: list[object] = []
+
+    async def run() -> None:
+        client = server.async_client()
+        try:
+            got.append(await _backend.set_ring_total(client, store._conn.keys, store._conn.runner, total, CAP))
+        finally:
+            await client.aclose()
+
+    thread = threading.Thread(target=lambda: asyncio.run(run()))
+    thread.start()
+    thread.join(30)
+    assert got == [True]
+
+
+@pytest.mark.parametrize(("total", "rows"), [(7, [5, 6]), (3, [3, 4])], ids=["rows-kept", "rows-taken-anew"])
+def test_a_cursor_set_between_an_appends_two_steps_keeps_every_counted_row(store, server, monkeypatch, total, rows):
+    """The cursor is set (torchrl's load_state_dict) after an append reserved rows 5-6 and
+    before its write. The write is aborted (the fence moved) and checks its rows against the
+    new cursor: still below it (total 7), it writes them; past it (total 3), it takes rows
+    3-4. Before, its EXEC went through and set its flags in a flags string that the cursor
+    set had deleted: rows 0-4 were then counted as never written, and sample() never drew
+    them again."""
+    store.extend(batch(1.0, 5))  # rows 0-4
+    real = _append.AppendPlan.write_commands
+    calls: list[int] = []
+
+    def set_cursor_first(self, start, exp):
+        if not calls:
+            _set_total_elsewhere(server, store, total)
+        calls.append(start)
+        return real(self, start, exp)
+
+    monkeypatch.setattr(_append.AppendPlan, "usable", lambda self, held: False)  # the two steps, not one packet
+    monkeypatch.setattr(_append.AppendPlan, "write_commands", set_cursor_first)
+    got = store.extend(batch(2.0, 2)).tolist()
+    monkeypatch.setattr(_append.AppendPlan, "write_commands", real)
+    state = store.ring_state()
+    assert (state.valid, state.total) == (max(total, rows[-1] + 1), max(total, rows[-1] + 1))
+    assert store["y"][: state.valid].tolist() == [1.0] * rows[0] + [2.0, 2.0] + [1.0] * (state.valid - rows[-1] - 1)
+    assert set(store._draw_written(400, torch.Generator().manual_seed(0)).tolist()) == set(range(state.valid))
+    assert got == rows
+    assert calls[0] == 5 and len(calls) == 2, calls  # planned for rows 5-6, aborted, planned again
+
+
+def test_a_cursor_set_keeps_the_store_expiry(store, server):
+    """The keys that setting the cursor writes expire with the store, whether or not they
+    existed (here: a store never appended to). Before, the cursor key lost its expiry and
+    outlived the store."""
+    from tdstore._backend import ops as _backend
+
+    store.expire(60)
+    conn = store._conn
+    client = server.sync_client()
+    try:
+        for total in (0, 5):
+            assert conn.run(lambda c, t=total: _backend.set_ring_total(c, conn.keys, conn.runner, t, CAP))
+            for key in (conn.keys.ring, conn.keys.flags, conn.keys.fence, conn.keys.wv):
+                if key == conn.keys.flags and total == 0:
+                    assert client.exists(key) == 0, "no row counted: no flags"
+                    continue
+                assert 0 < client.pttl(key) <= 60_000, f"{key} has no expiry after the cursor was set to {total}"
+    finally:
+        client.close()
+    assert store.ring_state().valid == 5
+
+
+def test_a_cursor_set_on_a_deleted_store_writes_nothing(store, server):
+    from tdstore._backend import ops as _backend
+
+    store.extend(batch(1.0, 2))
+    other = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+    other.clear_redis()
+    other.close()
+    conn = store._conn
+    assert conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, 4, CAP)) is False
+    client = server.sync_client()
+    try:
+        assert list(client.scan_iter(match=f"{store.prefix}:{{{store.td_id}}}:*")) == []
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="a row count >= 0 and a capacity >= 1"):
+        conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, -1, CAP))
 
 
 def test_a_data_key_gone_from_the_server_is_reported(store, server):

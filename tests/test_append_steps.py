@@ -155,6 +155,40 @@ def test_appender_killed_between_its_two_steps(real_server, pool, request):
     store.close()
 
 
+SETS = 150
+
+
+def test_cursor_sets_racing_appenders_and_samplers(real_server, pool, request):
+    """The cursor set (TorchRL's empty() and load_state_dict()) again and again while 3
+    processes append, in one packet and in two steps: a sampled row is never torn or never
+    written, the rows counted as written never outnumber the rows the cursor counts, and once
+    the ring has come round every row counts again."""
+    conn = real_server.connection_kwargs()
+    cap, rows, count = 64, 4, 60
+    store = TensorDictStore.from_schema(SCHEMA, batch_size=[cap], **conn)
+    store[:] = w.batch(9, 0, cap)  # every row whole (as load_state_dict writes them), none flagged yet
+    # (each cursor set aborts the armed appends, whose handles then take the two steps for a while)
+    appenders = [pool.submit(w.appender, conn, store.td_id, (), p, count, rows, 30.0, None, 0.002) for p in (1, 2, 3)]
+    setter = pool.submit(w.cursor_setter, conn, store.td_id, SETS, 30.0, 11)
+    checker = pool.submit(w.ring_checker, conn, store.td_id, 16, 400, 30.0)
+    got = [f.result(90) for f in appenders]
+    sets = setter.result(90)
+    checks, over, sampled, torn, unwritten = checker.result(90)
+    for seq in range(cap // rows):  # a lap of the ring after the last cursor set
+        store.extend(w.batch(4, seq, rows))
+    state = store.ring_state()
+    final_torn, final_unwritten = w.bad_rows(store.to_tensordict())
+    _record(request, appended=sum(map(len, got)), cursor_sets=sets, ring_checks=checks, rows_over_counted=over,
+            sampled=sampled, torn_rows=torn + final_torn, unwritten_rows=unwritten + final_unwritten,
+            rows_uncounted_after_a_lap=cap - state.valid)
+    assert sum(map(len, got)) == 3 * count * rows
+    assert sets == SETS and checks > 0 and sampled > 0
+    assert (over, torn, unwritten, final_torn, final_unwritten) == (0, 0, 0, 0, 0)
+    assert state.valid == cap
+    store.clear_redis()
+    store.close()
+
+
 def test_layout_changes_racing_appenders(real_server, pool, request):
     conn = real_server.connection_kwargs()
     cap, rows, count = 240, 2, 30  # 180 rows appended: no lap, whatever is reserved again

@@ -123,17 +123,27 @@ async def ttl_ms(client: Any, keys: StoreKeys) -> int:
     return int(await client.pttl(keys.meta))
 
 
-async def set_ring_total(client: Any, keys: StoreKeys, total: int) -> None:
-    """Sets the ring counter (rows ever appended) and bumps the write version, in one MULTI.
+async def set_ring_total(client: Any, keys: StoreKeys, runner: ScriptRunner, total: int, capacity: int) -> bool:
+    """Sets the ring cursor (rows ever appended) to ``total``, in one step (``lua/ring_total.lua``);
+    False, with nothing written, when there is no store.
 
-    The rows' "written" flags are dropped: the first ``total`` rows (at most the capacity)
-    count as written until the next append, which flags them (see lua/reserve.lua).
+    The first ``min(total, capacity)`` rows then count as written: they are flagged, except
+    rows whose flag is clear (a reservation in flight there keeps its record). The same step
+    bumps the fence, so that an append between its two steps checks its rows against the new
+    cursor before it writes them, and the write version; the keys written keep the store's
+    expiry.
     """
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.set(keys.ring, str(int(total)))
-        pipe.delete(keys.flags)
-        pipe.incr(keys.wv)
-        await pipe.execute()
+    from tdstore.errors import StoreNotFoundError
+
+    total, capacity = int(total), int(capacity)
+    if total < 0 or capacity < 1:
+        raise ValueError(f"the ring of {keys.base} needs a row count >= 0 and a capacity >= 1, got {total} and {capacity}")
+    try:
+        await runner.call(client, "ring_total", [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv],
+                          [str(total), str(capacity)])
+    except StoreNotFoundError:
+        return False
+    return True
 
 
 if TYPE_CHECKING:

@@ -1385,8 +1385,11 @@ ERROR_TESTS = {
 def test_every_script_and_declared_error_code_has_a_test() -> None:
     from .test_expire import EXPIRE_ERROR_TESTS  # here: test_expire imports this module
     from .test_reserve import RESERVE_ERROR_TESTS  # (and so does test_reserve)
+    from .test_ring_total import RING_TOTAL_ERROR_TESTS  # (and test_ring_total)
 
-    error_tests = {**ERROR_TESTS, "expire": EXPIRE_ERROR_TESTS, "reserve": RESERVE_ERROR_TESTS}
+    error_tests = {
+        **ERROR_TESTS, "expire": EXPIRE_ERROR_TESTS, "reserve": RESERVE_ERROR_TESTS, "ring_total": RING_TOTAL_ERROR_TESTS,
+    }
     from .test_lease import COMMIT_BUSY_TESTS, LEASE_ERROR_TESTS
 
     error_tests.update(lease=LEASE_ERROR_TESTS, commit={**ERROR_TESTS["commit"], **COMMIT_BUSY_TESTS})
