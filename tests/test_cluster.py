@@ -281,6 +281,50 @@ def test_scripts_are_reloaded_on_each_master(cluster_server):
         store.close()
 
 
+@pytest.mark.parametrize("listing", ["slot", "scan"])
+def test_clear_redis_lists_the_store_slot_not_the_node(cluster_server, monkeypatch, listing):
+    """On a cluster, clear_redis() finds the store's keys with CLUSTER GETKEYSINSLOT in its
+    one slot: its cost follows the slot, not every key of the node. A slot fuller than
+    SLOT_LIST_MAX is SCANned. Either way every key of the store goes, debris included (a
+    data key without a registry entry, a store in the same slot under a longer name and
+    the other keys of the node stay)."""
+    conn = cluster_server.connection_kwargs()
+    store = TensorDictStore(batch_size=[4], td_id="wipe-me", **conn)
+    store["x"] = torch.ones(4)
+    store.extend(TensorDict(x=torch.ones(2), batch_size=[2]))  # the ring's keys too
+    neighbour = TensorDictStore(batch_size=[4], td_id="wipe-me", prefix=f"{store.prefix}x", **conn)
+    neighbour["y"] = torch.ones(4)
+    node = cluster_server.node_of_key(store._conn.keys.meta)
+    client = cluster_server.node_client(node)
+    kept = [k for k in (f"other:{{k{i}}}" for i in range(300)) if cluster_server.node_of_key(k) == node]
+    try:
+        client.set(store._conn.keys.data(("gone",)), b"no registry entry")
+        for key in kept:
+            client.set(key, b"1")
+        assert kept
+        if listing == "scan":
+            monkeypatch.setattr(_lifecycle, "SLOT_LIST_MAX", 0)
+        client.config_resetstat()
+        store.clear_redis()
+        stats = client.info("commandstats")
+        assert list(client.scan_iter(match=store._conn.keys.pattern())) == []
+        assert all(client.exists(k) for k in kept)
+        assert torch.equal(neighbour["y"], torch.ones(4))
+        scans = stats.get("cmdstat_scan", {}).get("calls", 0)
+        listed = stats.get("cmdstat_cluster|getkeysinslot", stats.get("cmdstat_cluster", {})).get("calls", 0)
+        if listing == "slot":
+            assert scans == 0 and listed >= 1
+        else:
+            assert scans >= 1
+    finally:
+        for key in kept:
+            client.delete(key)
+        client.close()
+        neighbour.clear_redis()
+        neighbour.close()
+        store.close()
+
+
 def test_list_stores_scans_every_master(cluster_server):
     conn = cluster_server.connection_kwargs()
     stores = [TensorDictStore(batch_size=[1], prefix="listing", **conn) for _ in range(9)]

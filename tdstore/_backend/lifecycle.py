@@ -26,12 +26,33 @@ def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
     ]
 
 
-async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner) -> int:
+#: The most keys the store's slot may hold for :func:`wipe` to list them with one
+#: ``CLUSTER GETKEYSINSLOT`` (a reply of that many names); a fuller slot is SCANned.
+SLOT_LIST_MAX = 100_000
+
+
+async def _listed_keys(client: Any, keys: StoreKeys, slot: int | None) -> list[str]:
+    """Every key of the store: on a cluster node (``slot``, the store's one slot), the keys
+    of that slot with the store's name; else (or in a slot of more than
+    :data:`SLOT_LIST_MAX` keys) a SCAN of the whole database."""
+    if slot is not None:
+        count = int(await client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
+        if count <= SLOT_LIST_MAX:
+            # (room for keys created since the count: a key missed would be left behind)
+            names = await client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, count + 1024)
+            mine = f"{keys.base}:"
+            return [text for text in (_s(name) or "" for name in names) if text.startswith(mine)]
+    return [_s(key) or "" async for key in client.scan_iter(match=keys.pattern(), count=1000)]
+
+
+async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, slot: int | None = None) -> int:
     """Deletes every key of the store whatever its bookkeeping says, in one step.
 
     Works on a store whose bookkeeping is damaged (a registry or meta hash evicted or edited
     by hand, data keys without a registry entry): the keys are found with SCAN (one pass over
-    the database's keyspace, ~1000 keys per round trip), after the layout
+    the database's keyspace, ~1000 keys per round trip) or, on a Redis Cluster node
+    (``slot``: the store's slot, which holds all its keys), with ``CLUSTER GETKEYSINSLOT``
+    (the keys of that one slot), after the layout
     version and registry size were read, and the clear script deletes them only if neither
     changed since (any new entry changes both), so that nothing written meanwhile is lost
     unseen. In-flight tmp keys are left alone (they expire). The data keys go through
@@ -51,11 +72,7 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner) -> int:
     n = int(n_raw) if _s(reg_type) == "hash" else -1
     own = {keys.meta, keys.reg, keys.wv, keys.ring}
     tmp_prefix = f"{keys.base}:tmp:"
-    found = []
-    async for key in client.scan_iter(match=keys.pattern(), count=1000):
-        text = _s(key) or ""
-        if text not in own and not text.startswith(tmp_prefix):
-            found.append(text)
+    found = [text for text in await _listed_keys(client, keys, slot) if text not in own and not text.startswith(tmp_prefix)]
     chunk_prefix = f"{keys.base}:c:"
     chunked = sorted({key for key in found if key.startswith(chunk_prefix)})
     plain = sorted(set(found) - set(chunked))

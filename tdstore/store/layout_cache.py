@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from redis.crc import key_slot
+
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
@@ -155,7 +157,8 @@ class LayoutCache(SharedBase):
         no store.
 
         It works on a store whose bookkeeping is damaged too (evicted or edited by hand; no
-        format check either): the store's keys are found with SCAN
+        format check either): the store's keys are found with SCAN, or on a Redis Cluster
+        with ``CLUSTER GETKEYSINSLOT`` in the store's one slot
         (:func:`tdstore._backend.lifecycle.wipe`), so that users can always clean up."""
         conn = self._conn
 
@@ -164,9 +167,10 @@ class LayoutCache(SharedBase):
             try:
                 layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
             except (CorruptMetadataError, DataLostError, ValueError, TypeError, KeyError, AttributeError):
-                # metadata that does not parse or is implausible: wipe() finds the keys with SCAN
+                # metadata that does not parse or is implausible: wipe() finds the keys itself
                 layout = None
-            deleted = conn.run(lambda c: _lifecycle.wipe(c, conn.keys, conn.runner))
+            slot = key_slot(conn.keys.meta.encode()) if conn.cluster_route is not None else None
+            deleted = conn.run(lambda c: _lifecycle.wipe(c, conn.keys, conn.runner, slot))
             conn.layout = None
             if layout is None or "lv" not in layout.meta or not deleted:
                 return None
