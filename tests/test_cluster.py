@@ -281,14 +281,25 @@ def test_scripts_are_reloaded_on_each_master(cluster_server):
         store.close()
 
 
-@pytest.mark.parametrize("listing", ["slot", "scan"])
+@pytest.mark.parametrize("listing", ["slot", "scan", "refused"])
 def test_clear_redis_lists_the_store_slot_not_the_node(cluster_server, monkeypatch, listing):
     """On a cluster, clear_redis() finds the store's keys with CLUSTER GETKEYSINSLOT in its
     one slot: its cost follows the slot, not every key of the node. A slot fuller than
-    SLOT_LIST_MAX is SCANned. Either way every key of the store goes, debris included (a
-    data key without a registry entry, a store in the same slot under a longer name and
-    the other keys of the node stay)."""
+    SLOT_LIST_MAX, or a user whose ACL refuses those CLUSTER commands, gets the SCAN.
+    Either way every key of the store goes, debris included (a data key without a
+    registry entry; a store in the same slot under a longer name and the other keys of the
+    node stay)."""
     conn = cluster_server.connection_kwargs()
+    if listing == "refused":
+        for index in range(cluster_server.masters):
+            admin = cluster_server.node_client(index)
+            admin.acl_setuser("noslots", enabled=True, nopass=True, keys=["*"],
+                              commands=["+@all", "-cluster|countkeysinslot", "-cluster|getkeysinslot"])
+            admin.close()
+        conn = {**conn, "username": "noslots", "password": "any"}
+        request_cleanup = True
+    else:
+        request_cleanup = False
     store = TensorDictStore(batch_size=[4], td_id="wipe-me", **conn)
     store["x"] = torch.ones(4)
     store.extend(TensorDict(x=torch.ones(2), batch_size=[2]))  # the ring's keys too
@@ -323,6 +334,11 @@ def test_clear_redis_lists_the_store_slot_not_the_node(cluster_server, monkeypat
         neighbour.clear_redis()
         neighbour.close()
         store.close()
+        if request_cleanup:
+            for index in range(cluster_server.masters):
+                admin = cluster_server.node_client(index)
+                admin.acl_deluser("noslots")
+                admin.close()
 
 
 def test_list_stores_scans_every_master(cluster_server):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis.exceptions
+
 from tdstore._backend.ops import Layout, _s
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
@@ -33,15 +35,19 @@ SLOT_LIST_MAX = 100_000
 
 async def _listed_keys(client: Any, keys: StoreKeys, slot: int | None) -> list[str]:
     """Every key of the store: on a cluster node (``slot``, the store's one slot), the keys
-    of that slot with the store's name; else (or in a slot of more than
-    :data:`SLOT_LIST_MAX` keys) a SCAN of the whole database."""
+    of that slot with the store's name; else (in a slot of more than :data:`SLOT_LIST_MAX`
+    keys, or where the server refuses the CLUSTER commands: an ACL, a managed service) a
+    SCAN of the whole database."""
     if slot is not None:
-        count = int(await client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
-        if count <= SLOT_LIST_MAX:
-            # (room for keys created since the count: a key missed would be left behind)
-            names = await client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, count + 1024)
-            mine = f"{keys.base}:"
-            return [text for text in (_s(name) or "" for name in names) if text.startswith(mine)]
+        try:
+            count = int(await client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
+            if count <= SLOT_LIST_MAX:
+                # (room for keys created since the count: a key missed would be left behind)
+                names = await client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, count + 1024)
+                mine = f"{keys.base}:"
+                return [text for text in (_s(name) or "" for name in names) if text.startswith(mine)]
+        except redis.exceptions.ResponseError:
+            pass  # refused: the SCAN finds the same keys
     return [_s(key) or "" async for key in client.scan_iter(match=keys.pattern(), count=1000)]
 
 
