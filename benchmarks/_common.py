@@ -298,6 +298,14 @@ class RawRedis:
             self.loop.close()
 
 
+def server_cpu(client: Any) -> float:
+    """Seconds of CPU the server's main thread used so far (all threads where not reported)."""
+    info = client.info("cpu")
+    if "used_cpu_user_main_thread" in info:
+        return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat byte memoryview of a contiguous CPU tensor, without a copy.
 

@@ -52,7 +52,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from _common import bench_server, load_average, server_banner
+from _common import bench_server, load_average, server_banner, server_cpu
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
@@ -236,14 +236,6 @@ class Workers:
             proc.join(10)
             if proc.is_alive():
                 proc.terminate()
-
-
-def server_cpu(client: Any) -> float:
-    """Seconds of CPU the server's main thread used so far (all threads where not reported)."""
-    info = client.info("cpu")
-    if "used_cpu_user_main_thread" in info:
-        return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 # --------------------------------------------------------------------------- #

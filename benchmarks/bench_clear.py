@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 import torch
+from _common import server_cpu
 from redis.crc import key_slot
 from tensordict import TensorDict
 
@@ -31,11 +32,6 @@ from tdstore import TensorDictStore
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore.server import start_cluster, start_server
 from tdstore.server.cluster import slot_ranges
-
-
-def _cpu_ms(client: redis.Redis) -> float:
-    info = client.info("cpu")
-    return (info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"]) * 1e3
 
 
 def _fill(client: redis.Redis, count: int, slots: tuple[int, int] | None) -> None:
@@ -67,11 +63,11 @@ def _measure(node: redis.Redis, conn: dict[str, Any], prepare: Callable[[TensorD
     """Creates the store, then times ``prepare(store)()`` (``prepare`` itself is not timed)."""
     store = _store(conn)
     clear = prepare(store)
-    cpu0 = _cpu_ms(node)
+    cpu0 = server_cpu(node)
     t0 = time.perf_counter()
     clear()
     wall = (time.perf_counter() - t0) * 1e3
-    cpu = _cpu_ms(node) - cpu0
+    cpu = (server_cpu(node) - cpu0) * 1e3
     store.close()
     assert not list(node.scan_iter(match="*bench-clear*")), "a key of the store was left"
     return wall, cpu

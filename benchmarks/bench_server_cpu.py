@@ -58,6 +58,7 @@ from _common import (
     parse,
     print_table,
     server_banner,
+    server_cpu,
     transports,
 )
 from tensordict import LazyStackedTensorDict, TensorDict
@@ -70,14 +71,6 @@ CAPACITY = 4096
 SMALL_ROWS = 10_000
 N_SAMPLE = 256
 
-
-
-def server_cpu(client: Any) -> float:
-    """Seconds of CPU the server's main thread used so far (all threads where not reported)."""
-    info = client.info("cpu")
-    if "used_cpu_user_main_thread" in info:
-        return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 class Case:

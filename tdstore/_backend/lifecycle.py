@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.exceptions
+from redis.crc import key_slot
 
 from tdstore._backend.ops import Layout, _s
 from tdstore._backend.scripts import ScriptRunner
@@ -33,12 +34,13 @@ def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
 SLOT_LIST_MAX = 100_000
 
 
-async def _listed_keys(client: Any, keys: StoreKeys, slot: int | None) -> list[str]:
-    """Every key of the store: on a cluster node (``slot``, the store's one slot), the keys
-    of that slot with the store's name; else (in a slot of more than :data:`SLOT_LIST_MAX`
-    keys, or where the server refuses the CLUSTER commands: an ACL, a managed service) a
-    SCAN of the whole database."""
-    if slot is not None:
+async def _listed_keys(client: Any, keys: StoreKeys, cluster_node: bool) -> list[str]:
+    """Every key of the store: on a cluster node, the keys of the store's one slot (its hash
+    tag's) with the store's name; else (in a slot of more than :data:`SLOT_LIST_MAX` keys,
+    or where the server refuses the CLUSTER commands: an ACL, a managed service) a SCAN of
+    the whole database."""
+    if cluster_node:
+        slot = key_slot(keys.meta.encode())
         try:
             count = int(await client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
             if count <= SLOT_LIST_MAX:
@@ -51,14 +53,14 @@ async def _listed_keys(client: Any, keys: StoreKeys, slot: int | None) -> list[s
     return [_s(key) or "" async for key in client.scan_iter(match=keys.pattern(), count=1000)]
 
 
-async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, slot: int | None = None) -> int:
+async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_node: bool = False) -> int:
     """Deletes every key of the store whatever its bookkeeping says, in one step.
 
     Works on a store whose bookkeeping is damaged (a registry or meta hash evicted or edited
     by hand, data keys without a registry entry): the keys are found with SCAN (one pass over
     the database's keyspace, ~1000 keys per round trip) or, on a Redis Cluster node
-    (``slot``: the store's slot, which holds all its keys), with ``CLUSTER GETKEYSINSLOT``
-    (the keys of that one slot), after the layout
+    (``cluster_node``), with ``CLUSTER GETKEYSINSLOT`` (the keys of the store's one slot,
+    which holds all of them), after the layout
     version and registry size were read, and the clear script deletes them only if neither
     changed since (any new entry changes both), so that nothing written meanwhile is lost
     unseen. In-flight tmp keys are left alone (they expire). The data keys go through
@@ -78,7 +80,7 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, slot: int | N
     n = int(n_raw) if _s(reg_type) == "hash" else -1
     own = {keys.meta, keys.reg, keys.wv, keys.ring}
     tmp_prefix = f"{keys.base}:tmp:"
-    found = [text for text in await _listed_keys(client, keys, slot) if text not in own and not text.startswith(tmp_prefix)]
+    found = [text for text in await _listed_keys(client, keys, cluster_node) if text not in own and not text.startswith(tmp_prefix)]
     chunk_prefix = f"{keys.base}:c:"
     chunked = sorted({key for key in found if key.startswith(chunk_prefix)})
     plain = sorted(set(found) - set(chunked))

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from redis.crc import key_slot
-
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
@@ -169,8 +167,8 @@ class LayoutCache(SharedBase):
             except (CorruptMetadataError, DataLostError, ValueError, TypeError, KeyError, AttributeError):
                 # metadata that does not parse or is implausible: wipe() finds the keys itself
                 layout = None
-            slot = key_slot(conn.keys.meta.encode()) if conn.cluster_route is not None else None
-            deleted = conn.run(lambda c: _lifecycle.wipe(c, conn.keys, conn.runner, slot))
+            cluster_node = conn.cluster_route is not None
+            deleted = conn.run(lambda c: _lifecycle.wipe(c, conn.keys, conn.runner, cluster_node=cluster_node))
             conn.layout = None
             if layout is None or "lv" not in layout.meta or not deleted:
                 return None
