@@ -267,3 +267,36 @@ def test_lease_length():
     assert _lease.lease_ms(0) == _lease.LEASE_MS == 2000
     assert _lease.lease_ms(100 * 10**6) == 4000
     assert _lease.lease_ms(10**12) == _lease.LEASE_MAX_MS == 60_000
+
+
+def test_poll_delay_is_capped_at_any_number_of_polls():
+    """The writer's backoff doubles to a cap: ``0.001 * 2**polls`` overflowed a float at poll 1024."""
+    assert _lease.poll_delay(0, 40_000) == 0.001
+    assert [_lease.poll_delay(n, 40_000) for n in (5, 1023, 1024, 10**6)] == [_lease._POLL_MAX] * 4
+    assert _lease.poll_delay(10**6, 0) == 0.001  # never past the lease that refused it
+
+
+def test_a_long_lease_makes_writers_wait_to_the_bound_then_stale_layout(server, monkeypatch):
+    """A lease 40 s long (a reader of more than ~1 GB, or one that died): a layout change
+    waits for it up to the writer bound, then raises StaleLayoutError, however many polls
+    that took (here thousands, by a shortened bound and poll: before, OverflowError at poll
+    1024, after ~21.6 s of real time)."""
+    from tdstore.errors import StaleLayoutError
+
+    monkeypatch.setattr(_lease, "WRITER_WAIT_MAX", 8.0)
+    monkeypatch.setattr(_lease, "_POLL_MAX", 0.00005)
+    polls = []
+    real_delay = _lease.poll_delay
+    monkeypatch.setattr(_lease, "poll_delay", lambda n, left: polls.append(n) or real_delay(n, left))
+    store = TensorDictStore(batch_size=[4], **server.connection_kwargs())
+    store["x"] = torch.zeros(4)
+    client = server.sync_client()
+    sec, usec = client.time()
+    client.hset(f"{store._conn.keys.base}:rl", "dead-reader", str(int(sec) * 1000 + int(usec) // 1000 + 40_000))
+    t0 = time.perf_counter()
+    with pytest.raises(StaleLayoutError, match="lease"):
+        store["new"] = torch.ones(4)
+    took = time.perf_counter() - t0
+    assert max(polls) >= 1024, max(polls)
+    assert took < 40, took  # the bound, not the lease's 40 s
+    assert "new" not in TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs()).keys()

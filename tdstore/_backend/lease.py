@@ -19,7 +19,8 @@ The bounds (see docs/guarantees.md, "Reads under layout churn"):
   :data:`LEASE_MAX_MS`); readers take
   one only after losing :data:`LEASE_AFTER` tries to layout changes, and drop it when done, so
   a lease of a reader that died delays writers by at most its length. A writer gives up waiting
-  after :data:`WRITER_WAIT_MAX` seconds (``StaleLayoutError``, which its optimistic loop retries).
+  after :data:`WRITER_WAIT_MAX` seconds on the clock (``StaleLayoutError``, marked ``gave_up`` so that
+  its optimistic loop raises it rather than waiting again).
 
 A reader that cannot take a lease (a read-only user or replica) keeps to optimistic tries.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +67,15 @@ LEASE_MAX_MS = 60_000
 WRITER_WAIT_MAX = 30.0
 #: The longest single wait of a writer between two tries (seconds).
 _POLL_MAX = 0.02
+#: The doubling of a writer's wait stops after this many polls (2**10 ms already passes
+#: :data:`_POLL_MAX`); an uncapped ``2**polls`` overflows a float at poll 1024.
+_POLL_DOUBLINGS = 10
+
+
+def poll_delay(polls: int, left_ms: int) -> float:
+    """A writer's wait (seconds) before its try number ``polls + 1``: doubling from 1 ms, at
+    most :data:`_POLL_MAX`, and no longer than the ``left_ms`` of the lease that refused it."""
+    return min(0.001 * 2 ** min(max(polls, 0), _POLL_DOUBLINGS), _POLL_MAX, max(left_ms, 0) / 1000 + 0.001)
 
 _BUSY_RE = re.compile(r"TDS_BUSY\b.*? for (\d+) ms")
 
@@ -145,7 +156,8 @@ async def call_commit(
     :data:`WRITER_WAIT_MAX` seconds of waiting the ``tmps`` are deleted and ``StaleLayoutError``
     is raised.
     """
-    waited = 0.0
+    # the bound is on the clock (sleeps overshoot, and each try is a round trip)
+    start = time.monotonic()
     polls = 0
     while True:
         if busy is None:
@@ -156,15 +168,18 @@ async def call_commit(
                     raise
                 busy = exc
         left = busy_ms(busy) or 1
+        waited = time.monotonic() - start
         if waited >= WRITER_WAIT_MAX:
             if tmps:
                 await client.delete(*tmps)
-            raise StaleLayoutError(
-                f"readers kept a lease on the layout of {key_list[0]} for {waited:.1f} s; the change was not made"
-            ) from busy
-        delay = min(0.001 * 2**polls, _POLL_MAX, left / 1000 + 0.001)
-        await asyncio.sleep(delay)
-        waited += delay
+            exc = StaleLayoutError(
+                f"readers kept a lease on the layout of {key_list[0]} for {waited:.1f} s (the most a writer "
+                f"waits: {WRITER_WAIT_MAX:g} s); the change was not made"
+            )
+            # the bound is on the writer's whole wait: its optimistic loop must not wait again
+            exc.gave_up = True  # type: ignore[attr-defined]
+            raise exc from busy
+        await asyncio.sleep(min(poll_delay(polls, left), max(0.0, WRITER_WAIT_MAX - waited) + 0.001))
         polls += 1
         busy = None
 
