@@ -387,3 +387,35 @@ def test_concurrent_writers_and_expire_persist(server, request):
     assert not errors, errors
     assert sum(writes) > 0 and checks > 6
     assert violations == 0
+
+
+def test_clear_deletes_ring_keys_created_after_the_listing(server, monkeypatch):
+    """N2: a first append between the clear's listing and its script created the row flags and
+    append counters after the SCAN; they survived with no TTL. The script names every fixed
+    key family, so nothing of the store is left (checked with a plain client)."""
+    import torch
+
+    from tdstore import TensorDictStore
+    from tdstore._backend import lifecycle
+
+    store = TensorDictStore.from_schema({"x": ((3,), torch.float32)}, batch_size=[8], **server.connection_kwargs())
+    other = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+    real = lifecycle._listed_keys
+
+    async def listed_then_append(client, keys, cluster_node):
+        found = await real(client, keys, cluster_node)
+        import asyncio
+
+        await asyncio.to_thread(other.extend, _rows())  # (a blocking call: not on the IO loop)
+        return found
+
+    def _rows():
+        from tensordict import TensorDict
+
+        return TensorDict({"x": torch.ones(2, 3)}, [2])
+
+    monkeypatch.setattr(lifecycle, "_listed_keys", listed_then_append)
+    store.clear_redis()
+    client = server.sync_client()
+    left = [k for k in client.scan_iter(match=f"{store._conn.keys.base}:*") if b":tmp:" not in k]
+    assert left == []

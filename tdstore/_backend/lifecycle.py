@@ -66,6 +66,9 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_no
     unseen. In-flight tmp keys are left alone (they expire). The data keys go through
     short-lived trash keys in that step and are then freed one per command (freeing a large
     string blocks the server for as long as it takes, so no step frees more than one chunk).
+    The fixed key families (write version, ring cursor, row flags, appends in flight, fence,
+    append counters, read leases) are named, not listed, so a key of theirs created after the
+    listing (a first append) goes in the same step too.
     """
     # a meta or registry key of another type (damage too) is not read as a hash: the store is
     # then "absent" to the clear script's checks, and the key is deleted with the rest (the
@@ -78,7 +81,10 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_no
         meta_type, reg_type, lv_raw, n_raw = await pipe.execute(raise_on_error=False)
     lv = _s(lv_raw) if _s(meta_type) == "hash" and lv_raw is not None else None
     n = int(n_raw) if _s(reg_type) == "hash" else -1
-    own = {keys.meta, keys.reg, keys.wv, keys.ring}
+    # every fixed key family goes whatever the listing saw: a first append between the listing
+    # and the script creates the flags and counters (which move neither version nor count)
+    fixed = [keys.wv, keys.ring, keys.flags, keys.inflight, keys.fence, keys.appends, keys.rl]
+    own = {keys.meta, keys.reg, *fixed}
     tmp_prefix = f"{keys.base}:tmp:"
     found = [text for text in await _listed_keys(client, keys, cluster_node) if text not in own and not text.startswith(tmp_prefix)]
     chunk_prefix = f"{keys.base}:c:"
@@ -90,7 +96,7 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_no
         await runner.call(
             client,
             "clear",
-            [keys.meta, keys.reg, keys.wv, keys.ring, *plain, *pairs],
+            [keys.meta, keys.reg, *fixed, *plain, *pairs],
             ["absent" if lv is None else lv if lv.isdigit() else "", str(n) if n >= 0 else "", str(len(chunked))],
         )
     )
