@@ -172,13 +172,13 @@ async def call_commit(
         if waited >= WRITER_WAIT_MAX:
             if tmps:
                 await client.delete(*tmps)
-            exc = StaleLayoutError(
+            gave_up = StaleLayoutError(
                 f"readers kept a lease on the layout of {key_list[0]} for {waited:.1f} s (the most a writer "
                 f"waits: {WRITER_WAIT_MAX:g} s); the change was not made"
             )
             # the bound is on the writer's whole wait: its optimistic loop must not wait again
-            exc.gave_up = True  # type: ignore[attr-defined]
-            raise exc from busy
+            gave_up.gave_up = True  # type: ignore[attr-defined]
+            raise gave_up from busy
         await asyncio.sleep(min(poll_delay(polls, left), max(0.0, WRITER_WAIT_MAX - waited) + 0.001))
         polls += 1
         busy = None
