@@ -164,3 +164,23 @@ def test_damaged_ring_keys(server, case):
     assert not leaks, f"{case}: " + "; ".join(leaks)
     writer.clear_redis()
     assert not list(r.scan_iter(match=f"*{td_id}*")), case
+
+
+@pytest.mark.parametrize("cursor", [2**62, 2**53 + 1, 2**52 + 1])
+def test_cursor_lua_cannot_hold_is_refused(server, cursor):
+    """A cursor past 2**52: two extend() calls both got rows [0, 1] (Lua doubles lost the low
+    bits). Each is refused before any write, armed (one packet) or not."""
+    from tdstore.errors import CorruptMetadataError
+
+    s = _make(server)
+    r = server.sync_client()
+    s.extend(TensorDict(x=torch.ones(1, 2), batch_size=[1]))  # arms the handle's connection
+    r.set(f"tensordict:{{{s.td_id}}}:ring", str(cursor))
+    before = _dump(r, s.td_id)
+    for _ in range(2):
+        with pytest.raises(CorruptMetadataError, match="2\\*\\*52|2\\^52"):
+            s.extend(TensorDict(x=torch.ones(2, 2), batch_size=[2]))
+    assert _dump(r, s.td_id) == before
+    with pytest.raises(CorruptMetadataError, match="ring cursor"):
+        s.ring_state()
+    s.clear_redis()
