@@ -51,6 +51,9 @@ Errors:
   TDS_NOENTRY  a data key is missing
   TDS_RANGE    a data key is shorter than capacity rows (or than its chunk)
   TDS_BADARG   n, capacity or a group is malformed
+  TDS_CORRUPT  the cursor is not a decimal count below 2^52 (garbage, negative, another type,
+               or so large that Lua's doubles would lose its low bits and give two appends
+               the same rows); checked before any write
 ]]
 --@include lib/common.lua
 
@@ -115,6 +118,14 @@ for g = 1, (#ARGV - 6) / 2 do
 end
 if next_key ~= #KEYS + 1 then
   return fail('TDS_BADARG', 'KEYS holds ' .. (#KEYS + 1 - next_key) .. ' keys that no group uses')
+end
+
+-- the cursor, checked before the first write: Lua numbers are doubles, exact up to 2^53 only
+local CURSOR_MAX = 4503599627370496  -- 2^52 (docs/limits.md)
+local raw_cursor = redis.pcall('GET', KEYS[2])
+if type(raw_cursor) == 'table' or (raw_cursor and (not string.match(raw_cursor, '^%d+$') or #raw_cursor > 16
+    or tonumber(raw_cursor) + n > CURSOR_MAX)) then
+  return fail('TDS_CORRUPT', 'the ring cursor ' .. KEYS[2] .. ' of ' .. KEYS[1] .. ' is not a row count below 2^52')
 end
 
 if mode == 'keep' then

@@ -74,6 +74,25 @@ __all__ = [
     "ring_counts", "ring_flags", "flag_bytes", "append_counters",
 ]
 
+#: The largest ring cursor (rows ever reserved) tdstore accepts: lua/reserve.lua does its
+#: arithmetic in doubles, exact up to 2**53 only (a cursor of 2**62 gave two appends the same rows).
+CURSOR_MAX = 2**52
+
+
+def parse_cursor(raw: Any, keys: StoreKeys) -> int:
+    """The ring cursor from its GET reply (None: 0); CorruptMetadataError for anything else
+    than a decimal count at most :data:`CURSOR_MAX`."""
+    if raw is None:
+        return 0
+    text = raw if isinstance(raw, bytes) else str(raw).encode()
+    if not text.isdigit() or len(text) > 16 or int(text) > CURSOR_MAX:
+        raise CorruptMetadataError(
+            f"the ring cursor {keys.ring} of TensorDictStore(td_id={keys.td_id!r}) holds {text[:40]!r}: "
+            f"expected a row count from 0 to 2**52. Set it with the replay buffer's empty(), or clear_redis() the store"
+        )
+    return int(text)
+
+
 #: What a driver returns when EXEC was aborted (the layout changed, or the fence moved).
 ABORTED = -1
 
@@ -244,7 +263,10 @@ class AppendPlan:
     def usable(self, armed: ArmedRing) -> bool:
         """Whether this append may go out on ``armed`` (same layout, rows checked free, no
         reservation of its own to write first)."""
-        return armed.lv == str(self.lv) and self.n <= armed.rows and not self.res.held
+        return (
+            armed.lv == str(self.lv) and self.n <= armed.rows and not self.res.held
+            and armed.cursor + self.n <= CURSOR_MAX  # (past it: the reserve script refuses the cursor)
+        )
 
     def check(self, start: int, result: list[Any]) -> None:
         """Raises what the EXEC's replies report: a refused command, or a data key that was

@@ -32,6 +32,7 @@ from tdstore._backend import credentials as _credentials
 from tdstore._backend import loop as _io
 from tdstore.errors import (
     LUA_ERRORS,
+    CorruptMetadataError,
     ServerAuthError,
     ServerOutOfMemoryError,
     ServerPermissionError,
@@ -154,6 +155,15 @@ def is_tls_failure(err: BaseException, ctx: Context | None = None) -> bool:
     return False
 
 
+def _wrong_type(err: BaseException, ctx: Context) -> BaseException:
+    keys = ctx.conn.keys
+    return CorruptMetadataError(
+        f"a key of TensorDictStore(td_id={keys.td_id!r}, prefix={keys.prefix!r}) holds another type of value "
+        f"than tdstore writes there (damaged, or written by hand): {str(err).rstrip('.')}. clear_redis() deletes "
+        "the store"
+    )
+
+
 def _script(err: BaseException, ctx: Context | None) -> BaseException:
     return translate_response_error(err)  # type: ignore[arg-type]
 
@@ -226,6 +236,10 @@ RULES: tuple[Rule, ...] = (
          "allowed when used memory > 'maxmemory'."),
     Rule("socket timeout", (redis.exceptions.TimeoutError,), raises=TimeoutError, make=_timeout,
          example="Timeout reading from socket"),
+    # a key of the store edited by hand to another type (a list where a string belongs)
+    Rule("key of another type", (redis.exceptions.ResponseError,), raises=CorruptMetadataError, pattern=r"WRONGTYPE",
+         unless=(redis.exceptions.ExecAbortError,), make=_wrong_type,
+         example="WRONGTYPE Operation against a key holding the wrong kind of value"),
     # the scripts' own errors: ``TDS_<CODE> message`` (Redis 6 and KeyDB wrap it)
     *(
         Rule(f"script error {code}", (redis.exceptions.ResponseError,), raises=cls, pattern=rf"{code}\b",

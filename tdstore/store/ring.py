@@ -19,7 +19,7 @@ from tdstore._backend import append as _append_mod
 from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
-from tdstore.errors import SchemaError, StaleLayoutError
+from tdstore.errors import CorruptMetadataError, SchemaError, StaleLayoutError
 from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
@@ -180,9 +180,10 @@ class RingBufferAPI(DenseBase):
         cursor, lv, flagged, exists = conn.run(lambda c: _append_mod.ring_counts(c, conn.keys))
         if lv is None:
             raise self._not_found()
-        total = int(cursor or 0)
+        total = _append_mod.parse_cursor(cursor, conn.keys)
         capacity = self.batch_size[0] if self.batch_dims else 0
-        valid = min(flagged, capacity) if exists else min(total, capacity)
+        # a flag byte is 0 or 1 and only reserved rows are flagged: never more valid than total
+        valid = min(flagged, capacity, total) if exists else min(total, capacity)
         return RingState(valid, total, capacity, total % capacity if capacity else 0)
 
     def sample(self: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> Any:  # type: ignore[misc]
@@ -209,13 +210,19 @@ class RingBufferAPI(DenseBase):
         cursor, lv, exists, flags = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
         if lv is None:
             raise self._not_found()
-        total = min(int(cursor or 0), capacity)
+        total = min(_append_mod.parse_cursor(cursor, keys), capacity)
         empty = ValueError(f"sample() from {self._where()}: no row was appended yet (extend() first)")
         if not exists:  # a store appended to before the flags existed, or never
             if total == 0:
                 raise empty
             return torch.randint(0, total, (n,), generator=generator)
         if not large:
+            if not isinstance(flags, bytes) or flags.translate(None, b"\x00\x01"):
+                raise CorruptMetadataError(
+                    f"sample() from {self._where()}: the row flags {keys.flags} hold bytes other than 0 and 1"
+                )
+            if not flags:
+                raise empty
             written = torch.frombuffer(bytearray(flags), dtype=torch.uint8)[:capacity].nonzero().flatten()
             if written.numel() == 0:
                 raise empty

@@ -137,8 +137,10 @@ def test_chunked_entry_keys_are_checked(r: LuaRedis, lua_version: str) -> None:
         ("TDS_BADARG", None, argv(1, groups=((2, 0), (2, 0)))),  # a group without its key
         ("TDS_BADARG", None, argv(1)[:-1]),  # half a group
         ("TDS_BADARG", None, argv(1, groups=())),  # a key without its group
-        ("TDS_BADARG", "bad cursor", argv(1)),
-        ("TDS_BADARG", "text cursor", argv(1)),
+        ("TDS_CORRUPT", "bad cursor", argv(1)),
+        ("TDS_CORRUPT", "text cursor", argv(1)),
+        ("TDS_CORRUPT", "huge cursor", argv(1)),  # 2**62: doubles would give two appends the same rows
+        ("TDS_CORRUPT", "huge cursor", argv(1, mode="keep")),
     ],
 )
 def test_errors_change_nothing(r: LuaRedis, lua_version: str, code: str, change: str | None, args: list[Any]) -> None:
@@ -154,6 +156,8 @@ def test_errors_change_nothing(r: LuaRedis, lua_version: str, code: str, change:
         r.data[RING] = b"-1"
     elif change == "text cursor":
         r.data[RING] = b"1.5"
+    elif change == "huge cursor":
+        r.data[RING] = str(2**62).encode()
     expect_error(r, code, "reserve", [*KEYS, D("x")], args, lua_version)
 
 
@@ -164,4 +168,5 @@ RESERVE_ERROR_TESTS = {
     "TDS_NOENTRY": test_chunked_entry_keys_are_checked,
     "TDS_RANGE": test_chunked_entry_keys_are_checked,
     "TDS_BADARG": test_errors_change_nothing,
+    "TDS_CORRUPT": test_errors_change_nothing,
 }
