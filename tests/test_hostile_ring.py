@@ -135,7 +135,23 @@ def _dump(r, td_id):
     return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"*{td_id}*"))}
 
 
-@pytest.mark.parametrize("case", sorted(EDITS))
+#: Hand edits that still leak a raw exception from at least one operation (issue 24 N7, open):
+#: the append counters and the write version are read by the commit script, whose failing SET
+#: surfaces as PartialWriteError; a damaged lease or meta ``lv`` reaches int() unchecked. Each
+#: is a strict xfail, so a fix that mends one turns its case into a failure to move here.
+STILL_LEAKING = frozenset({
+    "counters-empty", "counters-float", "counters-garbage", "counters-list", "counters-string",
+    "flags-list", "lease-huge", "lease-list", "lease-string", "lv-empty", "lv-garbage",
+    "wv-empty", "wv-float", "wv-garbage", "wv-list",
+})
+CASES = [
+    pytest.param(case, marks=pytest.mark.xfail(reason="still leaks a raw exception (issue 24 N7)", strict=True))
+    if case in STILL_LEAKING else case
+    for case in sorted(EDITS)
+]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_damaged_ring_keys(server, case):
     writer = _make(server)
     td_id = writer.td_id
