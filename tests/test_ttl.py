@@ -243,7 +243,7 @@ class TestExpirePersist:
         while store_keys(client, store) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert store_keys(client, store) == [], "every key expired"
-        with pytest.raises(StoreNotFoundError, match=f"no TensorDictStore with td_id='{td_id}'.*expired"):
+        with pytest.raises(StoreNotFoundError, match=f"No TensorDictStore with td_id='{td_id}' found.*expired"):
             TensorDictStore.from_store(td_id=td_id, **server.connection_kwargs())
         with pytest.raises(StoreNotFoundError):
             store.ttl()
@@ -254,7 +254,7 @@ class TestExpirePersist:
         store = make("from_tensordict", TensorDict({"x": torch.ones(2)}, [2]), expire=1.0)
         time.sleep(1.3)
         assert store_keys(client, store) == []
-        with pytest.raises(StoreNotFoundError, match="no TensorDictStore"):
+        with pytest.raises(StoreNotFoundError, match="No TensorDictStore"):
             TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
         with pytest.raises(StoreNotFoundError):
             store.to_tensordict()

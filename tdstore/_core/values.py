@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,6 +111,20 @@ def parse_dims(raw: str | None, field: str, where: str, *, default: str = "[]") 
     if not is_dims(value):
         raise CorruptMetadataError(f"store {where} has a malformed {field} {raw!r:.200} in its meta hash")
     return value
+
+
+def check_names(names: Sequence[object], where: str) -> None:
+    """Refuses dim names that are not str or None, before anything is written.
+
+    TensorDict keeps any object as a name; the store records names as a JSON list of strings
+    (that other processes read back), so a number, a bool or a tuple is refused here.
+    """
+    for name in names:
+        if name is not None and not isinstance(name, str):
+            raise SchemaError(
+                f"dimension names of {where} must be str or None, got {name!r} "
+                f"({type(name).__name__}) in {list(names)!r}; nothing was written"
+            )
 
 
 def parse_names(raw: str | None, ndim: int, where: str) -> list[str | None] | None:

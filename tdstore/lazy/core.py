@@ -153,7 +153,7 @@ class LazyStackedTensorDictStore(
     _repr_name = "LazyStackedTensorDictStore"
 
     def _repr_details(self) -> str:
-        return f"batch_size={list(self.batch_size)}, stack_dim={self.stack_dim}"
+        return f"batch_size={list(self.batch_size)}, stack_dim={self.stack_dim}, count={self.batch_size[self.stack_dim]}"
 
     def _node_batch_size(self, meta: Entry, layout: _backend.Layout) -> list[int]:
         """The batch size of the nested lazy stack whose registry metadata is ``meta`` (its elements' and the stack dim)."""
@@ -181,7 +181,7 @@ class LazyStackedTensorDictStore(
 
     def _not_found(self) -> StoreNotFoundError:
         return StoreNotFoundError(
-            f"no LazyStackedTensorDictStore with td_id={self.td_id!r} under prefix {self.prefix!r} on "
+            f"No LazyStackedTensorDictStore with td_id={self.td_id!r} found under prefix {self.prefix!r} on "
             f"{self._conn.describe()} (deleted with clear_redis(), or a wrong td_id/prefix/db?)"
         )
 

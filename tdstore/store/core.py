@@ -189,7 +189,7 @@ class TensorDictStore(
 
     def _not_found(self) -> StoreNotFoundError:
         return StoreNotFoundError(
-            f"no TensorDictStore with td_id={self.td_id!r} under prefix {self.prefix!r} on "
+            f"No TensorDictStore with td_id={self.td_id!r} found under prefix {self.prefix!r} on "
             f"{self._conn.describe()} (deleted with clear_redis(), expired, or a wrong "
             "td_id/prefix/db?)"
         )
@@ -286,8 +286,10 @@ class TensorDictStore(
         self._write_names(None if value is None else list(value))
 
     def _write_names(self, names: list[str | None] | None) -> None:
-        if names is not None and all(n is None for n in names):
-            names = None
+        if names is not None:
+            _values.check_names(names, self._where())
+            if all(n is None for n in names):
+                names = None
 
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
             # as TensorDict does: the leading names of every nested tensordict follow

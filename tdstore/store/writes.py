@@ -21,6 +21,7 @@ from tdstore._backend import ops as _backend
 from tdstore._backend import row_writes as _row_writes
 from tdstore._backend import transfer as _transfer
 from tdstore._backend.optimistic import optimistic
+from tdstore._core import values as _values
 from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
@@ -44,7 +45,13 @@ class StoreWrites(DenseBase):
     _create_ttl_ms: int | None
 
     def _set_str(self, key: Any, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
-        self._write({self._path + _as_path(key): value}, inplace=inplace is True, ignore_lock=ignore_lock)
+        path = self._path + _as_path(key)
+        if inplace is not True and inplace is not False and inplace is not None:
+            # set(..., inplace=True) arrives as BEST_ATTEMPT_INPLACE: in place into an existing
+            # tensor leaf (shape checked, dtype cast), as TensorDict does; a new key is created
+            meta = self._layout().entries.get(path)
+            inplace = meta is not None and meta.is_tensor
+        self._write({path: value}, inplace=inplace is True, ignore_lock=ignore_lock)
         return self
 
     _set_tuple = _set_str
@@ -193,6 +200,8 @@ class StoreWrites(DenseBase):
         tensorclass: str | None,
     ) -> None:
         names_list = list(names) if names is not None else None
+        if names_list is not None:
+            _values.check_names(names_list, self._where())
         if names_list is not None and len(names_list) != len(batch_size):
             raise SchemaError(f"names {names_list} do not match the batch size {list(batch_size)}")
         if names_list is not None and all(n is None for n in names_list):
