@@ -689,7 +689,7 @@ def test_update_and_recreate_after_clear(server) -> None:
         assert store["w"].tolist() == [[0, 1, 2], [3, 4, 5]] and "skipped" not in store.keys()
         store.clear_redis()
         assert not wire_snapshot(server)
-        with pytest.raises(KeyError, match="no LazyStackedTensorDictStore"):
+        with pytest.raises(KeyError, match="No LazyStackedTensorDictStore"):
             store[0]
         store["q"] = torch.arange(6).reshape(2, 3)  # recreates the stack (same batch size and stack dim), no other keys
         assert list(store.keys()) == ["q"] and store.batch_size == ref.batch_size

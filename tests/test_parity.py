@@ -1,0 +1,103 @@
+"""Parity with TensorDict and tensordict.store on calls found to diverge (issue 24).
+
+Each test runs the same call on an in-memory ``TensorDict`` where TensorDict is the reference,
+and checks the stored data with a fresh handle afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict
+from tensordict.base import _InplaceWriteError
+
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore.errors import SchemaError, StoreNotFoundError
+
+
+def _pair(server):
+    ref = TensorDict({"x": torch.zeros(8, 3), "n": {"y": torch.zeros(8, 2)}}, [8])
+    return ref.clone(), TensorDictStore.from_tensordict(ref, **server.connection_kwargs())
+
+
+@pytest.mark.parametrize("key", ["x", ("n", "y")])
+def test_set_inplace_casts_the_dtype_as_tensordict_does(server, key):
+    ref, store = _pair(server)
+    try:
+        shape = ref.get(key).shape
+        value = torch.full(shape, 2.5, dtype=torch.float64)
+        ref.set(key, value, inplace=True)
+        store.set(key, value, inplace=True)
+        fresh = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+        got = fresh.get(key)
+        assert got.dtype == ref.get(key).dtype == torch.float32
+        torch.testing.assert_close(got, ref.get(key))
+        fresh.close()
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+@pytest.mark.parametrize("key", ["x", ("n", "y")])
+def test_set_inplace_of_another_shape_is_refused_and_changes_nothing(server, key):
+    ref, store = _pair(server)
+    try:
+        shape = list(ref.get(key).shape)
+        value = torch.ones(*shape[:-1], shape[-1] + 1)
+        with pytest.raises(_InplaceWriteError):
+            ref.set(key, value, inplace=True)
+        before = store.to_tensordict()
+        with pytest.raises(_InplaceWriteError):
+            store.set(key, value, inplace=True)
+        fresh = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+        assert fresh.get(key).shape == before.get(key).shape
+        assert (fresh.to_tensordict() == before).all()
+        fresh.close()
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def test_set_inplace_of_a_new_key_creates_it(server):
+    ref, store = _pair(server)
+    try:
+        ref.set("z", torch.ones(8), inplace=True)
+        store.set("z", torch.ones(8), inplace=True)
+        torch.testing.assert_close(store["z"], ref["z"])
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+@pytest.mark.parametrize("names", [[5], [5.5], [True], [("a",)]])
+def test_names_that_are_not_strings_are_refused_before_anything_is_written(server, names):
+    _, store = _pair(server)
+    try:
+        with pytest.raises(SchemaError, match="dimension names of .* must be str or None"):
+            store.names = names
+        fresh = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+        assert fresh.names == [None]
+        assert fresh["x"].shape == (8, 3)
+        fresh.names = ["t"]  # the store still takes good names
+        again = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())
+        assert again.names == ["t"]
+        again.close()
+        fresh.close()
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def test_not_found_message_matches_tensordict_store(server):
+    with pytest.raises(StoreNotFoundError, match="^No TensorDictStore with td_id='absent-id' found"):
+        TensorDictStore.from_store(td_id="absent-id", **server.connection_kwargs())
+
+
+def test_lazy_repr_shows_count(server):
+    stack = LazyStackedTensorDict(*[TensorDict({"a": torch.ones(2)}, [2]) for _ in range(3)], stack_dim=0)
+    store = LazyStackedTensorDictStore.from_lazy_stack(stack, **server.connection_kwargs())
+    try:
+        assert "count=3" in repr(store)
+    finally:
+        store.clear_redis()
+        store.close()
