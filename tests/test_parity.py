@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
-from tensordict.base import _InplaceWriteError
+from tensordict.base import _InplaceWriteError, _KeyThroughLeafError
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore.errors import SchemaError, StoreNotFoundError
@@ -98,6 +98,34 @@ def test_lazy_repr_shows_count(server):
     store = LazyStackedTensorDictStore.from_lazy_stack(stack, **server.connection_kwargs())
     try:
         assert "count=3" in repr(store)
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+def _lazy(server):
+    stack = LazyStackedTensorDict(
+        *[TensorDict({"x": torch.zeros(2), "n": {"y": torch.zeros(2)}}, [2]) for _ in range(3)], stack_dim=0
+    )
+    return stack, LazyStackedTensorDictStore.from_lazy_stack(stack, **server.connection_kwargs())
+
+
+@pytest.mark.parametrize("kind", ["dense", "lazy"])
+@pytest.mark.parametrize("key", [("x", "sub"), ("n", "y", "z")])
+def test_get_through_a_leaf_raises_as_tensordict_does(server, kind, key):
+    ref, store = _pair(server) if kind == "dense" else _lazy(server)
+    try:
+        with pytest.raises(_KeyThroughLeafError):
+            ref.get(key)
+        with pytest.raises(_KeyThroughLeafError, match=f"not a tensordict.*{store.td_id}"):
+            store.get(key)
+        # with a default given, TensorDict returns it (tensordict 0.15.3), and so does the store
+        assert ref.get(key, None) is None
+        assert store.get(key, None) is None
+        # a key that is simply missing still gives the default, as TensorDict does
+        assert ref.get(("n", "nope"), None) is None
+        assert store.get(("n", "nope"), None) is None
+        assert ref.get(("n", "nope")) is None and store.get(("n", "nope")) is None
     finally:
         store.clear_redis()
         store.close()

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict.base import _KeyThroughLeafError
 
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
@@ -305,10 +306,16 @@ class LazyReads(LazyBase):
 
     def get(self, key: Any, *args: Any, **kwargs: Any) -> Any:
         """``get(key)``; ``as_list``, ``as_padded_tensor`` and ``as_nested_tensor`` read ragged leaves."""
+        passed = bool(args) or "default" in kwargs
         default = args[0] if args else kwargs.pop("default", None)
         path = self._path + _as_path(key)
         if not kwargs:
-            return self._get_path(path, default)
+            try:
+                return self._get_path(path, default)
+            except _KeyThroughLeafError:
+                if passed:  # as TensorDictBase.get: a default passed is returned instead
+                    return default
+                raise
         meta = self._entry(path)
         if meta is None:
             return default
@@ -327,6 +334,7 @@ class LazyReads(LazyBase):
             self._fresh_layout()
             return self._get_path(path, default, fresh=True)
         if meta is None:
+            self._check_not_through_leaf(path)
             if is_no_default(default):
                 raise self._key_error(path)
             return default

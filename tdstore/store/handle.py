@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tensordict.base import _KeyThroughLeafError
 
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import as_path as _as_path
@@ -199,9 +200,25 @@ class StoreHandle(SharedBase):
         """The registry metadata of ``path``; for a missing entry, None when a ``default`` is
         given (the caller returns it), else the KeyError that names the store's keys."""
         meta = self._entry(path)
-        if meta is None and is_no_default(default):
-            raise self._key_error(path)
+        if meta is None:
+            self._check_not_through_leaf(path)
+            if is_no_default(default):
+                raise self._key_error(path)
         return meta
+
+    def _check_not_through_leaf(self, path: tuple[str, ...]) -> None:
+        """For a missing ``path``: raises as TensorDict does when a key on the way to it is a
+        leaf (``get(("x", "sub"))`` with ``x`` a tensor), default or not, as TensorDict's
+        ``_get_tuple`` does (``TensorDictBase.get`` returns a default passed to it instead). Runs on the miss path only (the cached layout, no round trip)."""
+        entries = self._layout().entries
+        for end in range(len(self._path) + 1, len(path)):
+            meta = entries.get(path[:end])
+            if meta is not None and not meta.is_node:
+                kind = "non-tensor entry" if meta.is_non_tensor else "Tensor"
+                raise _KeyThroughLeafError(
+                    f"{path[end - 1]!r} is a {kind}, not a tensordict, so it has no entry {path[end]!r} "
+                    f"(key {path[len(self._path):]!r} of {self._where()})"
+                )
 
     def entry_class(self, key: Any) -> type:
         path = self._path + _as_path(key)
