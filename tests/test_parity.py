@@ -129,3 +129,24 @@ def test_get_through_a_leaf_raises_as_tensordict_does(server, kind, key):
     finally:
         store.clear_redis()
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "lazy"])
+@pytest.mark.parametrize(("old", "new"), [("x", "z"), ("n", "m"), (("n", "y"), ("n", "w"))])
+def test_rename_key_moves_the_key_to_the_end_as_tensordict_does(server, kind, old, new):
+    ref, store = _pair(server) if kind == "dense" else _lazy(server)
+    try:
+        if kind == "dense":
+            store["q"] = ref["q"] = torch.ones(8)
+            ref["n", "v"] = torch.ones(8, 1)
+            store["n", "v"] = torch.ones(8, 1)
+        ref.rename_key_(old, new)
+        store.rename_key_(old, new)
+        fresh = type(store).from_store(td_id=store.td_id, **server.connection_kwargs())
+        for handle in (store, fresh):
+            assert list(handle.keys()) == list(ref.keys())
+            assert list(handle.get("n" if "n" in ref.keys() else "m").keys()) == list(ref.get("n" if "n" in ref.keys() else "m").keys())
+        fresh.close()
+    finally:
+        store.clear_redis()
+        store.close()

@@ -195,9 +195,13 @@ class WritePlanner:
 
 
 def rename_ops(
-    entries: Mapping[tuple[str, ...], Entry], old: tuple[str, ...], new: tuple[str, ...], where: str
+    entries: Mapping[tuple[str, ...], Entry], old: tuple[str, ...], new: tuple[str, ...], where: str, order_base: int
 ) -> list[_backend.Op]:
     """The commit ops of renaming the entry ``old`` (with all its content) to ``new``.
+
+    The renamed entries move to the end of their parent's keys, as ``TensorDict.rename_key_``
+    moves them: they take new insertion orders ``(order_base, i)`` (``order_base`` is the layout
+    version the commit makes, as a new key's), in their old order.
 
     What was at ``new`` is replaced, as ``TensorDict.rename_key_`` replaces it; when ``new`` is
     an ancestor of ``old`` (``("a", "b") -> "a"``), the entries being moved are not part of what
@@ -220,10 +224,11 @@ def rename_ops(
         for p, m in entries.items()
         if p[: len(new)] == new and p not in moved
     ]
+    fresh = {p: (order_base, i + 1) for i, p in enumerate(sorted(moved, key=lambda p: entries[p].order_key))}
     # shortest first: a source that is also a later target (("a", "b", "b") -> ("a", "b")) has
     # been moved away before it is overwritten
     for p in sorted(moved, key=len):
-        m = entries[p]
+        m = entries[p]._replace(order=fresh[p])
         target = new + p[len(old) :]
         if m.is_node:
             ops.append(_backend.Op("del", p, has_data=False))

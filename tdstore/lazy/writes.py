@@ -208,7 +208,7 @@ class LazyWrites(LazyBase):
             ):
                 if self._elem_bs(layout, old[:-1]) != self._elem_bs(layout, new[:-1]):
                     raise SchemaError(f"cannot rename {old!r} to {new!r} in {self._where()}: their parents' batch sizes differ")
-            return _rename_ops(layout.entries, old, new, self._where())
+            return _rename_ops(layout.entries, old, new, self._where(), layout.lv + 1)
 
         self._commit_ops(ops)
         return self

@@ -383,7 +383,7 @@ class StoreAPI(DenseBase):
 
         def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], None]:
             self._check_rename(layout, old, new, safe)
-            ops = _rename_ops(layout.entries, old, new, self._where())
+            ops = _rename_ops(layout.entries, old, new, self._where(), layout.lv + 1)
             return ops, None
 
         self._commit_planned(plan, check_lock=True)
