@@ -16,7 +16,7 @@ KEYS[3]   row flags: one byte per row, 1 when the row holds a whole appended row
 KEYS[4]   fence counter
 KEYS[5]   write version counter
 
-ARGV[1]   the cursor's new value: rows ever appended (decimal, >= 0)
+ARGV[1]   the cursor's new value: rows ever appended (decimal, 0 to 2^52)
 ARGV[2]   capacity: the size of the first batch dim (>= 1)
 
 Returns: the number of rows the cursor counts, min(total, capacity) (integer)
@@ -32,9 +32,10 @@ local meta = rcall('HMGET', KEYS[1], 'lv', 'exp')
 if not meta[1] then
   return fail('TDS_NOSTORE', 'no store at ' .. KEYS[1])
 end
--- n ~= n and the 2^53 bound reject nan and inf, which Lua 5.1's tonumber accepts
+-- n ~= n and the bounds reject nan and inf, which Lua 5.1's tonumber accepts; the cursor's
+-- bound is lua/reserve.lua's CURSOR_MAX (2^52), so no cursor set here is one appends refuse
 local total, capacity = tonumber(ARGV[1]), tonumber(ARGV[2])
-if total == nil or capacity == nil or total ~= total or capacity ~= capacity or total > 9007199254740992
+if total == nil or capacity == nil or total ~= total or capacity ~= capacity or total > 4503599627370496
     or capacity > 9007199254740992 or total < 0 or capacity < 1 or total ~= math.floor(total)
     or capacity ~= math.floor(capacity) then
   return fail('TDS_BADARG', 'need a row count >= 0 and a capacity >= 1, got ' .. tostring(ARGV[1]) .. ' and '

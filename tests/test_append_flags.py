@@ -219,8 +219,9 @@ def test_a_cursor_set_on_a_deleted_store_writes_nothing(store, server):
         assert list(client.scan_iter(match=f"{store.prefix}:{{{store.td_id}}}:*")) == []
     finally:
         client.close()
-    with pytest.raises(ValueError, match="a row count >= 0 and a capacity >= 1"):
-        conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, -1, CAP))
+    for total in (-1, 2**52 + 1):  # 2**52: the cursor bound appends hold to (lua/reserve.lua)
+        with pytest.raises(ValueError, match=r"a row count from 0 to 2\*\*52 and a capacity >= 1"):
+            conn.run(lambda c, total=total: _backend.set_ring_total(c, conn.keys, conn.runner, total, CAP))
 
 
 def test_a_data_key_gone_from_the_server_is_reported(store, server):

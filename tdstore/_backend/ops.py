@@ -136,8 +136,10 @@ async def set_ring_total(client: Any, keys: StoreKeys, runner: ScriptRunner, tot
     from tdstore.errors import StoreNotFoundError
 
     total, capacity = int(total), int(capacity)
-    if total < 0 or capacity < 1:
-        raise ValueError(f"the ring of {keys.base} needs a row count >= 0 and a capacity >= 1, got {total} and {capacity}")
+    if not 0 <= total <= 2**52 or capacity < 1:  # 2**52: the cursor bound of lua/reserve.lua
+        raise ValueError(
+            f"the ring of {keys.base} needs a row count from 0 to 2**52 and a capacity >= 1, got {total} and {capacity}"
+        )
     try:
         await runner.call(client, "ring_total", [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv],
                           [str(total), str(capacity)])

@@ -102,6 +102,7 @@ def test_the_keys_written_get_the_store_expiry(r: ClockRedis, lua_version: str) 
         ("TDS_BADARG", None, 3, "-8"),
         ("TDS_BADARG", None, 3, "8.5"),
         ("TDS_BADARG", None, str(2**60), CAP),
+        ("TDS_BADARG", None, str(2**52 + 1), CAP),  # past reserve.lua's cursor bound
         ("TDS_BADARG", "text fence", 3, CAP),
         ("TDS_BADARG", "text write version", 3, CAP),
     ],
