@@ -29,6 +29,7 @@ __all__ = [
     "EntryNotFoundError",
     "EntryTooLargeError",
     "SchemaError",
+    "BatchMismatchError",
     "ServerOutOfMemoryError",
     "WouldExceedMaxmemoryError",
     "DataLostError",
@@ -98,6 +99,13 @@ class DataLostError(TDStoreError, LookupError):
 
 class SchemaError(TDStoreError, ValueError):
     """A schema, shape, dtype or batch size is invalid; nothing was written."""
+
+
+class BatchMismatchError(SchemaError, RuntimeError):
+    """A value's leading dims do not match the batch size it is set under; nothing was written.
+
+    Also a ``RuntimeError``, the class TensorDict raises for the same call.
+    """
 
 
 # InplaceWriteError and ElementShapeError derive from tensordict's class for a value that does

@@ -150,3 +150,33 @@ def test_rename_key_moves_the_key_to_the_end_as_tensordict_does(server, kind, ol
     finally:
         store.clear_redis()
         store.close()
+
+
+def test_lazy_set_of_a_wrong_batch_raises_runtime_error_as_tensordict_does(server):
+    ref, store = _lazy(server)
+    try:
+        with pytest.raises(RuntimeError):
+            ref["y"] = torch.ones(3)
+        before = store.to_tensordict()
+        with pytest.raises(RuntimeError, match=r"does not start with the batch size \[3, 2\]") as info:
+            store["y"] = torch.ones(3)
+        assert isinstance(info.value, SchemaError)  # and still the store's schema error
+        assert "y" not in store.keys()
+        assert (store.to_tensordict() == before).all()
+    finally:
+        store.clear_redis()
+        store.close()
+
+
+@pytest.mark.parametrize("make", [lambda: torch.ones(2, 3, device="meta"), lambda: torch.ones(2, 3).to_sparse()], ids=["meta", "sparse"])
+def test_extend_of_a_tensor_without_strided_data_is_the_clear_type_error_of_set(server, make):
+    store = TensorDictStore.from_schema({"x": ([3], torch.float32)}, batch_size=[8], **server.connection_kwargs())
+    try:
+        before = store.to_tensordict()
+        with pytest.raises(TypeError, match=r"entry \('x',\) of .* cannot be stored|has no data to store"):
+            store.extend(TensorDict({"x": make()}, [2]))
+        assert store.ring_state().total == 0
+        assert (store.to_tensordict() == before).all()
+    finally:
+        store.clear_redis()
+        store.close()

@@ -34,7 +34,7 @@ from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.layout import Entry
-from tdstore.errors import CorruptMetadataError, SchemaError
+from tdstore.errors import BatchMismatchError, CorruptMetadataError, SchemaError
 
 __all__ = [
     "KIND",
@@ -266,7 +266,7 @@ def members_from_value(value: Any, batch_size: torch.Size, stack_dim: int, path:
     if isinstance(value, torch.Tensor) or (isinstance(value, TensorDictBase) and not is_tensorclass(value)):
         if value.shape[: len(batch_size)] != batch_size if isinstance(value, torch.Tensor) else value.batch_size[: len(batch_size)] != batch_size:
             shape = value.shape if isinstance(value, torch.Tensor) else value.batch_size
-            raise SchemaError(
+            raise BatchMismatchError(
                 f"cannot set {path!r} of {where}: the value's shape {list(shape)} does not start with the "
                 f"batch size {list(batch_size)}"
             )

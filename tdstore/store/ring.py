@@ -19,6 +19,7 @@ from tdstore._backend import append as _append_mod
 from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
+from tdstore._core.planner import check_tensor
 from tdstore.errors import CorruptMetadataError, SchemaError, StaleLayoutError
 from tdstore.store.host import DenseBase
 
@@ -132,7 +133,13 @@ class RingBufferAPI(DenseBase):
                         f"extend(): entry {path!r} of {self._where()} takes rows of shape "
                         f"{list(row_shape)}, got {list(value.shape[1:])}"
                     )
-                flat, view = _codec.tensor_view(value if value.dtype == dtype else value.to(dtype))
+                try:
+                    flat, view = _codec.tensor_view(value if value.dtype == dtype else value.to(dtype))
+                except (NotImplementedError, RuntimeError):
+                    # a meta, sparse or nested tensor: the clear TypeError of store[k] = value
+                    # (checked here, off the hot path, only when torch refused)
+                    check_tensor(value, path, self._where())
+                    raise
                 keep.append(flat)
                 groups.append((path, row_bytes, view))
             plan = _append_mod.AppendPlan(
