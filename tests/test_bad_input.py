@@ -366,7 +366,6 @@ def _run_case(case: Case, store: Any, mirror: TensorDict, server: Any, wire: Any
 
 #: Cases where the store deliberately raises another type than an in-memory TensorDict, and why.
 DEVIATIONS: dict[str, tuple[type[BaseException], str]] = {
-    "get key ('a', 'x')": (KeyError, "a path through a leaf is a missing key: EntryNotFoundError names the store"),
     "del_ key ('a', 'x')": (KeyError, "a path through a leaf is a missing key: EntryNotFoundError names the store"),
     "set_ wrong shape": (RuntimeError, "tensordict's _InplaceWriteError is a RuntimeError too; the store names entry and store"),
 }

@@ -180,3 +180,26 @@ def test_extend_of_a_tensor_without_strided_data_is_the_clear_type_error_of_set(
     finally:
         store.clear_redis()
         store.close()
+
+
+@pytest.mark.parametrize(
+    "index",
+    [torch.tensor([1, 2], dtype=torch.int16), torch.tensor([1.0]), (..., ...), (0, "x")],
+    ids=["int16", "float", "two-ellipses", "rows-then-key"],
+)
+def test_index_refused_with_the_type_tensordict_raises(server, index):
+    ref, store = _pair(server)
+    try:
+        with pytest.raises(Exception) as expected:
+            ref[index]
+        with pytest.raises(type(expected.value)):
+            store[index]
+        before = store.to_tensordict()
+        with pytest.raises(Exception) as expected_set:
+            ref[index] = 1.0
+        with pytest.raises(type(expected_set.value)):
+            store[index] = 1.0
+        assert (store.to_tensordict() == before).all()
+    finally:
+        store.clear_redis()
+        store.close()

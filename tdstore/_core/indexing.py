@@ -22,9 +22,25 @@ __all__ = [
 ]
 
 
+#: the dtypes torch (and TensorDict) index with; any other is an IndexError there
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.uint8, torch.bool})
+
+
 def normalize_index(index: Any) -> Any:
-    """Converts lists, ranges and numpy arrays in an index to tensors, as TensorDict does."""
+    """Converts lists, ranges and numpy arrays in an index to tensors, as TensorDict does.
+
+    Refuses what TensorDict refuses, with its exception types: a tensor index of a dtype
+    torch does not index with (IndexError), two Ellipses (RuntimeError), and a tuple of row indices
+    with a key after them (TypeError; a key first is TensorDict's IndexError).
+    """
     if isinstance(index, tuple):
+        if sum(i is Ellipsis for i in index) > 1:
+            raise RuntimeError(f"An index can only have one ellipsis at most, got {index!r}")
+        if index and not isinstance(index[0], str) and any(isinstance(i, str) for i in index):
+            raise TypeError(
+                f"index {index!r} mixes a key with row indices: read the entry first (store[key][rows]) "
+                "or the rows first (store[rows][key])"
+            )
         return tuple(_normalize_one(i) for i in index)
     return _normalize_one(index)
 
@@ -38,8 +54,11 @@ def _normalize_one(index: Any) -> Any:
         return int(index)
     if isinstance(index, np.bool_):
         return bool(index)
-    if isinstance(index, torch.Tensor) and index.device.type != "cpu":
-        return index.cpu()
+    if isinstance(index, torch.Tensor):
+        if index.dtype not in _INDEX_DTYPES:
+            raise IndexError(f"tensors used as indices must be long, int, byte or bool tensors, got {index.dtype}")
+        if index.device.type != "cpu":
+            return index.cpu()
     return index
 
 
