@@ -203,3 +203,16 @@ def test_index_refused_with_the_type_tensordict_raises(server, index):
     finally:
         store.clear_redis()
         store.close()
+
+
+def test_a_0d_integer_tensor_index_writes_as_an_int_does(server):
+    ref, store = _pair(server)
+    try:
+        ref[torch.tensor(3)] = torch.tensor(7)
+        store[torch.tensor(3)] = torch.tensor(7)
+        assert (store.to_tensordict() == ref).all()
+        assert store["x"].dtype == torch.float32
+        torch.testing.assert_close(store[torch.tensor(3)]["x"], ref[3]["x"])
+    finally:
+        store.clear_redis()
+        store.close()

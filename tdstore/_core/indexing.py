@@ -57,6 +57,10 @@ def _normalize_one(index: Any) -> Any:
     if isinstance(index, torch.Tensor):
         if index.dtype not in _INDEX_DTYPES:
             raise IndexError(f"tensors used as indices must be long, int, byte or bool tensors, got {index.dtype}")
+        if index.ndim == 0 and index.dtype != torch.bool:
+            # torch indexes with a 0-d integer tensor as with an int (a value of another dtype is
+            # then cast, as x[3] = 7 is; a 1-d index would need the dtypes to match)
+            return int(index)
         if index.device.type != "cpu":
             return index.cpu()
     return index
