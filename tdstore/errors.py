@@ -262,8 +262,8 @@ LUA_ERRORS: dict[str, type[TDStoreError]] = {
     "TDS_PARTIAL": PartialWriteError,
     "TDS_BADARG": SchemaError,
     "TDS_RANGE": SchemaError,
-    "TDS_BUSY": StaleLayoutError,
-    "TDS_CORRUPT": CorruptMetadataError,  # a key of the store holds a value no tdstore write makes  # a reader's lease holds the layout still (lua/lease.lua); writers wait
+    "TDS_BUSY": StaleLayoutError,  # a reader's lease holds the layout still (lua/lease.lua); writers wait
+    "TDS_CORRUPT": CorruptMetadataError,  # a key of the store holds a value no tdstore write makes
 }
 
 _CODE_RE = re.compile(r"(TDS_[A-Z]+) ?(.*)", re.S)

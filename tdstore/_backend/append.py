@@ -59,7 +59,7 @@ from tdstore._backend.armed_write import ArmedSlot, _alive, _discard_sync, _exch
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.chunks import setrange_commands
-from tdstore._core.keys import StoreKeys, encode_path
+from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
 from tdstore.errors import (
     CorruptMetadataError,
     DataLostError,
@@ -74,9 +74,6 @@ __all__ = [
     "ring_counts", "ring_flags", "flag_bytes", "append_counters",
 ]
 
-#: The largest ring cursor (rows ever reserved) tdstore accepts: lua/reserve.lua does its
-#: arithmetic in doubles, exact up to 2**53 only (a cursor of 2**62 gave two appends the same rows).
-CURSOR_MAX = 2**52
 
 
 def parse_cursor(raw: Any, keys: StoreKeys) -> int:

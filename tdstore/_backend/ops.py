@@ -28,7 +28,7 @@ from tdstore._backend import memory as _memory
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
-from tdstore._core.keys import StoreKeys, decode_path, encode_path
+from tdstore._core.keys import CURSOR_MAX, StoreKeys, decode_path, encode_path
 from tdstore._core.layout import SCRIPT_META_FIELDS, Entry, Layout, _s, parse_entry, parse_layout, registry_lost
 from tdstore.errors import PartialWriteError
 
@@ -136,7 +136,7 @@ async def set_ring_total(client: Any, keys: StoreKeys, runner: ScriptRunner, tot
     from tdstore.errors import StoreNotFoundError
 
     total, capacity = int(total), int(capacity)
-    if not 0 <= total <= 2**52 or capacity < 1:  # 2**52: the cursor bound of lua/reserve.lua
+    if not 0 <= total <= CURSOR_MAX or capacity < 1:
         raise ValueError(
             f"the ring of {keys.base} needs a row count from 0 to 2**52 and a capacity >= 1, got {total} and {capacity}"
         )

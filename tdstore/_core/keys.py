@@ -29,7 +29,12 @@ from typing import Any
 
 from tdstore.errors import KeyTypeError  # defined there with the other errors; importable here too
 
-__all__ = ["StoreKeys", "as_path", "encode_path", "decode_path", "validate_prefix", "validate_td_id"]
+#: The largest ring cursor (rows ever reserved) tdstore accepts: lua/reserve.lua and
+#: lua/ring_total.lua do their arithmetic in doubles, exact up to 2**53 only (a cursor of
+#: 2**62 gave two appends the same rows). The scripts hold the same bound.
+CURSOR_MAX = 2**52
+
+__all__ = ["CURSOR_MAX", "StoreKeys", "as_path", "encode_path", "decode_path", "validate_prefix", "validate_td_id"]
 
 _TD_ID_RE = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
 

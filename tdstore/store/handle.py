@@ -207,9 +207,10 @@ class StoreHandle(SharedBase):
         return meta
 
     def _check_not_through_leaf(self, path: tuple[str, ...]) -> None:
-        """For a missing ``path``: raises as TensorDict does when a key on the way to it is a
-        leaf (``get(("x", "sub"))`` with ``x`` a tensor), default or not, as TensorDict's
-        ``_get_tuple`` does (``TensorDictBase.get`` returns a default passed to it instead). Runs on the miss path only (the cached layout, no round trip)."""
+        """For a missing ``path``: raises ``_KeyThroughLeafError`` when a key on the way to it
+        is a leaf (``get(("x", "sub"))`` with ``x`` a tensor), default or not, as TensorDict's
+        ``_get_tuple`` does (``TensorDictBase.get`` returns a default passed to it instead).
+        Runs on the miss path only, on the cached layout (no round trip)."""
         entries = self._layout().entries
         for end in range(len(self._path) + 1, len(path)):
             meta = entries.get(path[:end])
