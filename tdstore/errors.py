@@ -116,12 +116,7 @@ _TENSORDICT_ERRORS = ("InplaceWriteError", "ElementShapeError")
 
 
 def _make_tensordict_errors() -> None:
-    try:  # private in tensordict 0.15
-        from tensordict.base import _InplaceWriteError as td_inplace_write_error
-    except ImportError:  # pragma: no cover - other tensordict versions
-
-        class td_inplace_write_error(ValueError, RuntimeError):  # type: ignore[no-redef]  # noqa: N801
-            pass
+    from tdstore._core.tdcompat import InplaceWriteErrorBase as td_inplace_write_error
 
     class InplaceWriteError(TDStoreError, td_inplace_write_error):
         """A value does not fit the entry it is written into in place (``set_``, ``update_``); nothing was written.

@@ -124,3 +124,76 @@ def test_views_still_refused(server):
         store.unbind(0)
     with pytest.raises(UnsupportedOperationError, match="to_tensordict"):
         store.repeat(2)
+
+
+def test_no_private_tensordict_name_outside_tdcompat():
+    """tensordict's private names differ between releases (``_KeyThroughLeafError`` is 0.15 only):
+    every use goes through ``tdstore._core.tdcompat``, which falls back where a release lacks one."""
+    import ast
+    import pathlib
+
+    import tdstore
+
+    root = pathlib.Path(tdstore.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() == "_core/tdcompat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tensordict":
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                private += [part for part in (node.module or "").split(".") if part.startswith("_")]
+                found += [f"{path.relative_to(root)}:{node.lineno}: {name}" for name in private]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id == "tensordict":
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: tensordict...{node.attr}")
+    assert found == []
+
+
+def test_get_through_a_leaf_on_every_release(server):
+    """``get(("a", "x"))`` with ``a`` a tensor: a ValueError naming the key and the store, as
+    TensorDict raises on 0.14 and 0.15. With a default passed, the store does what the installed
+    TensorDict does: 0.15 returns the default, 0.14 raises all the same."""
+    from tdstore._core.tdcompat import KeyThroughLeafError, default_covers_leaf
+
+    local, store = _pair(server)
+    try:
+        with pytest.raises(ValueError):
+            local.get(("a", "x"))
+        with pytest.raises(KeyThroughLeafError, match=f"'a' is a Tensor.*{store.td_id}") as got:
+            store.get(("a", "x"))
+        assert isinstance(got.value, ValueError)
+        if NEEDS_COMPAT:  # tensordict 0.14
+            assert not default_covers_leaf()
+            with pytest.raises(ValueError):
+                local.get(("a", "x"), "dflt")
+            with pytest.raises(KeyThroughLeafError):
+                store.get(("a", "x"), "dflt")
+        else:
+            assert default_covers_leaf()
+            assert local.get(("a", "x"), "dflt") == "dflt"
+            assert store.get(("a", "x"), "dflt") == "dflt"
+        assert store.get(("n", "missing"), None) is None
+        assert (_reread(server, store) == local).all()
+    finally:
+        store.clear_redis()
+
+
+def test_inplace_write_error_on_every_release(server):
+    """``set_`` with a value of the wrong shape: tdstore's InplaceWriteError is a ValueError and a
+    RuntimeError on both releases (tensordict 0.15's own class where it exists); nothing written."""
+    from tdstore._core.tdcompat import InplaceWriteErrorBase
+    from tdstore.errors import InplaceWriteError
+
+    local, store = _pair(server)
+    try:
+        with pytest.raises(InplaceWriteError, match="'a'") as got:
+            store.set_("a", torch.zeros(3, 5))
+        assert isinstance(got.value, InplaceWriteErrorBase)
+        assert isinstance(got.value, ValueError) and isinstance(got.value, RuntimeError)
+        assert (_reread(server, store) == local).all()
+    finally:
+        store.clear_redis()

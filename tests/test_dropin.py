@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
-from tensordict.base import _InplaceWriteError
 
 from tdstore import LazyStackedTensorDictStore, SchemaError, TensorDictStore, UnsupportedOperationError
+from tdstore._core.tdcompat import InplaceWriteErrorBase
 
 
 def _dense(server, td):
@@ -188,9 +188,9 @@ def test_set_wrong_shape_raises_tensordict_inplace_error(server):
     td = TensorDict(obs=torch.zeros(4, 3), batch_size=[4])
     store = _dense(server, td)
     try:
-        with pytest.raises(_InplaceWriteError):
+        with pytest.raises(InplaceWriteErrorBase):
             td.set_("obs", torch.ones(4, 5))
-        with pytest.raises(_InplaceWriteError, match="obs"):
+        with pytest.raises(InplaceWriteErrorBase, match="obs"):
             store.set_("obs", torch.ones(4, 5))
         _same(store["obs"], torch.zeros(4, 3))
     finally:
@@ -205,7 +205,7 @@ def test_lazy_element_that_does_not_fit_is_a_runtime_error(server):
             ref[0] = TensorDict(m=torch.ones(3, 5))
         with pytest.raises(RuntimeError) as got:
             store[0] = TensorDict(m=torch.ones(3, 5))
-        assert isinstance(got.value, SchemaError) and isinstance(got.value, _InplaceWriteError)
+        assert isinstance(got.value, SchemaError) and isinstance(got.value, InplaceWriteErrorBase)
         _same(store["m"], before)
     finally:
         store.clear_redis()

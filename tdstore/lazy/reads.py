@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
-from tensordict.base import _KeyThroughLeafError
 
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
@@ -23,6 +22,7 @@ from tdstore._backend.optimistic import Retry, optimistic
 from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
+from tdstore._core.tdcompat import KeyThroughLeafError, default_covers_leaf
 from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.errors import DataLostError, UnsupportedOperationError
 from tdstore.lazy import plan
@@ -312,8 +312,8 @@ class LazyReads(LazyBase):
         if not kwargs:
             try:
                 return self._get_path(path, default)
-            except _KeyThroughLeafError:
-                if passed:  # as TensorDictBase.get: a default passed is returned instead
+            except KeyThroughLeafError:
+                if passed and default_covers_leaf():  # as TensorDict.get: a default passed is returned instead
                     return default
                 raise
         meta = self._entry(path)

@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict.base import _KeyThroughLeafError
 
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
+from tdstore._core.tdcompat import KeyThroughLeafError
 from tdstore._core.values import is_no_default, order_key
 from tdstore.store.host import SharedBase
 from tdstore.store.views import StoreKeysView
@@ -207,7 +207,7 @@ class StoreHandle(SharedBase):
         return meta
 
     def _check_not_through_leaf(self, path: tuple[str, ...]) -> None:
-        """For a missing ``path``: raises ``_KeyThroughLeafError`` when a key on the way to it
+        """For a missing ``path``: raises ``KeyThroughLeafError`` when a key on the way to it
         is a leaf (``get(("x", "sub"))`` with ``x`` a tensor), default or not, as TensorDict's
         ``_get_tuple`` does (``TensorDictBase.get`` returns a default passed to it instead).
         Runs on the miss path only, on the cached layout (no round trip)."""
@@ -216,7 +216,7 @@ class StoreHandle(SharedBase):
             meta = entries.get(path[:end])
             if meta is not None and not meta.is_node:
                 kind = "non-tensor entry" if meta.is_non_tensor else "Tensor"
-                raise _KeyThroughLeafError(
+                raise KeyThroughLeafError(
                     f"{path[end - 1]!r} is a {kind}, not a tensordict, so it has no entry {path[end]!r} "
                     f"(key {path[len(self._path):]!r} of {self._where()})"
                 )
