@@ -12,11 +12,17 @@ GETKEYSINSLOT``), whose cost follows that slot; the SCAN it replaced is shown to
 user who knows them (it finds no debris). Each case creates the store (3 entries, an
 append), clears it, and times only the clear; the cases run interleaved, ``--repeat``
 rounds; medians.
+
+``--churn`` adds a case where another process keeps changing the store's layout (adds and
+deletes an entry, appends rows) while it is cleared: before the two-step clear
+(lua/clear.lua's seal), every change made the clear's check stale, and beside 200,000 keys
+it gave up after 200 tries (48-55 s). The churner's rate is printed with the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
@@ -68,6 +74,8 @@ def _measure(node: redis.Redis, conn: dict[str, Any], prepare: Callable[[TensorD
     clear()
     wall = (time.perf_counter() - t0) * 1e3
     cpu = (server_cpu(node) - cpu0) * 1e3
+    if hasattr(clear, "finish"):
+        clear.finish()
     store.close()
     assert not list(node.scan_iter(match="*bench-clear*")), "a key of the store was left"
     return wall, cpu
@@ -83,6 +91,53 @@ def _raw_del(node: redis.Redis) -> Callable[[TensorDictStore], Callable[[], Any]
     def prepare(store: TensorDictStore) -> Callable[[], Any]:
         keys = list(node.scan_iter(match=store._conn.keys.pattern()))
         return lambda: node.delete(*keys)
+
+    return prepare
+
+
+def _churn(conn: dict[str, Any], td_id: str, started: Any, rates: Any) -> None:
+    """(A process of its own.) Adds and deletes an entry and appends rows until the store is gone."""
+    from tdstore import StoreNotFoundError
+
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    changes, t0 = 0, time.perf_counter()
+    try:
+        for k in range(1_000_000):
+            store["churn"] = torch.zeros(64)
+            del store["churn"]
+            store.extend(TensorDict(obs=torch.ones(2, 8), action=torch.ones(2, 2), reward=torch.ones(2), batch_size=[2]))
+            changes += 2
+            if k == 20:
+                started.set()
+    except StoreNotFoundError:
+        pass
+    finally:
+        started.set()
+        rates.put(changes / (time.perf_counter() - t0))
+        store.close()
+
+
+def _under_churn(conn: dict[str, Any], rates: list[float]) -> Callable[[TensorDictStore], Callable[[], Any]]:
+    """``clear_redis()`` while another process churns the store's layout (started untimed)."""
+    ctx = multiprocessing.get_context("spawn")
+
+    def prepare(store: TensorDictStore) -> Callable[[], Any]:
+        started, out = ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=_churn, args=(conn, store.td_id, started, out))
+        proc.start()
+        if not started.wait(120):
+            proc.kill()
+            raise RuntimeError("the churner did not start")
+
+        def clear() -> None:
+            store.clear_redis()
+
+        def finish() -> None:
+            rates.append(out.get(timeout=60))
+            proc.join(30)
+
+        clear.finish = finish  # type: ignore[attr-defined]
+        return clear
 
     return prepare
 
@@ -109,7 +164,9 @@ def main() -> None:
     parser.add_argument("--server", choices=("redis", "valkey"), default="redis")
     parser.add_argument("--others", type=int, default=200_000, help="other keys on the server / the store's node")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--churn", action="store_true", help="add a clear under layout churn from another process")
     args = parser.parse_args()
+    rates: list[float] = []
     rows: list[list[str]] = []
     real_max = _lifecycle.SLOT_LIST_MAX
 
@@ -126,10 +183,10 @@ def main() -> None:
         _fill(node, args.others, None)
         conn = handle.connection_kwargs()
         raw = _raw_del(node)
-        rows += run("one server", node, conn, args.repeat, {
-            "clear_redis() (SCAN)": (scan_listing, _tdstore),
-            "raw DEL": (slot_listing, raw),
-        })
+        cases: dict[str, Any] = {"clear_redis() (SCAN)": (scan_listing, _tdstore), "raw DEL": (slot_listing, raw)}
+        if args.churn:
+            cases["clear_redis() under churn"] = (scan_listing, _under_churn(conn, rates))
+        rows += run("one server", node, conn, args.repeat, cases)
         node.close()
     finally:
         handle.stop()
@@ -161,6 +218,9 @@ def main() -> None:
     print("|---|---|--:|--:|--:|--:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if rates:
+        print(f"\nchurner: {statistics.median(rates):.0f} layout changes/s (median of {len(rates)} rounds), "
+              "each with an append of 2 rows")
 
 
 if __name__ == "__main__":

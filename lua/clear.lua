@@ -1,5 +1,22 @@
 --[[ clear
-Deletes every key of one store as one step.
+Deletes every key of one store as one step, or seals it first (ARGV[1] "seal").
+
+A clear is two steps (tdstore/_backend/lifecycle.py). The seal moves the meta field "lv"
+to "clearing": every script and every WATCHed transaction then finds no store (no "lv"),
+so no writer changes the keys any more, and no new store is made at the id while the meta
+hash exists. The client lists the keys once, and the second step deletes them. A clear
+therefore never retries because writers keep changing the store under it.
+
+Seal: KEYS[1] the meta hash, ARGV[1] "seal". Returns 1 when it sealed a store, 0 when
+there was none to seal (no meta hash, one of another type, no "lv": sealed already,
+or damaged).
+
+Doom: KEYS the meta hash and every key the client can name of the sealed store (its
+registry's data keys, the fixed families), ARGV[1] "doom", ARGV[2] a grace in ms. Each
+key that exists and would outlive the grace expires at its end, so that a clear cut off
+before its delete (the process killed) still frees the store's keys within the grace. Does
+nothing unless the store is sealed (a store made at the id meanwhile is left alone).
+Returns the number of keys given the grace.
 
 KEYS[1]   meta hash of the store
 KEYS[2]   registry hash
@@ -7,8 +24,8 @@ KEYS[3..] the store's other keys: its write-version counter, its ring cursor and
           data key of every entry
 
 ARGV[1]   expected layout version (decimal string; "" skips the check), or "absent": the
-          meta hash must hold no layout version (a store whose meta hash was evicted or
-          damaged; the client found the leftover keys with SCAN)
+          meta hash must hold no layout version (a sealed store, or one whose meta hash
+          was evicted or damaged; the client found the leftover keys with SCAN)
 ARGV[2]   the number of registry entries the client knows of (leaves and nested nodes),
           or "" to skip the check
 ARGV[3]   optional: p, the number of (key, trash key) pairs that end KEYS: each key (a chunk
@@ -30,6 +47,34 @@ local function is_hash(key)
   local kind = rcall('TYPE', key)
   if type(kind) == 'table' then kind = kind.ok end
   return kind == 'hash'
+end
+
+if ARGV[1] == 'seal' then
+  if not is_hash(KEYS[1]) then return 0 end
+  local lv = rcall('HGET', KEYS[1], 'lv')
+  if not lv then return 0 end
+  rcall('HSET', KEYS[1], 'clearing', lv)
+  rcall('HDEL', KEYS[1], 'lv')
+  return 1
+end
+
+if ARGV[1] == 'doom' then
+  local grace = tonumber(ARGV[2] or '')
+  if grace == nil or grace < 1 or grace ~= math.floor(grace) or grace > 86400000 then
+    return fail('TDS_BADARG', 'bad grace ' .. tostring(ARGV[2]))
+  end
+  if not is_hash(KEYS[1]) or rcall('HGET', KEYS[1], 'lv') or not rcall('HGET', KEYS[1], 'clearing') then
+    return 0
+  end
+  local doomed = 0
+  for i = 1, #KEYS do
+    local left = rcall('PTTL', KEYS[i])
+    if left == -1 or left > grace then
+      rcall('PEXPIRE', KEYS[i], grace)
+      doomed = doomed + 1
+    end
+  end
+  return doomed
 end
 
 if ARGV[1] == 'absent' then

@@ -132,7 +132,7 @@ local function op_error(op)
   return nil
 end
 -- the counters and the expiry are owned by the scripts: a meta update must not overwrite them
-for _, reserved in ipairs({'lv', 'fmt', 'exp', 'ttl', 'ne'}) do
+for _, reserved in ipairs({'lv', 'fmt', 'exp', 'ttl', 'ne', 'clearing'}) do
   if meta_updates[reserved] ~= nil then
     drop_tmps()
     return fail('TDS_BADARG', 'meta field ' .. reserved .. ' cannot be set')
@@ -165,6 +165,12 @@ if expected == 'new' then
   end
   if rcall('EXISTS', meta_key) == 1 then
     drop_tmps()
+    local kind = rcall('TYPE', meta_key)
+    if type(kind) == 'table' then kind = kind.ok end
+    if kind == 'hash' and rcall('HGET', meta_key, 'clearing') then
+      return fail('TDS_EXISTS', 'the store at ' .. meta_key .. ' is being deleted: a clear_redis() has not finished'
+        .. ' (clear_redis() or `tdstore rm` finishes an interrupted one)')
+    end
     return fail('TDS_EXISTS', 'a store already exists at ' .. meta_key)
   end
 else

@@ -81,7 +81,8 @@ def tensordict_cycler(
 def check_wire(client: Any, prefix: str, clean: bool = False) -> dict[str, int]:
     """Counts broken invariants among every key under ``prefix``.
 
-    Returns ``stores``, ``orphan_keys`` (a key of a store whose meta hash is gone, a data key
+    Returns ``stores``, ``sealed`` (stores of a clear killed between its seal and its delete:
+    deleted for every handle; the next ``clear_redis()`` or ``tdstore rm`` frees the keys), ``orphan_keys`` (a key of a store whose meta hash is gone, a data key
     no registry entry names, a tmp key), ``missing_entries`` (registered, but the data key is
     absent or has the wrong length) and ``mixed_values`` (a store written by
     tensordict_cycler whose int entries do not all hold one value). With ``clean``, every key
@@ -92,7 +93,7 @@ def check_wire(client: Any, prefix: str, clean: bool = False) -> dict[str, int]:
         text = key.decode()
         td_id = text[text.index("{") + 1 : text.index("}")]
         by_store.setdefault(td_id, set()).add(key)
-    orphans = missing = mixed = stores = 0
+    orphans = missing = mixed = stores = sealed = 0
     for td_id, keys in by_store.items():
         base = f"{prefix}:{{{td_id}}}"
         meta_key = f"{base}:meta".encode()
@@ -100,6 +101,8 @@ def check_wire(client: Any, prefix: str, clean: bool = False) -> dict[str, int]:
             orphans += len(keys)
             continue
         stores += 1
+        if client.hexists(meta_key, "clearing") and not client.hexists(meta_key, "lv"):
+            sealed += 1  # a clear_redis() killed between its two steps: the next clear finishes it
         allowed = {meta_key, f"{base}:reg".encode(), f"{base}:wv".encode(), f"{base}:ring".encode()}
         values = set()
         for field, raw in client.hgetall(f"{base}:reg").items():
@@ -123,4 +126,4 @@ def check_wire(client: Any, prefix: str, clean: bool = False) -> dict[str, int]:
     if clean:  # the next check looks at what the next kill leaves only
         for keys in by_store.values():
             client.delete(*keys)
-    return {"stores": stores, "orphan_keys": orphans, "missing_entries": missing, "mixed_values": mixed}
+    return {"stores": stores, "sealed": sealed, "orphan_keys": orphans, "missing_entries": missing, "mixed_values": mixed}

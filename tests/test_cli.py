@@ -779,3 +779,106 @@ def test_empty_prefix_in_ls_and_rm(real_server: ServerHandle, monkeypatch: pytes
         assert not keys_of(real_server, "*cli-empty*")
     finally:
         store.close()
+
+
+# --------------------------------------------------------------------------- damaged stores (issue 24, N6)
+def _damage_data_list(client: Any, base: str) -> str:
+    key = f"{base}:d:obs"
+    client.delete(key)
+    client.rpush(key, b"junk")  # a data key holding a list
+    return key
+
+
+def _damage_ring_garbage(client: Any, base: str) -> str:
+    client.set(f"{base}:ring", b"abc")
+    return f"{base}:ring"
+
+
+def _damage_ring_list(client: Any, base: str) -> str:
+    client.rpush(f"{base}:ring", b"1")
+    return f"{base}:ring"
+
+
+def _damage_flags_hash(client: Any, base: str) -> str:
+    client.hset(f"{base}:rf", "a", "b")
+    return f"{base}:rf"
+
+
+def _damage_wv_garbage(client: Any, base: str) -> str:
+    client.set(f"{base}:wv", b"-x")
+    return f"{base}:wv"
+
+
+@pytest.mark.parametrize(
+    "damage", [_damage_data_list, _damage_ring_garbage, _damage_ring_list, _damage_flags_hash, _damage_wv_garbage],
+    ids=["data-list", "ring-garbage", "ring-list", "flags-hash", "wv-garbage"],
+)
+def test_ls_info_rm_on_a_damaged_store(real_server: ServerHandle, monkeypatch: pytest.MonkeyPatch, capsys: Any, damage: Any) -> None:
+    """N6: a data key holding a list made `ls` exit 1 with WRONGTYPE and list nothing; a garbage ring
+    cursor crashed `info` and `rm` with a traceback, and `ls` showed the store as healthy. Now `ls`
+    marks the store damaged (naming the key) and lists the others, `info` says what is wrong in one
+    line, and `rm` deletes every key of it."""
+    password_env(real_server, monkeypatch)
+    first, second = make_stores(real_server)
+    client = real_server.sync_client()
+    try:
+        key = damage(client, "tensordict:{cli-first}")
+        code, text = run_cli(["ls", "--json", *conn_args(real_server)])
+        assert code == 0
+        by_id = {s["td_id"]: s for s in json.loads(text)["stores"]}
+        assert by_id["cli-first"]["kind"] == "damaged" and key in by_id["cli-first"]["damage"]
+        assert by_id["cli-second"]["kind"] == "store"
+        capsys.readouterr()
+        code, _ = run_cli(["info", "cli-first", *conn_args(real_server)])
+        err = capsys.readouterr().err
+        assert code == 1 and key in err and "Traceback" not in err and err.count("\n") == 1, err
+        code, _ = run_cli(["rm", "cli-first", "--yes", *conn_args(real_server)])
+        assert code == 0
+        assert not keys_of(real_server, "*cli-first*")
+        assert keys_of(real_server, "other:{cli-second}:*")  # the other store is untouched
+    finally:
+        second.clear_redis()
+        client.close()
+        first.close()
+        second.close()
+
+
+def test_ls_info_rm_on_a_store_whose_clear_was_interrupted(
+    real_server: ServerHandle, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A clear killed between its seal and its delete: `ls` lists the store as being deleted, `info`
+    says so, and `rm` finishes the clear."""
+    from tdstore._backend import lifecycle
+
+    password_env(real_server, monkeypatch)
+    first, second = make_stores(real_server)
+
+    class Died(Exception):
+        pass
+
+    async def died(*args: Any) -> Any:
+        raise Died
+
+    with monkeypatch.context() as m:
+        m.setattr(lifecycle, "_listed_keys", died)
+        with pytest.raises(Died):
+            first.clear_redis()
+    try:
+        assert keys_of(real_server, "tensordict:{cli-first}:*")
+        code, text = run_cli(["ls", "--json", *conn_args(real_server)])
+        assert code == 0
+        by_id = {s["td_id"]: s for s in json.loads(text)["stores"]}
+        assert by_id["cli-first"]["kind"] == "deleting" and "tdstore rm" in by_id["cli-first"]["damage"]
+        code, text = run_cli(["ls", *conn_args(real_server)])
+        assert code == 0 and "deleting: cli-first" in text
+        capsys.readouterr()
+        code, _ = run_cli(["info", "cli-first", *conn_args(real_server)])
+        err = capsys.readouterr().err
+        assert code == 1 and "being deleted" in err
+        code, out = run_cli(["rm", "cli-first", "--yes", *conn_args(real_server)])
+        assert code == 0 and "deleted cli-first (deleting" in out
+        assert not keys_of(real_server, "*cli-first*")
+    finally:
+        second.clear_redis()
+        first.close()
+        second.close()

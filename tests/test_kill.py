@@ -38,7 +38,7 @@ def test_sigkill_mid_create_write_clear_leaves_old_or_new(kind, worker, request)
     rng = random.Random(7)
     landed: dict[str, int] = {}
     totals = {"orphan_keys": 0, "missing_entries": 0, "mixed_values": 0}
-    stores_seen = 0
+    stores_seen = sealed = 0
     client = server.sync_client()
     try:
         for i in range(KILLS):
@@ -62,10 +62,11 @@ def test_sigkill_mid_create_write_clear_leaves_old_or_new(kind, worker, request)
             landed[where] = landed.get(where, 0) + 1
             counts = kw.check_wire(client, prefix, clean=True)
             stores_seen += counts.pop("stores")
+            sealed += counts.pop("sealed")
             for name, value in counts.items():
                 totals[name] += value
     finally:
         client.close()
-    record(request, kills=KILLS, stores_checked=stores_seen, **{f"killed_in_{k}": v for k, v in sorted(landed.items())}, **totals)
+    record(request, kills=KILLS, stores_checked=stores_seen, sealed_by_a_killed_clear=sealed, **{f"killed_in_{k}": v for k, v in sorted(landed.items())}, **totals)
     assert totals == {"orphan_keys": 0, "missing_entries": 0, "mixed_values": 0}
     assert set(landed) - {"between"}, "no kill landed inside an operation"

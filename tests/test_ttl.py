@@ -391,8 +391,9 @@ def test_concurrent_writers_and_expire_persist(server, request):
 
 def test_clear_deletes_ring_keys_created_after_the_listing(server, monkeypatch):
     """N2: a first append between the clear's listing and its script created the row flags and
-    append counters after the SCAN; they survived with no TTL. The script names every fixed
-    key family, so nothing of the store is left (checked with a plain client)."""
+    append counters after the SCAN; they survived with no TTL. The clear now seals the store
+    before it lists the keys (N3), so that append is refused as one to a deleted store, and
+    nothing of the store is left (checked with a plain client)."""
     import torch
 
     from tdstore import TensorDictStore
@@ -406,8 +407,13 @@ def test_clear_deletes_ring_keys_created_after_the_listing(server, monkeypatch):
         found = await real(client, keys, cluster_node)
         import asyncio
 
-        await asyncio.to_thread(other.extend, _rows())  # (a blocking call: not on the IO loop)
+        try:  # (a blocking call: not on the IO loop)
+            await asyncio.to_thread(other.extend, _rows())
+        except StoreNotFoundError as err:
+            refused.append(err)
         return found
+
+    refused: list[Exception] = []
 
     def _rows():
         from tensordict import TensorDict
@@ -416,6 +422,7 @@ def test_clear_deletes_ring_keys_created_after_the_listing(server, monkeypatch):
 
     monkeypatch.setattr(lifecycle, "_listed_keys", listed_then_append)
     store.clear_redis()
+    assert len(refused) == 1 and store.td_id in str(refused[0])
     client = server.sync_client()
     left = [k for k in client.scan_iter(match=f"{store._conn.keys.base}:*") if b":tmp:" not in k]
     assert left == []

@@ -14,9 +14,50 @@ from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.scripts import ScriptRunner, probe_shebang
 from tdstore._core import chunks as _chunks
-from tdstore._core.keys import StoreKeys
+from tdstore._core.keys import CURSOR_MAX, StoreKeys
+from tdstore.errors import CorruptMetadataError
 
-__all__ = ["StoreReading", "scan_stores", "read_stores", "read_details", "wipe_store", "leaf_paths"]
+__all__ = ["StoreReading", "scan_stores", "read_stores", "read_details", "wipe_store", "leaf_paths", "is_sealed"]
+
+#: what a sealed store's ``damage`` says (``StoreReading.sealed``)
+SEALED = "being deleted: a clear_redis() is in progress, or was interrupted (`tdstore rm` finishes it)"
+
+
+def _is_sealed_meta(meta_raw: Any) -> bool:
+    """A meta hash that a clear sealed (lua/clear.lua): "clearing" in place of "lv"."""
+    if not isinstance(meta_raw, dict):
+        return False
+    names = {k.decode(errors="replace") if isinstance(k, bytes) else str(k) for k in meta_raw}
+    return "clearing" in names and "lv" not in names
+
+
+def _ring_damage(keys: StoreKeys, ring_raw: Any, flags_len: Any, wv_raw: Any) -> CorruptMetadataError | None:
+    """What is wrong with the ring cursor (a count of at most CURSOR_MAX), the row flags (a
+    string) or the write version (a counter)."""
+    if isinstance(ring_raw, Exception):
+        return CorruptMetadataError(f"the ring cursor {keys.ring} cannot be read as a count: {ring_raw}")
+    if ring_raw is not None:
+        text = ring_raw.decode(errors="replace") if isinstance(ring_raw, bytes) else str(ring_raw)
+        if not (text.isascii() and text.isdigit() and int(text) <= CURSOR_MAX):
+            return CorruptMetadataError(f"the ring cursor {keys.ring} holds {text[:60]!r}, not a row count")
+    if isinstance(flags_len, Exception):
+        return CorruptMetadataError(f"the row flags {keys.flags} cannot be read as a string: {flags_len}")
+    if wv_raw is not None and not (isinstance(wv_raw, bytes) and wv_raw.lstrip(b"-").isdigit()):
+        return CorruptMetadataError(f"the write version {keys.wv} holds {wv_raw!r:.80}, not a counter")
+    return None
+
+
+def _data_damage(names: list[str], replies: list[Any]) -> CorruptMetadataError | None:
+    """The first data key whose STRLEN the server refused (a key of another type)."""
+    for name, reply in zip(names, replies, strict=True):
+        if isinstance(reply, Exception):
+            return CorruptMetadataError(f"the data key {name} is not a string of bytes: {reply}")
+    return None
+
+
+async def is_sealed(client: Any, keys: StoreKeys) -> bool:
+    """Whether the store is sealed by a clear that has not deleted it yet (see :data:`SEALED`)."""
+    return _is_sealed_meta(await client.hgetall(keys.meta) if await client.type(keys.meta) in (b"hash", "hash") else None)
 
 
 def leaf_paths(layout: _backend.Layout) -> list[tuple[str, ...]]:
@@ -33,6 +74,7 @@ class StoreReading:
     layout: _backend.Layout | None = None
     leaf_bytes: list[int] | None = None  # per entry of leaf_paths(layout), chunks summed
     damage: BaseException | None = None
+    sealed: bool = False  # a clear sealed it and has not deleted it yet (``damage`` says so)
 
 
 async def scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]:
@@ -61,12 +103,19 @@ async def read_stores(client: Any, candidates: list[tuple[str, str]]) -> list[St
             pipe.hgetall(k.meta)
             pipe.hgetall(k.reg)
             pipe.pttl(k.meta)
+            pipe.get(k.ring)
+            pipe.strlen(k.flags)
+            pipe.get(k.wv)
         replies = await pipe.execute(raise_on_error=False)
     readings: list[StoreReading] = []
     good: list[tuple[StoreReading, dict[tuple[str, ...], Any]]] = []
     for i, k in enumerate(keys):
-        meta_raw, reg_raw, pttl = replies[3 * i : 3 * i + 3]
+        meta_raw, reg_raw, pttl, ring_raw, flags_len, wv_raw = replies[6 * i : 6 * i + 6]
         reading = StoreReading(k, pttl)
+        if _is_sealed_meta(meta_raw):
+            reading.sealed, reading.damage = True, CorruptMetadataError(SEALED)
+            readings.append(reading)
+            continue
         try:
             layout = _backend.parse_layout(meta_raw, reg_raw, k.base)
             if layout is not None and "fmt" in layout.meta:
@@ -78,34 +127,45 @@ async def read_stores(client: Any, candidates: list[tuple[str, str]]) -> list[St
             continue
         if layout is None or "fmt" not in layout.meta:
             continue  # deleted meanwhile, or not a tdstore store
-        reading.layout = layout
         readings.append(reading)
-        good.append((reading, chunk_map))
-    counts: list[int] = []
+        reading.damage = _ring_damage(k, ring_raw, flags_len, wv_raw)
+        if reading.damage is None:
+            reading.layout = layout
+            good.append((reading, chunk_map))
+    # one STRLEN per data string; a key of another type is refused alone (raise_on_error=False)
+    # and marks its store damaged, so the other stores are listed all the same
+    per_store: list[list[list[str]]] = []
     async with client.pipeline(transaction=False) as pipe:
         for reading, chunk_map in good:
             assert reading.layout is not None
-            for path in leaf_paths(reading.layout):
-                names = reading.keys.entry_keys(path, chunk_map.get(path))
-                counts.append(len(names))
+            names_of = [reading.keys.entry_keys(path, chunk_map.get(path)) for path in leaf_paths(reading.layout)]
+            per_store.append(names_of)
+            for names in names_of:
                 for name in names:
                     pipe.strlen(name)
-        lengths = await pipe.execute()
+        lengths = await pipe.execute(raise_on_error=False)
     pos = 0
-    sizes = []
-    for n in counts:
-        sizes.append(sum(int(x) for x in lengths[pos : pos + n]))
-        pos += n
-    it = iter(sizes)
-    for reading, _ in good:
-        assert reading.layout is not None
-        reading.leaf_bytes = [next(it) for _ in leaf_paths(reading.layout)]
+    for (reading, _), names_of in zip(good, per_store, strict=True):
+        flat = [name for names in names_of for name in names]
+        replies_of = lengths[pos : pos + len(flat)]
+        pos += len(flat)
+        reading.damage = _data_damage(flat, replies_of)
+        if reading.damage is not None:
+            reading.layout = None
+            continue
+        it = iter(replies_of)
+        reading.leaf_bytes = [sum(int(next(it)) for _ in names) for names in names_of]
     return readings
 
 
 async def read_details(client: Any, keys: StoreKeys, *extra_keys: str) -> tuple[Any, ...]:
     """(layout, write version, ring counter, PTTL, data bytes per entry in creation order, then
-    the values of ``extra_keys``) of one store; all None and [] when there is no store."""
+    the values of ``extra_keys``) of one store; all None and [] when there is no store.
+
+    Raises :class:`~tdstore.errors.CorruptMetadataError` naming the key for damage the
+    layout does not show: a data key, the ring cursor or the write version of another type
+    or holding garbage (``tdstore rm`` deletes such a store).
+    """
     layout = await _backend.fetch_layout(client, keys)
     if layout is None:
         return None, None, None, None, [], []
@@ -119,14 +179,21 @@ async def read_details(client: Any, keys: StoreKeys, *extra_keys: str) -> tuple[
         for names in strings:
             for name in names:
                 pipe.strlen(name)  # a chunked entry: the sum of its chunks
+        pipe.strlen(keys.flags)
         for key in extra_keys:
             pipe.get(key)
-        replies = await pipe.execute()
+        replies = await pipe.execute(raise_on_error=False)
+    wv, ring, pttl = replies[:3]
+    flat = [name for names in strings for name in names]
+    damage = _ring_damage(keys, ring, replies[3 + len(flat)], wv) or _data_damage(flat, replies[3 : 3 + len(flat)])
+    if damage is not None:
+        raise damage
     lengths, pos = [], 3
     for names in strings:
         lengths.append(sum(replies[pos : pos + len(names)]))
         pos += len(names)
-    return layout, replies[0], replies[1], replies[2], lengths, replies[pos:]
+    extra = [None if isinstance(r, Exception) else r for r in replies[pos + 1 :]]
+    return layout, wv, ring, pttl, lengths, extra
 
 
 async def wipe_store(client: Any, keys: StoreKeys) -> int:

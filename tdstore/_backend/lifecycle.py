@@ -1,7 +1,8 @@
 """Whole-store lifetime operations: deleting a store (``wipe``), its expiry, listing stores.
 
-Each is one server step over every key of a store (the ``clear`` and ``expire`` scripts), or a
-SCAN of the store keys under a prefix.
+The expiry is one server step over every key of a store (the ``expire`` script); a delete is
+two (the ``clear`` script's seal, then its delete of the listed keys); a listing is a SCAN of
+the store keys under a prefix.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from tdstore._backend.ops import Layout, _s
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import parse_layout
+from tdstore.errors import CorruptMetadataError
 
 __all__ = ["wipe", "expire", "list_stores"]
 
@@ -27,6 +30,22 @@ def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
         for p, e in layout.entries.items() if e.has_data
         for key in keys.entry_keys(p, chunks.get(p))
     ]
+
+
+#: How long the keys of a store being cleared live at most (ms): a clear killed between its
+#: seal and its delete leaves nothing that the registry names once this has passed.
+CLEAR_GRACE_MS = 60_000
+
+
+async def _registry_data_keys(client: Any, keys: StoreKeys) -> list[str]:
+    """The data keys that the (sealed, so frozen) registry names; none where it is damaged
+    (the listing finds those keys all the same)."""
+    try:
+        reg_raw = await client.hgetall(keys.reg)
+        layout = parse_layout({b"lv": b"0"}, reg_raw, keys.base)
+    except (redis.exceptions.ResponseError, CorruptMetadataError, ValueError, TypeError, KeyError):
+        return []
+    return [] if layout is None else _layout_data_keys(keys, layout)
 
 
 #: The most keys the store's slot may hold for :func:`wipe` to list them with one
@@ -54,36 +73,34 @@ async def _listed_keys(client: Any, keys: StoreKeys, cluster_node: bool) -> list
 
 
 async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_node: bool = False) -> int:
-    """Deletes every key of the store whatever its bookkeeping says, in one step.
+    """Deletes every key of the store whatever its bookkeeping says, in two script steps.
 
-    Works on a store whose bookkeeping is damaged (a registry or meta hash evicted or edited
-    by hand, data keys without a registry entry): the keys are found with SCAN (one pass over
-    the database's keyspace, ~1000 keys per round trip) or, on a Redis Cluster node
-    (``cluster_node``), with ``CLUSTER GETKEYSINSLOT`` (the keys of the store's one slot,
-    which holds all of them), after the layout
-    version and registry size were read, and the clear script deletes them only if neither
-    changed since (any new entry changes both), so that nothing written meanwhile is lost
-    unseen. In-flight tmp keys are left alone (they expire). The data keys go through
-    short-lived trash keys in that step and are then freed one per command (freeing a large
-    string blocks the server for as long as it takes, so no step frees more than one chunk).
-    The fixed key families (write version, ring cursor, row flags, appends in flight, fence,
-    append counters, read leases) are named, not listed, so a key of theirs created after the
-    listing (a first append) goes in the same step too.
+    1. The seal (the clear script's "seal" mode) moves the meta field ``lv`` to
+       ``clearing``. From then on no script and no WATCHed transaction finds a store, so
+       no writer adds, changes or creates a key of it (an append's first flags and
+       counters included), and no new store is made at the id while the meta hash exists.
+       This is the step at which the store is gone for every other process.
+    2. The keys are listed once: with SCAN (one pass over the database's keyspace, ~1000
+       keys per round trip) or, on a Redis Cluster node (``cluster_node``), with
+       ``CLUSTER GETKEYSINSLOT`` (the keys of the store's one slot, which holds all of
+       them). The list is complete, since nothing changes the store any more; the clear
+       script then deletes them, with the meta hash, the registry and every fixed key
+       family (named, not listed). The data keys of chunked entries go through short-lived
+       trash keys in that step and are then freed one per command (freeing a large string
+       blocks the server for as long as it takes, so no step frees more than one chunk).
+
+    A clear therefore never retries however busy the writers are: its cost is one listing.
+    It works on a store whose bookkeeping is damaged (a registry or meta hash evicted or
+    edited by hand, data keys without a registry entry) and on one whose clear was
+    interrupted between the steps (a sealed store: ``from_store`` finds none, ``tdstore ls``
+    lists it as being deleted; after the doom step it also frees itself within the grace). In-flight tmp keys are left alone (they expire). Raises
+    :class:`~tdstore.errors.StaleLayoutError` only when a store was created at the id
+    between the steps (possible only where there was no meta hash to seal).
     """
-    # a meta or registry key of another type (damage too) is not read as a hash: the store is
-    # then "absent" to the clear script's checks, and the key is deleted with the rest (the
-    # script checks again what is read here, in the step that deletes)
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.type(keys.meta)
-        pipe.type(keys.reg)
-        pipe.hget(keys.meta, "lv")
-        pipe.hlen(keys.reg)
-        meta_type, reg_type, lv_raw, n_raw = await pipe.execute(raise_on_error=False)
-    lv = _s(lv_raw) if _s(meta_type) == "hash" and lv_raw is not None else None
-    n = int(n_raw) if _s(reg_type) == "hash" else -1
-    # every fixed key family goes whatever the listing saw: a first append between the listing
-    # and the script creates the flags and counters (which move neither version nor count)
+    await runner.call(client, "clear", [keys.meta], ["seal"])
     fixed = [keys.wv, keys.ring, keys.flags, keys.inflight, keys.fence, keys.appends, keys.rl]
+    named = await _registry_data_keys(client, keys)
+    await runner.call(client, "clear", [keys.meta, keys.reg, *fixed, *named], ["doom", str(CLEAR_GRACE_MS)])
     own = {keys.meta, keys.reg, *fixed}
     tmp_prefix = f"{keys.base}:tmp:"
     found = [text for text in await _listed_keys(client, keys, cluster_node) if text not in own and not text.startswith(tmp_prefix)]
@@ -93,12 +110,7 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_no
     trash = [keys.tmp() for _ in chunked]
     pairs = [key for pair in zip(chunked, trash, strict=True) for key in pair]
     deleted = int(
-        await runner.call(
-            client,
-            "clear",
-            [keys.meta, keys.reg, *fixed, *plain, *pairs],
-            ["absent" if lv is None else lv if lv.isdigit() else "", str(n) if n >= 0 else "", str(len(chunked))],
-        )
+        await runner.call(client, "clear", [keys.meta, keys.reg, *fixed, *plain, *pairs], ["absent", "", str(len(chunked))])
     )
     for key in trash:
         await client.delete(key)

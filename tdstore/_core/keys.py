@@ -4,6 +4,7 @@ Every key of one store shares the hash tag ``{td_id}``, so that all of them live
 Redis Cluster slot and every script and transaction over them stays legal::
 
     <prefix>:{<td_id>}:meta          hash: batch size, device, names, layout version, lock ...
+                                     (a store being deleted holds "clearing" in place of "lv")
     <prefix>:{<td_id>}:reg           hash: one field per entry path -> JSON entry metadata
     <prefix>:{<td_id>}:wv            string: write version, bumped by every write (compare-and-set)
     <prefix>:{<td_id>}:ring          string: ring-buffer cursor, rows ever reserved by extend()

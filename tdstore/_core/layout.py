@@ -356,6 +356,8 @@ def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout
         meta = {_s(k): _s(v) for k, v in meta_raw.items()}
     except UnicodeDecodeError:
         raise CorruptMetadataError(f"the meta hash of the store {base} holds bytes that are not UTF-8") from None
+    if "clearing" in meta and "lv" not in meta:
+        return None  # sealed by a clear_redis() (lua/clear.lua): deleted for every reader
     entries: dict[tuple[str, ...], Any] = {}
     for k, v in reg_raw.items():
         try:

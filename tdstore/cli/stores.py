@@ -137,7 +137,10 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
         for reading in await _inventory.read_stores(client, candidates[start : start + LS_BATCH]):
             k, layout = reading.keys, reading.layout
             if reading.damage is not None or layout is None or reading.leaf_bytes is None:
-                out.append(_damaged_summary(k, reading.damage or ValueError("unreadable"), reading.pttl))
+                summary = _damaged_summary(k, reading.damage or ValueError("unreadable"), reading.pttl)
+                if reading.sealed:
+                    summary["kind"] = "deleting"
+                out.append(summary)
                 continue
             out.append(
                 {
@@ -208,6 +211,10 @@ def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
     except ValueError as err:
         raise CliError(f"tdstore: {err}", 2) from None
     layout, wv, ring, pttl, strlens = _run(opts, lambda client: _details(client, keys))
+    if layout is None and _run(opts, lambda client: _inventory.is_sealed(client, keys)):
+        from tdstore.errors import CorruptMetadataError
+
+        raise CorruptMetadataError(f"the store {td_id!r} under prefix {prefix!r} is {_inventory.SEALED}")
     if layout is None:
         raise CliError(
             f"tdstore: no store with td_id={td_id!r} under prefix {prefix!r} on {opts.describe()} "
@@ -293,7 +300,9 @@ def format_ls(stores: list[dict[str, Any]], where: str) -> str:
     total = sum(s["bytes"] for s in stores)
     plural = "s" if len(stores) != 1 else ""
     for s in stores:
-        if s.get("damage"):
+        if s["kind"] == "deleting":
+            text += f"deleting: {s['td_id']} (prefix {s['prefix']!r}): {s['damage'][:300]}\n"
+        elif s.get("damage"):
             text += f"damaged: {s['td_id']} (prefix {s['prefix']!r}): {s['damage'][:300]} (`tdstore rm` deletes it)\n"
     return text + f"{len(stores)} store{plural}, {human_bytes(total)} ({total:,} bytes) on {where}\n"
 
@@ -357,8 +366,8 @@ def _open(info: dict[str, Any], prefix: str, opts: Any) -> Any:
 
 
 def _rm_summary(info: dict[str, Any]) -> str:
-    if info["kind"] == "damaged":
-        return "damaged"
+    if info["kind"] in ("damaged", "deleting"):
+        return str(info["kind"])
     if info["kind"] == "sharded":
         return f"ShardedStore with {show(info['sharded_blocks'])} blocks"
     return human_bytes(info["bytes"])
@@ -367,7 +376,8 @@ def _rm_summary(info: dict[str, Any]) -> str:
 def remove_stores(
     opts: Any, prefix: str, td_ids: list[str], *, yes: bool, as_json: bool, out: TextIO, stdin: TextIO
 ) -> int:
-    """Deletes the stores ``td_ids`` (each in one atomic step, as ``clear_redis()``)."""
+    """Deletes the stores ``td_ids`` as ``clear_redis()`` does (sealed in one step, then freed),
+    damaged stores and ones whose clear was interrupted included."""
     import sys
 
     from tdstore import StoreNotFoundError
@@ -385,7 +395,8 @@ def remove_stores(
             missing.append(td_id)
         except (CorruptMetadataError, DataLostError) as err:
             # damaged metadata: still deleted (by the store's key pattern)
-            found.append({"td_id": td_id, "kind": "damaged", "bytes": 0, "entries": [], "locked": False, "damage": str(err)})
+            kind = "deleting" if _inventory.SEALED in str(err) else "damaged"
+            found.append({"td_id": td_id, "kind": kind, "bytes": 0, "entries": [], "locked": False, "damage": str(err)})
     for td_id in missing:
         print(f"tdstore rm: no store with td_id={td_id!r} under prefix {prefix!r} on {opts.describe()}", file=sys.stderr)
     if not found:
