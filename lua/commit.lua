@@ -61,6 +61,8 @@ Errors:
                client waits and calls again; the tmp keys are kept for that call
   TDS_PARTIAL  a tmp key of a "put" is missing (its SET was refused); every tmp key is deleted
   TDS_BADARG   an op is malformed
+  TDS_CORRUPT  the write version, an append counter (ARGV[10]) or the read-lease hash holds
+               what no tdstore write makes (another type, garbage); checked before any write
 
 When the last of KEYS is the store's read-lease hash (<prefix>:{<td_id>}:rl), a layout change
 (ARGV[2] "1") is refused while a reader's lease on it is live (TDS_BUSY).
@@ -179,7 +181,17 @@ else
     drop_tmps()
     return err
   end
-  if (ARGV[7] or '') ~= '' and (rcall('GET', wv_key) or '0') ~= ARGV[7] then
+  -- the write version, read once and only when needed (a compare-and-set, or a bump: ops)
+  local wv_raw = nil
+  if #ops > 0 or (ARGV[7] or '') ~= '' or (ARGV[10] or '') ~= '' then
+    wv_raw = redis.pcall('GET', wv_key)
+    err = check_counter(wv_key, 'the write version', wv_raw)
+    if err then
+      drop_tmps()
+      return err
+    end
+  end
+  if (ARGV[7] or '') ~= '' and (wv_raw or '0') ~= ARGV[7] then
     drop_tmps()
     return fail('TDS_CONFLICT', 'the store was written since the client read it')
   end
@@ -187,12 +199,22 @@ else
     local cas = cjson.decode(ARGV[10])
     local counters = {}
     local appends = 0
-    local flat = rcall('HGETALL', string.sub(meta_key, 1, -5) .. 'ac')
-    for i = 1, #flat, 2 do
-      counters[flat[i]] = flat[i + 1]
-      appends = appends + (tonumber(flat[i + 1]) or 0)
+    local ac_key = string.sub(meta_key, 1, -5) .. 'ac'
+    local flat = redis.pcall('HGETALL', ac_key)
+    if type(flat) == 'table' and flat.err then
+      drop_tmps()
+      return fail('TDS_CORRUPT', 'the append counters ' .. ac_key .. ' are not a hash')
     end
-    local same = tonumber(rcall('GET', wv_key) or '0') - appends == tonumber(cas.w)
+    for i = 1, #flat, 2 do
+      local count = tonumber(flat[i + 1])
+      if count == nil or count ~= math.floor(count) then
+        drop_tmps()
+        return fail('TDS_CORRUPT', 'the append counter ' .. flat[i] .. ' of ' .. ac_key .. ' is not a count')
+      end
+      counters[flat[i]] = flat[i + 1]
+      appends = appends + count
+    end
+    local same = tonumber(wv_raw or '0') - appends == tonumber(cas.w)
     for field, value in pairs(cas.f or {}) do
       if (counters[field] or '') ~= value then same = false end
     end
@@ -206,7 +228,14 @@ else
     return fail('TDS_LOCKED', 'the store at ' .. meta_key .. ' is locked')
   end
   -- a reader holds the layout still (lease.lua): the client waits and calls again
-  local leased = bump == '1' and KEYS[#KEYS] == string.sub(meta_key, 1, -5) .. 'rl' and lease_left(KEYS[#KEYS])
+  local leased, bad = false, nil
+  if bump == '1' and KEYS[#KEYS] == string.sub(meta_key, 1, -5) .. 'rl' then
+    leased, bad = lease_left(KEYS[#KEYS])
+  end
+  if bad then
+    drop_tmps()
+    return fail('TDS_CORRUPT', bad)
+  end
   if leased then
     return fail('TDS_BUSY', 'a read lease holds the layout of ' .. meta_key .. ' for ' .. int_str(leased) .. ' ms')
   end

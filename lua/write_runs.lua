@@ -22,10 +22,11 @@ Errors:
   TDS_NOENTRY  a data key is missing
   TDS_RANGE    a run ends past the end of its entry
   TDS_BADARG   a group is malformed or its payload size differs from the sum of its runs
+  TDS_CORRUPT  the write version holds what no tdstore write makes; checked before any write
 ]]
 --@include lib/common.lua
 
-local err = check_layout(KEYS[1], ARGV[1])
+local err = check_layout(KEYS[1], ARGV[1]) or check_counter(KEYS[2], 'the write version')
 if err then return err end
 
 -- parse and validate every group before the first write

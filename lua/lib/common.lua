@@ -27,3 +27,19 @@ local function check_layout(meta_key, expected)
   end
   return nil
 end
+
+-- Returns nil when ``key`` holds nothing or a decimal counter that INCR can bump, an error
+-- reply (TDS_CORRUPT) otherwise: a script checks its counters before its first write, so a
+-- counter damaged by hand refuses the write and changes nothing. ``v``: the key's value as
+-- redis.pcall('GET') gave it, when the script has read it already.
+local function check_counter(key, what, v)
+  if v == nil then v = redis.pcall('GET', key) end
+  if type(v) == 'table' and v.err then
+    return fail('TDS_CORRUPT', what .. ' ' .. key .. ' is not a string')
+  end
+  if v and not (string.match(v, '^%-?%d+$') and #v <= 18) then
+    return fail('TDS_CORRUPT', what .. ' ' .. key .. ' holds ' .. string.format('%q', string.sub(v, 1, 40))
+      .. ', not a counter')
+  end
+  return nil
+end

@@ -528,7 +528,16 @@ async def ring_counts(client: Any, keys: StoreKeys) -> tuple[Any, Any, int, int]
         pipe.exists(keys.flags)
 
     cursor, lv, flagged, exists = await read_snapshot(client, keys, build)
+    _check_flags_reply(keys, flagged)
     return cursor, lv, int(flagged or 0), int(exists or 0)
+
+
+def _check_flags_reply(keys: StoreKeys, reply: Any) -> None:
+    """A read of the row flags that the server refused (a key of another type) is damage."""
+    if isinstance(reply, Exception):
+        from tdstore.errors import CorruptMetadataError
+
+        raise CorruptMetadataError(f"the row flags {keys.flags} of the store {keys.base} are not a string: {reply}")
 
 
 async def ring_flags(client: Any, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any]:
@@ -545,6 +554,7 @@ async def ring_flags(client: Any, keys: StoreKeys, capacity: int, whole: bool) -
             pipe.bitcount(keys.flags)
 
     cursor, lv, exists, flags = await read_snapshot(client, keys, build)
+    _check_flags_reply(keys, flags)
     return cursor, lv, int(exists or 0), flags
 
 
@@ -564,4 +574,25 @@ async def append_counters(client: Any, keys: StoreKeys) -> tuple[dict[Any, Any],
         pipe.get(keys.wv)
 
     counters, wv = await read_snapshot(client, keys, build)
+    return check_counters(keys, counters, wv)
+
+
+def check_counters(keys: StoreKeys, counters: Any, wv: Any) -> tuple[dict[Any, Any], Any]:
+    """``(counters, wv)`` as read, once both are what the scripts write: a hash of decimal
+    counts and a decimal write version (or none). Damage (another type, garbage, a float)
+    raises :class:`~tdstore.errors.CorruptMetadataError` naming the key and the store."""
+    from tdstore.errors import CorruptMetadataError
+
+    def count(raw: Any) -> bool:
+        return isinstance(raw, bytes | str) and str(raw.decode("latin-1") if isinstance(raw, bytes) else raw).lstrip("-").isdigit()
+
+    if isinstance(counters, Exception) or not isinstance(counters, dict):
+        raise CorruptMetadataError(f"the append counters {keys.appends} of the store {keys.base} are not a hash: {counters!r:.200}")
+    for name, raw in counters.items():
+        if not count(raw):
+            raise CorruptMetadataError(
+                f"the append counter {name!r:.80} of the store {keys.base} ({keys.appends}) holds {raw!r:.80}, not a count"
+            )
+    if wv is not None and not count(wv):
+        raise CorruptMetadataError(f"the write version {keys.wv} of the store {keys.base} holds {wv!r:.80}, not a counter")
     return counters, wv

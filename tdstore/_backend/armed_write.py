@@ -48,6 +48,7 @@ from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import counter_damage
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]
@@ -186,19 +187,26 @@ class _ArmedWrite:
 
     def arm_commands(self) -> list[tuple[Any, ...]]:
         keys, data_keys = self.keys, self.data_keys
-        return [("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp"), ("EXISTS", *data_keys)]
+        # (the write version is read to be checked: the MULTI's INCR of a damaged one would fail
+        # after the SETRANGEs, which a server does not roll back)
+        return [
+            ("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.wv), ("EXISTS", *data_keys),
+        ]
 
     def checked(self, replies: list[Any]) -> str:
         """The store's expiry from :meth:`arm_commands`' replies on a fresh connection; raises if it cannot write."""
-        for reply in replies:
-            if isinstance(reply, Exception):
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception) and i != 2:  # (the write version's: damage, below)
                 raise reply
         lv, exp = replies[1]
         if lv is None:
             raise StoreNotFoundError(f"no store at {self.keys.meta}")
         if _s(lv) != self.expected:
             raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {self.expected}")
-        if replies[2] != len(self.data_keys):
+        damage = counter_damage(replies[2], self.keys.wv)
+        if damage is not None:
+            raise damage
+        if replies[3] != len(self.data_keys):
             raise self._lost()
         return _s(exp)
 
@@ -224,9 +232,11 @@ class _ArmedWrite:
         """The armed state the re-arming replies leave the connection in, or None if they do not arm."""
         if not self.park:
             return None
-        watch, meta, exists = replies[self.sent :]
+        watch, meta, wv, exists = replies[self.sent :]
         if isinstance(watch, Exception) or isinstance(meta, Exception) or isinstance(exists, Exception):
             return None
+        if counter_damage(wv, self.keys.wv) is not None:
+            return None  # the next write arms afresh, and checked() says what is wrong
         lv, exp = meta
         if lv is None or exists != len(self.data_keys):
             return None

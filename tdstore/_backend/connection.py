@@ -646,7 +646,8 @@ class Connection:
                 direct.connection_pool.disconnect()
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
-        if client is not None and self._generation == _io.loop_generation():
+        if client is not None and self._generation == _io.loop_generation() and not _io.exiting():
+            # (at exit the IO loop disconnected every client; a loop started now would not own them)
             armed = self.armed_slot.take(client)
             if armed is not None:
                 try:
@@ -656,7 +657,7 @@ class Connection:
             mine = [old for generation, old in self._retired if generation == self._generation]
             for old in [client, *mine]:
                 try:
-                    _io.sync(old.aclose(), 5.0)
+                    _io.sync(_io.aclose(old), 5.0)  # its pool too, on the IO loop that owns it
                 except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing is best effort
                     pass
         self._retired = []

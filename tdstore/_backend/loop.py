@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import gc
 import os
 import threading
 import weakref
@@ -33,6 +34,17 @@ _generation = 0
 #: The asyncio clients tdstore built on this process's loop (not the ones a user passed in):
 #: disconnected at exit, so that no "unclosed Connection/transport" ResourceWarning is printed
 _CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Pools of tracked clients that were garbage collected unclosed (a store dropped without
+#: close()): held until their disconnect, scheduled on the IO loop, is done. A connection
+#: left to the garbage collector would close its transport from whatever thread collects
+#: it ("Non-thread-safe operation invoked on an event loop other than the current one"
+#: under python -X dev) or after the loop is closed ("unclosed Connection", "loop is closed").
+_PENDING: set[Any] = set()
+#: Pools of clients made before a fork(), collected in the child: their sockets are the
+#: parent's, never closed here (not even by garbage collection).
+_INHERITED_POOLS: list[Any] = []
+#: Set once the IO loop was stopped at interpreter exit: nothing is scheduled on a loop after.
+_exiting = False
 
 
 def _run(loop: asyncio.AbstractEventLoop) -> None:
@@ -56,9 +68,53 @@ def get_loop() -> asyncio.AbstractEventLoop:
 
 
 def track(client: Any) -> Any:
-    """Registers an asyncio client built by tdstore, to disconnect it at interpreter exit; returns it."""
+    """Registers an asyncio client built by tdstore, to disconnect it at interpreter exit; returns it.
+
+    A client collected unclosed has its pool disconnected on the IO loop (see :data:`_PENDING`).
+    """
     _CLIENTS.add(client)
+    finalizer = weakref.finalize(client, _collected, client.connection_pool, _generation)
+    finalizer.atexit = False  # type: ignore[misc]  # (typeshed lacks it) at exit _shutdown() disconnects the live ones
     return client
+
+
+def exiting() -> bool:
+    """Whether the IO loop was stopped at interpreter exit (its clients are disconnected)."""
+    return _exiting
+
+
+async def aclose(client: Any) -> None:
+    """Closes a tracked client and disconnects its pool (on the IO loop, the one that owns it).
+
+    ``Redis.aclose()`` leaves alone a pool passed in as ``connection_pool=``, which tdstore's
+    clients all are: their connections stayed open until the garbage collector closed them.
+    """
+    try:
+        await client.aclose()
+    finally:
+        await client.connection_pool.disconnect()
+
+
+def _collected(pool: Any, generation: int) -> None:
+    """A tracked client was collected: disconnects its pool on the loop that owns it."""
+    if generation != _generation:
+        _INHERITED_POOLS.append(pool)  # made before a fork(): the parent's sockets
+        return
+    loop = _loop
+    if loop is None or _exiting:
+        return  # no loop (never started, or stopped at exit after disconnecting every pool)
+
+    async def disconnect() -> None:
+        try:
+            await pool.disconnect()
+        finally:
+            _PENDING.discard(pool)
+
+    _PENDING.add(pool)
+    try:
+        loop.call_soon_threadsafe(lambda: loop.create_task(disconnect()))
+    except RuntimeError:  # the loop is closed
+        _PENDING.discard(pool)
 
 
 def loop_generation() -> int:
@@ -157,25 +213,35 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _generation += 1
     _CLIENTS.clear()  # their connections belong to the parent's loop
+    _INHERITED_POOLS.extend(_PENDING)
+    _PENDING.clear()
 
 
 def _shutdown() -> None:
-    global _loop, _thread
+    global _loop, _thread, _exiting
+    # stores left in reference cycles (a handle dropped in a worker thread) are collected now,
+    # while the loop runs: their clients' pools join _PENDING instead of being collected at
+    # teardown, after the loop is gone
+    gc.collect()
     loop, thread = _loop, _thread
+    _exiting = True
     if loop is None or thread is None:
         return
     _loop = _thread = None
 
     async def _cancel_all() -> None:
+        # the pools are listed before the tasks are cancelled: a cancelled disconnect of a
+        # collected client's pool takes the pool out of _PENDING as it ends
+        pools = [c.connection_pool for c in list(_CLIENTS)] + list(_PENDING)
+        _CLIENTS.clear()
+        _PENDING.clear()
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         # disconnected here, while the loop runs: a connection left open warns at teardown
         # ("unclosed Connection", "unclosed transport" under python -X dev)
-        clients = list(_CLIENTS)
-        _CLIENTS.clear()
-        await asyncio.gather(*(c.connection_pool.disconnect() for c in clients), return_exceptions=True)
+        await asyncio.gather(*(pool.disconnect() for pool in pools), return_exceptions=True)
 
     try:
         asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(2)

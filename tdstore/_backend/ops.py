@@ -29,7 +29,16 @@ from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, decode_path, encode_path
-from tdstore._core.layout import SCRIPT_META_FIELDS, Entry, Layout, _s, parse_entry, parse_layout, registry_lost
+from tdstore._core.layout import (
+    SCRIPT_META_FIELDS,
+    Entry,
+    Layout,
+    _s,
+    parse_entry,
+    parse_layout,
+    parse_lv,
+    registry_lost,
+)
 from tdstore.errors import PartialWriteError
 
 __all__ = [
@@ -108,14 +117,7 @@ async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
 
 
 async def read_layout_version(client: Any, keys: StoreKeys) -> int | None:
-    value = await client.hget(keys.meta, "lv")
-    if value is None:
-        return None
-    if not value.isdigit():
-        from tdstore.errors import CorruptMetadataError
-
-        raise CorruptMetadataError(f"the store {keys.base} has a malformed layout version (meta field 'lv') {value!r:.200}")
-    return int(value)
+    return parse_lv(await client.hget(keys.meta, "lv"), keys.base)
 
 
 async def ttl_ms(client: Any, keys: StoreKeys) -> int:
@@ -340,10 +342,7 @@ class _EntriesTry:
             metas = [None if layout is None else layout.entries.get(p) for p in paths]
             parts, wv, lv_raw = self._data_replies(replies[3:]), replies[2], (None if layout is None else layout.meta.get("lv"))
         else:
-            lv_text = _s(replies[0])
-            if lv_text is not None and not lv_text.isdigit():
-                parse_layout({b"lv": replies[0]}, {}, keys.base)  # raises: a malformed layout version
-            lv = None if lv_text is None else int(lv_text)
+            lv = parse_lv(replies[0], keys.base)
             layout = None
             if under is not None:
                 if lv is None or lv != under.lv:

@@ -18,6 +18,7 @@ from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import parse_lv
 
 __all__ = ["read_runs", "read_runs_direct", "transaction", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
 
@@ -63,7 +64,7 @@ async def read_runs(
                 pipe.hget(keys.meta, "lv")
                 data, strlen, lv = await _exec(pipe)
             _raise_first_error([data, strlen, lv])
-        lv = None if lv is None else int(lv)
+        lv = parse_lv(lv, keys.base)
         _check_sizes(lv, checks, [strlen] * len(checks))
         return lv, [[data] if i == which else [] for i in range(len(plans))]
 
@@ -76,7 +77,7 @@ async def read_runs(
 
     replies = await runner.run_pipeline(client, lambda: read_snapshot(client, keys, build))  # reads: nothing to undo
     _raise_first_error(replies)
-    return _split_checked(replies, recipe, checks)
+    return _split_checked(replies, recipe, checks, keys.base)
 
 
 class SizeMismatch(Exception):
@@ -113,12 +114,12 @@ def _check_sizes(lv: int | None, checks: Sequence[tuple[int, str, int]], lengths
 
 
 def _split_checked(
-    replies: list[Any], recipe: _Recipe, checks: Sequence[tuple[int, str, int]]
+    replies: list[Any], recipe: _Recipe, checks: Sequence[tuple[int, str, int]], base: str
 ) -> tuple[int | None, list[list[bytes]]]:
     if checks:
         lengths = replies[-len(checks):]
         replies = replies[: -len(checks)]
-    lv, out = _split_runs(replies, recipe)
+    lv, out = _split_runs(replies, recipe, base)
     if checks:
         _check_sizes(lv, checks, lengths)
     return lv, out
@@ -148,13 +149,13 @@ def read_runs_direct(
                 client, [("GETRANGE", data_key, offset, last), ("STRLEN", data_key), ("HGET", keys.meta, "lv")]
             )
             _raise_first_error([data, strlen, lv])
-        lv = None if lv is None else int(lv)
+        lv = parse_lv(lv, keys.base)
         _check_sizes(lv, checks, [strlen] * len(checks))
         return lv, [[data] if i == which else [] for i in range(len(plans))]
     recipe = _read_recipe(keys, plans, gathers)
     replies = transaction(client, _run_commands(keys, runner, recipe) + [("STRLEN", key) for _, key, _ in checks])
     _raise_first_error(replies)
-    return _split_checked(replies, recipe, checks)
+    return _split_checked(replies, recipe, checks, keys.base)
 
 
 def _exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -302,8 +303,8 @@ def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> lis
     return out
 
 
-def _split_runs(replies: list[Any], recipe: _Recipe) -> tuple[int | None, list[list[bytes]]]:
-    lv = None if replies[0] is None else int(replies[0])
+def _split_runs(replies: list[Any], recipe: _Recipe, base: str) -> tuple[int | None, list[list[bytes]]]:
+    lv = parse_lv(replies[0], base)
     out: list[list[bytes]] = []
     pos = 1
     for kind, commands, extra in recipe:

@@ -21,7 +21,7 @@ from tdstore._backend.ops import _nbytes, _raise_first_error
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, encode_path
-from tdstore._core.layout import _s, parse_entry
+from tdstore._core.layout import _s, counter_damage, parse_entry
 
 if TYPE_CHECKING:
     from tdstore._backend.ops import Op
@@ -127,6 +127,15 @@ async def write_runs_watched(
             raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {expected}")
         if check_lock and _s(lock) == "1":
             raise StoreLockedError(f"the store at {keys.meta} is locked")
+        # the MULTI's INCR (or write_runs' check) of a damaged write version would come after
+        # writes a server does not roll back: checked first
+        try:
+            wv_raw: Any = await pipe.get(keys.wv)
+        except redis.exceptions.ResponseError as err:  # a key of another type
+            wv_raw = err
+        damage = counter_damage(wv_raw, keys.wv)
+        if damage is not None:
+            raise damage
         nt_writes = []
         layout_changed = bool(creates)
         new_fields = len(creates)  # registry fields this step adds (the meta field "ne")

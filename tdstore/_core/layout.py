@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeGuard
@@ -376,10 +377,32 @@ def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout
             if len(_PARSED) >= _PARSED_MAX:
                 _PARSED.clear()
             _PARSED[(k, v)] = (path, entry)
-    lv = meta.get("lv") or "0"
-    if not lv.isdigit():
-        raise CorruptMetadataError(f"the store {base} has a malformed layout version (meta field 'lv') {lv!r:.200}")
-    return Layout(int(lv), meta, entries)  # type: ignore[arg-type]
+    lv = parse_lv(meta.get("lv", "0"), base)
+    assert lv is not None
+    return Layout(lv, meta, entries)  # type: ignore[arg-type]
+
+
+def counter_damage(raw: Any, key: str, what: str = "the write version") -> CorruptMetadataError | None:
+    """None when ``raw`` (a GET reply) is no value or a decimal counter INCR can bump (what
+    lib/common.lua's check_counter accepts), else the error naming ``key``."""
+    if raw is None:
+        return None
+    if isinstance(raw, bytes) and len(raw) <= 18 and re.fullmatch(rb"-?[0-9]+", raw):
+        return None
+    shown = raw if not isinstance(raw, Exception) else f"a value of another type ({raw})"
+    return CorruptMetadataError(f"{what} {key} holds {shown!r:.100}, not a counter")
+
+
+def parse_lv(raw: Any, base: str = "the store") -> int | None:
+    """The layout version of a meta hash's ``lv`` field as read (bytes, str or None: no store);
+    anything but a decimal count (empty, garbage, an error reply) raises
+    :class:`~tdstore.errors.CorruptMetadataError` naming the store."""
+    if raw is None:
+        return None
+    text = raw.decode("ascii", errors="replace") if isinstance(raw, bytes) else raw
+    if not isinstance(text, str) or not (text.isascii() and text.isdigit()):
+        raise CorruptMetadataError(f"the store {base} has a malformed layout version (meta field 'lv') {raw!r:.200}")
+    return int(text)
 
 
 def parse_entry(path: tuple[str, ...], raw: Any, base: str = "the store") -> Entry:

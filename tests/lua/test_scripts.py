@@ -831,6 +831,31 @@ class TestCommitWriteVersion:
         assert r.commands("RENAME") == [] and r.commands("INCR") == [] and r.commands("HINCRBY") == []
         assert r.commands("HSET") == []
 
+    @pytest.mark.parametrize("stored", [b"garbage", b"2.5", b"", b"9" * 19, b"\xffabc"])
+    @pytest.mark.parametrize("sent", ["", "5"])
+    def test_damaged_wv_is_corrupt_and_writes_nothing(self, r: LuaRedis, lua_version: str, stored: bytes, sent: str) -> None:
+        """A write version edited to what no write makes: refused before any write (INCR would
+        fail after the renames, leaving the commit half applied)."""
+        make_store(r, entries={"a": b"old", "b": b"bbb"})
+        r.data[WV] = stored
+        tmp = set_tmp(r, "1", b"new")
+        keys = [*CK, tmp, D("a"), D("b")]
+        ops = [put("a", 4, 5), {"op": "del", "f": "b", "dst": "6"}]
+        exc = expect_error(r, "TDS_CORRUPT", "commit", keys, commit_argv(ops=ops, wv=sent), lua_version, deleted=(tmp,))
+        assert exc.message.startswith("TDS_CORRUPT the write version td:{s}:wv holds")
+        assert r.data[WV] == stored and r.commands("GET") == [(WV,)]
+
+    def test_damaged_append_counter_is_corrupt(self, r: LuaRedis, lua_version: str) -> None:
+        """An append counter that is not a count, met by a compare-and-set (ARGV[10])."""
+        make_store(r, entries={"a": b"old"}, wv="3")
+        r.data[b"td:{s}:ac"] = {b"a:": b"2.5x"}
+        tmp = set_tmp(r, "1", b"new")
+        argv = commit_argv(ops=[put("a", 4, 5)], wv="")
+        argv += [""] * (10 - len(argv))
+        argv[9] = json.dumps({"w": "3", "f": {}})
+        exc = expect_error(r, "TDS_CORRUPT", "commit", [*CK, tmp, D("a")], argv, lua_version, deleted=(tmp,))
+        assert "append counter" in exc.message and "td:{s}:ac" in exc.message
+
     def test_conflict_without_ops(self, r: LuaRedis, lua_version: str) -> None:
         """The check does not depend on the commit writing anything."""
         make_store(r, wv="2")
@@ -1072,6 +1097,13 @@ class TestWriteRuns:
     def test_stale_version(self, wstore: LuaRedis, lua_version: str) -> None:
         exc = expect_error(wstore, "TDS_STALE", "write_runs", [META, WV, D("a")], runs_argv("1", ([(0, 1)], b"x")), lua_version)
         assert exc.message == "TDS_STALE layout version is 2, client assumed 1"
+
+    @pytest.mark.parametrize("stored", [b"garbage", b"-", b"1e3", b"9" * 19])
+    def test_damaged_wv_is_corrupt_and_writes_nothing(self, wstore: LuaRedis, lua_version: str, stored: bytes) -> None:
+        """The INCR ends the script: a damaged write version would fail it after the SETRANGEs."""
+        wstore.data[WV] = stored
+        exc = expect_error(wstore, "TDS_CORRUPT", "write_runs", [META, WV, D("a")], runs_argv("2", ([(0, 1)], b"x")), lua_version)
+        assert exc.message.startswith("TDS_CORRUPT the write version td:{s}:wv holds")
 
     def test_empty_expected_version_skips_the_check(self, wstore: LuaRedis, lua_version: str) -> None:
         assert wstore.run("write_runs", [META, WV, D("a")], runs_argv("", ([(0, 1)], b"x")), lua_version) == 1
@@ -1366,6 +1398,7 @@ ERROR_TESTS = {
         "TDS_LOCKED": TestCommitLock.test_locked_store_refuses_when_asked,
         "TDS_PARTIAL": TestCommitPut.test_missing_tmp_is_partial_and_drops_every_tmp,
         "TDS_BADARG": TestCommitBadArg.test_malformed_op_applies_nothing,
+        "TDS_CORRUPT": TestCommitWriteVersion.test_damaged_wv_is_corrupt_and_writes_nothing,
     },
     "write_runs": {
         "TDS_NOSTORE": TestWriteRuns.test_missing_store,
@@ -1373,6 +1406,7 @@ ERROR_TESTS = {
         "TDS_NOENTRY": TestWriteRuns.test_missing_data_key,
         "TDS_RANGE": TestWriteRuns.test_run_past_the_end,
         "TDS_BADARG": TestWriteRuns.test_payload_size_mismatch,
+        "TDS_CORRUPT": TestWriteRuns.test_damaged_wv_is_corrupt_and_writes_nothing,
     },
     "clear": {
         "TDS_NOSTORE": TestClear.test_missing_store,
