@@ -152,6 +152,24 @@ class LazyStackedTensorDictStore(
     # ------------------------------------------------------------------ identity
     _repr_name = "LazyStackedTensorDictStore"
 
+    # read-only names that tensordict.store's lazy store has, for code written against it
+    @property
+    def _td_id(self) -> str:
+        return self._conn.keys.td_id
+
+    @property
+    def _stack_dim(self) -> int:
+        return self.stack_dim
+
+    @property
+    def _count(self) -> int:
+        """The number of stacked elements."""
+        return int(self.batch_size[self.stack_dim])
+
+    @property
+    def _backend(self) -> str:
+        return "redis"
+
     def _repr_details(self) -> str:
         return f"batch_size={list(self.batch_size)}, stack_dim={self.stack_dim}, count={self.batch_size[self.stack_dim]}"
 
