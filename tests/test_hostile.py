@@ -156,6 +156,10 @@ CASES = {
     "data-nested-gone": _data("n.y", lambda b: None),
     # keys of the wrong type
     "registry-wrong-type": _wrong_type("reg"),
+    "data-wrong-type": _wrong_type("d:x"),  # a data key holding a list (issue 24, N7)
+    "nt-data-wrong-type": _wrong_type("d:nt"),
+    "meta-tensorclass-garbage": _meta("tensorclass", "os.path:nope"),  # imports nothing it names
+    "meta-tensorclass-module": _meta("tensorclass", "no_such_module_tds.X"),
     "meta-wrong-type": _wrong_type("meta"),
 }
 
@@ -226,6 +230,14 @@ def test_damaged_store(server, case):
             if err is None:
                 if isinstance(result, TensorDict):
                     assert result.batch_size == torch.Size([4]), (case, name)
+                continue
+            if case.startswith("meta-tensorclass"):
+                # a tensorclass this process cannot import: one ImportError that says how to open
+                # the store anyway (tensorclass_cls=TensorDictStore)
+                assert isinstance(err, OK_ERRORS + (ImportError,)), f"{case}/{name}: {type(err).__name__}: {err}"
+                assert isinstance(err, OK_ERRORS) or "tensorclass_cls=TensorDictStore" in str(err), err
+                assert td_id in str(err), (case, name, str(err))
+                refused += 1
                 continue
             assert isinstance(err, OK_ERRORS), f"{case}/{name}: {type(err).__name__}: {err}"
             refused += 1

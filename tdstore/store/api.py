@@ -297,7 +297,11 @@ class StoreAPI(DenseBase):
         if tensorclass_cls is None:
             tensorclass_cls = layout.meta.get("tensorclass") or None
         if isinstance(tensorclass_cls, str):
-            tensorclass_cls = _import_class(tensorclass_cls)
+            try:
+                tensorclass_cls = _import_class(tensorclass_cls, store._where())
+            except ImportError:
+                store.close()
+                raise
         if isinstance(tensorclass_cls, type) and issubclass(tensorclass_cls, cls):
             return store
         if tensorclass_cls is not None:
@@ -542,7 +546,7 @@ def _check_batch_size(batch_size: Any) -> torch.Size:
     return bs
 
 
-def _import_class(path: str) -> type:
+def _import_class(path: str, where: str = "the store") -> type:
     module_name, _, name = path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
@@ -552,7 +556,7 @@ def _import_class(path: str) -> type:
         return obj
     except (ImportError, AttributeError, ValueError) as err:
         raise ImportError(
-            f"the store was written from the tensorclass {path!r}, which cannot be imported here "
+            f"{where} was written from the tensorclass {path!r}, which cannot be imported here "
             f"({err}); make its module importable, or pass tensorclass_cls=TensorDictStore to "
             "from_store to get the plain store"
         ) from err
