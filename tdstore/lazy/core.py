@@ -166,10 +166,6 @@ class LazyStackedTensorDictStore(
         """The number of stacked elements."""
         return int(self.batch_size[self.stack_dim])
 
-    @property
-    def _backend(self) -> str:
-        return "redis"
-
     def _repr_details(self) -> str:
         return f"batch_size={list(self.batch_size)}, stack_dim={self.stack_dim}, count={self.batch_size[self.stack_dim]}"
 

@@ -150,11 +150,6 @@ class TensorDictStore(
     def _td_id(self) -> str:
         return self._conn.keys.td_id
 
-    @property
-    def _backend(self) -> str:
-        """The ``backend=`` label (tensordict.store's name for it; read-only)."""
-        return self._backend_label
-
     _repr_name = "TensorDictStore"
 
     def _repr_details(self) -> str:
