@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
-from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError
+from tdstore.errors import CorruptMetadataError, DataLostError, FormatVersionError, TDStoreError
 
 #: what a read of a damaged store may raise
 OK_ERRORS = (CorruptMetadataError, DataLostError)
@@ -366,3 +366,53 @@ def test_damaged_lazy_store(server, case):
         _, err = _bounded(writer.clear_redis)
     assert err is None, f"{case}: clear_redis: {type(err).__name__}: {err}"
     assert not [k for k in r.scan_iter(match=f"*{writer.td_id}*")]
+
+
+def _writes():
+    """Indexed and whole-entry writes a user may make: name -> write(store)."""
+    return {
+        "rows-scalar": lambda s: s.__setitem__(slice(1, 3), 1),
+        "row-td": lambda s: s.__setitem__(
+            1, TensorDict({"x": torch.ones(4), "nt": "a", "n": TensorDict({"y": torch.ones(2)}, [])}, [])
+        ),
+        "entry": lambda s: s.__setitem__("x", torch.zeros(4, 4)),
+        "nt-at": lambda s: s.set_at_("nt", "b", 1),
+        "new-key": lambda s: s.__setitem__("z", torch.zeros(4)),
+    }
+
+
+#: (case, write) pairs that may raise after the rest of their step was applied (issue 24 N7,
+#: left): a data key replaced by a list, met by a write in a MULTI/EXEC (an in-place entry
+#: write, or a row write that also writes a non-tensor entry). The MULTI's SETRANGE (or its
+#: write_runs script) is refused at the list, and its other commands (the write version's
+#: INCR, the non-tensor's writes) are not rolled back; the error is a CorruptMetadataError.
+APPLIED_BEFORE_REFUSAL = frozenset({("data-wrong-type", "row-td"), ("data-wrong-type", "entry")})
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_damaged_store_writes(server, case):
+    """N7: indexed writes into damaged entries leaked JSONDecodeError (a non-tensor's bytes) or
+    tried an 8 TB allocation (a huge registered shape). Each write either works or raises one
+    error naming the store, in bounded time and memory, and a refused write changes no key."""
+    r = server.sync_client()
+    for name, write in _writes().items():
+        writer = _make(server)
+        td_id = writer.td_id
+        CASES[case](r, f"tensordict:{{{td_id}}}")
+        before = {k: r.dump(k) for k in sorted(r.scan_iter(match=f"*{td_id}*"))}
+        with _traced():
+            _, err = _bounded(lambda write=write, td_id=td_id: write(TensorDictStore.from_store(td_id=td_id, **server.connection_kwargs())))
+        if err is not None:
+            ok = OK_ERRORS + (ImportError,) if case.startswith("meta-tensorclass") else OK_ERRORS
+            # a value that does not fit the (damaged) shape: TensorDict's RuntimeError, naming the store
+            ok = ok + (TDStoreError, RuntimeError, KeyError)
+            assert isinstance(err, ok), f"{case}/{name}: {type(err).__name__}: {err}"
+            assert td_id in str(err), (case, name, str(err))
+            if (case, name) in APPLIED_BEFORE_REFUSAL:
+                assert isinstance(err, CorruptMetadataError), (case, name, err)
+                writer.clear_redis()
+                continue
+            after = {k: r.dump(k) for k in sorted(r.scan_iter(match=f"*{td_id}*"))}
+            assert after == before, f"{case}/{name}: refused, but changed the store's keys"
+        _, err = _bounded(writer.clear_redis)
+        assert err is None, f"{case}/{name}: clear_redis: {err}"

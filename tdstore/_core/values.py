@@ -22,7 +22,7 @@ from tdstore._core.layout import is_names as _is_names
 from tdstore.errors import CorruptMetadataError, DataLostError, SchemaError, UnsafePayloadError
 
 __all__ = [
-    "NO_DEFAULT", "is_no_default", "tensor_meta", "nontensor_parts", "decode_value", "check_meta", "order_key",
+    "NO_DEFAULT", "is_no_default", "tensor_meta", "nontensor_parts", "decode_value", "decode_stored_non_tensor", "check_meta", "order_key",
     "is_dims", "MAX_DIM", "MAX_DIMS", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS",
 ]
 
@@ -149,6 +149,22 @@ def to_device(tensor: torch.Tensor, device: torch.device, path: tuple[str, ...],
         ) from err
 
 
+def decode_stored_non_tensor(meta: Entry, payload: Any, policy: Any, path: Any, where: str) -> Any:
+    """The value a non-tensor entry holds, read to be updated in place: its bytes gone raise
+    :class:`~tdstore.errors.DataLostError`, bytes that do not decode
+    :class:`~tdstore.errors.CorruptMetadataError` (an UnsafePayloadError as it is)."""
+    from tdstore.errors import DataLostError, UnsafePayloadError
+
+    if payload is None:
+        raise DataLostError(f"non-tensor entry {path!r} of {where} is registered but its bytes are gone from the server")
+    try:
+        return _codec.decode_non_tensor(meta.enc or "", bytes(payload), policy)
+    except (ValueError, RecursionError) as err:
+        if isinstance(err, UnsafePayloadError):
+            raise
+        raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} holds bytes that do not decode: {err}") from None
+
+
 def decode_value(
     path: tuple[str, ...],
     meta: Entry,
@@ -255,12 +271,21 @@ def nontensor_after_index_write(
             return nontensor_parts(NonTensorData(data=value.data, batch_size=batch_size), order, policy)
         flat: list[Any] = [None] * numel
     else:
-        old = _codec.decode_non_tensor(old_meta.enc or "", bytes(old_payload or b""), policy)
+        old = decode_stored_non_tensor(old_meta, old_payload, policy, path, where)
         stack = old_meta.stack
         if stack == 0:
             flat = [old] * numel
         elif stack == nb:
-            flat = _flatten_nested(old, nb)
+            try:
+                flat = _flatten_nested(old, nb)
+            except (TypeError, IndexError, ValueError, RecursionError) as err:
+                raise CorruptMetadataError(
+                    f"non-tensor entry {path!r} of {where} holds no stack over {nb} batch dims: {err}"
+                ) from None
+            if len(flat) != numel:
+                raise CorruptMetadataError(
+                    f"non-tensor entry {path!r} of {where} holds {len(flat)} values for {numel} rows"
+                )
         else:
             raise SchemaError(
                 f"non-tensor entry {path!r} of {where} is a stack over {stack} of {nb} batch dims; "

@@ -22,6 +22,7 @@ from tdstore._backend import ops as _backend
 from tdstore._core import codec as _codec
 from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.layout import Entry
+from tdstore._core.values import decode_stored_non_tensor
 from tdstore.errors import (
     CorruptMetadataError,
     ElementShapeError,
@@ -298,7 +299,9 @@ def _nontensor_update(store: Any, path: tuple[str, ...], source: TensorDictBase,
     def update(old_meta: Entry | None, old: Any) -> tuple[Entry, bytes]:
         if old_meta is None or old_meta.kind != "lnt" or old is None:
             raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} changed or lost its bytes during a write")
-        items = _codec.decode_non_tensor(old_meta.enc or "", bytes(old), policy)
+        items = decode_stored_non_tensor(old_meta, old, policy, path, where)
+        if not isinstance(items, list) or any(not 0 <= j < len(items) for j in new):
+            raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} holds no list of its elements' values")
         for j, item in new.items():
             items[j] = item
         enc, payload = _codec.encode_non_tensor(items, policy)

@@ -30,7 +30,7 @@ from tdstore._core.indexing import (
     select_rows,
 )
 from tdstore._core.layout import Entry
-from tdstore.errors import UnsupportedOperationError
+from tdstore.errors import CorruptMetadataError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -144,6 +144,13 @@ def write_index(
             elif not meta.is_tensor:
                 raise UnsupportedOperationError(
                     f"entry {path!r} of {where} is a nested tensordict; write a TensorDict into it"
+                )
+            elif meta.chunk is None and meta.nbytes > conn.max_bulk:
+                # a registered size no server string can hold (a registry edited by hand): refused
+                # before a payload of its rows is built (which could need terabytes)
+                raise CorruptMetadataError(
+                    f"entry {path!r} of {where} is registered with {meta.nbytes} bytes in one string, more than "
+                    f"the server's proto-max-bulk-len of {conn.max_bulk} allows: its registry entry is damaged"
                 )
             dtype = meta.torch_dtype
             feat_shape = tuple((meta.shape or ())[nb:])
