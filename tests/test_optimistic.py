@@ -156,3 +156,29 @@ def test_lazy_writes_give_up_naming_store_and_operation(server) -> None:  # type
     assert [td["b"].tolist() for td in got] == [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
     other.close()
     store.close()
+
+
+def test_lease_wait_is_bounded_by_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer refused by a reader's lease waits at most WRITER_WAIT_MAX by the clock: the
+    attempts' own time counts (before, only the sleeps were summed, so slow attempts stretched
+    the wait well past the bound)."""
+    import time
+
+    from tdstore._backend import lease as _lease
+
+    monkeypatch.setattr(_lease, "WRITER_WAIT_MAX", 0.3)
+    attempts = []
+
+    def attempt(n: int) -> None:
+        attempts.append(n)
+        time.sleep(0.05)  # a slow round trip
+        err = StaleLayoutError("a read lease holds the layout")
+        err.lease_busy = 60_000  # type: ignore[attr-defined]
+        raise err
+
+    t0 = time.monotonic()
+    with pytest.raises(StaleLayoutError):
+        optimistic(attempt, where="s", what="w", tries=2, backoff=lambda _n: None)
+    took = time.monotonic() - t0
+    assert took < 0.3 + 0.05 * 2 + 0.1, took  # the bound, the last attempts, slack
+    assert len(attempts) >= 3  # it did wait on the lease (attempts past the 2 tries)

@@ -101,7 +101,7 @@ def optimistic(
             :data:`~tdstore._backend.lease.LEASE_AFTER` on, and dropped when the loop ends.
     """
     attempt = 0
-    waited = 0.0
+    busy_since: float | None = None  # when a reader's lease first held the layout (monotonic clock)
     try:
         while attempt < tries:
             if lease is not None and attempt >= _lease.LEASE_AFTER:
@@ -116,12 +116,15 @@ def optimistic(
                 if getattr(exc, "gave_up", False):
                     raise
                 left = _lease.busy_ms(exc)
-                if left is not None and waited < _lease.WRITER_WAIT_MAX:
-                    # a reader's lease holds the layout still: wait for it, not a try spent
-                    delay = min(0.02, left / 1000 + 0.001)
-                    time.sleep(delay)
-                    waited += delay
-                    continue
+                if left is not None:
+                    # a reader's lease holds the layout still: wait for it, not a try spent, for
+                    # at most WRITER_WAIT_MAX by the clock (the attempts' round trips included)
+                    now = time.monotonic()
+                    busy_since = now if busy_since is None else busy_since
+                    remaining = busy_since + _lease.WRITER_WAIT_MAX - now
+                    if remaining > 0:
+                        time.sleep(min(0.02, left / 1000 + 0.001, remaining))
+                        continue
             backoff(attempt)
             if on_stale is not None:
                 on_stale()
