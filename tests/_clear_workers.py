@@ -42,3 +42,23 @@ def churn(conn: dict[str, Any], td_id: str, started: Any, results: Any, duration
         started.set()
         store.close()
     results.put({"changes": changes, "appends": appends, "refused": refused})
+
+
+class Died(Exception):
+    """Stands for the process being killed inside a clear_redis()."""
+
+
+def clear_killed_after_seal(store: TensorDictStore, monkeypatch: Any) -> None:
+    """Runs ``store.clear_redis()`` as if the process died after its seal (and grace) steps,
+    before the listing and the delete: the store is left sealed."""
+    import pytest
+
+    from tdstore._backend import lifecycle
+
+    async def died(*args: Any) -> Any:
+        raise Died
+
+    with monkeypatch.context() as m:
+        m.setattr(lifecycle, "_listed_keys", died)
+        with pytest.raises(Died):
+            store.clear_redis()

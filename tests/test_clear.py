@@ -81,16 +81,7 @@ def test_an_interrupted_clear_is_finished_by_the_next(server, monkeypatch):
     store["y"] = torch.ones(8)
     other = TensorDictStore.from_store(td_id=store.td_id, **conn)
 
-    class Died(Exception):
-        pass
-
-    async def died(client, keys, cluster_node):
-        raise Died
-
-    monkeypatch.setattr(lifecycle, "_listed_keys", died)
-    with pytest.raises(Died):
-        store.clear_redis()
-    monkeypatch.undo()
+    w.clear_killed_after_seal(store, monkeypatch)
     client = server.sync_client()
     assert _left(client, store) != []  # sealed, not deleted
     with pytest.raises(StoreNotFoundError):
@@ -158,15 +149,7 @@ def test_a_clear_killed_after_its_seal_frees_the_store_within_the_grace(real_ser
     before = _left(client, store)
     assert any(b":c:" in k for k in before), "the test needs a chunked entry"
 
-    class Died(Exception):
-        pass
-
-    async def died(client, keys, cluster_node):
-        raise Died
-
-    monkeypatch.setattr(lifecycle, "_listed_keys", died)
-    with pytest.raises(Died):
-        store.clear_redis()
+    w.clear_killed_after_seal(store, monkeypatch)
     left = _left(client, store)
     assert sorted(left) == sorted(before)  # sealed, not yet deleted
     ttls = {k: client.pttl(k) for k in left}

@@ -848,21 +848,11 @@ def test_ls_info_rm_on_a_store_whose_clear_was_interrupted(
 ) -> None:
     """A clear killed between its seal and its delete: `ls` lists the store as being deleted, `info`
     says so, and `rm` finishes the clear."""
-    from tdstore._backend import lifecycle
+    from _clear_workers import clear_killed_after_seal
 
     password_env(real_server, monkeypatch)
     first, second = make_stores(real_server)
-
-    class Died(Exception):
-        pass
-
-    async def died(*args: Any) -> Any:
-        raise Died
-
-    with monkeypatch.context() as m:
-        m.setattr(lifecycle, "_listed_keys", died)
-        with pytest.raises(Died):
-            first.clear_redis()
+    clear_killed_after_seal(first, monkeypatch)
     try:
         assert keys_of(real_server, "tensordict:{cli-first}:*")
         code, text = run_cli(["ls", "--json", *conn_args(real_server)])

@@ -581,18 +581,16 @@ def check_counters(keys: StoreKeys, counters: Any, wv: Any) -> tuple[dict[Any, A
     """``(counters, wv)`` as read, once both are what the scripts write: a hash of decimal
     counts and a decimal write version (or none). Damage (another type, garbage, a float)
     raises :class:`~tdstore.errors.CorruptMetadataError` naming the key and the store."""
+    from tdstore._core.layout import counter_damage
     from tdstore.errors import CorruptMetadataError
-
-    def count(raw: Any) -> bool:
-        return isinstance(raw, bytes | str) and str(raw.decode("latin-1") if isinstance(raw, bytes) else raw).lstrip("-").isdigit()
 
     if isinstance(counters, Exception) or not isinstance(counters, dict):
         raise CorruptMetadataError(f"the append counters {keys.appends} of the store {keys.base} are not a hash: {counters!r:.200}")
     for name, raw in counters.items():
-        if not count(raw):
-            raise CorruptMetadataError(
-                f"the append counter {name!r:.80} of the store {keys.base} ({keys.appends}) holds {raw!r:.80}, not a count"
-            )
-    if wv is not None and not count(wv):
-        raise CorruptMetadataError(f"the write version {keys.wv} of the store {keys.base} holds {wv!r:.80}, not a counter")
+        damage = counter_damage(raw, keys.appends, f"the append counter {name!r:.80} of")
+        if damage is not None:
+            raise damage
+    damage = counter_damage(wv, keys.wv)
+    if damage is not None:
+        raise damage
     return counters, wv

@@ -15,6 +15,7 @@ from tdstore._backend import ops as _backend
 from tdstore._backend.scripts import ScriptRunner, probe_shebang
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import CURSOR_MAX, StoreKeys
+from tdstore._core.layout import counter_damage
 from tdstore.errors import CorruptMetadataError
 
 __all__ = ["StoreReading", "scan_stores", "read_stores", "read_details", "wipe_store", "leaf_paths", "is_sealed"]
@@ -42,9 +43,7 @@ def _ring_damage(keys: StoreKeys, ring_raw: Any, flags_len: Any, wv_raw: Any) ->
             return CorruptMetadataError(f"the ring cursor {keys.ring} holds {text[:60]!r}, not a row count")
     if isinstance(flags_len, Exception):
         return CorruptMetadataError(f"the row flags {keys.flags} cannot be read as a string: {flags_len}")
-    if wv_raw is not None and not (isinstance(wv_raw, bytes) and wv_raw.lstrip(b"-").isdigit()):
-        return CorruptMetadataError(f"the write version {keys.wv} holds {wv_raw!r:.80}, not a counter")
-    return None
+    return counter_damage(wv_raw, keys.wv)
 
 
 def _data_damage(names: list[str], replies: list[Any]) -> CorruptMetadataError | None:

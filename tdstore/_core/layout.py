@@ -387,7 +387,8 @@ def counter_damage(raw: Any, key: str, what: str = "the write version") -> Corru
     lib/common.lua's check_counter accepts), else the error naming ``key``."""
     if raw is None:
         return None
-    if isinstance(raw, bytes) and len(raw) <= 18 and re.fullmatch(rb"-?[0-9]+", raw):
+    text = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+    if isinstance(text, bytes) and len(text) <= 18 and re.fullmatch(rb"-?[0-9]+", text):
         return None
     shown = raw if not isinstance(raw, Exception) else f"a value of another type ({raw})"
     return CorruptMetadataError(f"{what} {key} holds {shown!r:.100}, not a counter")
