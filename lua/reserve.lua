@@ -18,7 +18,10 @@ KEYS[1]   meta hash of the store (layout version "lv", expiry "exp")
 KEYS[2]   ring cursor: rows ever reserved (a string key)
 KEYS[3]   row flags: one byte per row, 1 when the row holds a whole appended row
 KEYS[4]   fence counter, bumped when a reservation in flight is taken over
-KEYS[5..] optional: the data keys of each entry written, in the order of the ARGV groups:
+KEYS[5]   write-version counter of the store: only checked here (the client's MULTI bumps it
+          after the rows' SETRANGEs, which a server does not roll back, so a damaged one is
+          refused before any row is written)
+KEYS[6..] optional: the data keys of each entry written, in the order of the ARGV groups:
           its one key, or its chunks in order (a chunked entry, see tdstore/_core/chunks.py)
 
 ARGV[1]   expected layout version (decimal string)
@@ -53,7 +56,7 @@ Errors:
   TDS_BADARG   n, capacity or a group is malformed
   TDS_CORRUPT  the cursor is not a decimal count below 2^52 (garbage, negative, another type,
                or so large that Lua's doubles would lose its low bits and give two appends
-               the same rows); checked before any write
+               the same rows), or the write version is not a counter; checked before any write
 ]]
 --@include lib/common.lua
 
@@ -90,7 +93,7 @@ end
 
 -- every data key exists with its full size (a SETRANGE into a missing or short key would
 -- create it zero-padded)
-local next_key = 5
+local next_key = 6
 for g = 1, (#ARGV - 6) / 2 do
   local row_bytes, chunk = count(ARGV[5 + 2 * g]), count(ARGV[6 + 2 * g])
   if row_bytes == nil or chunk == nil then
@@ -127,6 +130,8 @@ if type(raw_cursor) == 'table' or (raw_cursor and (not string.match(raw_cursor, 
     or tonumber(raw_cursor) + n > CURSOR_MAX)) then
   return fail('TDS_CORRUPT', 'the ring cursor ' .. KEYS[2] .. ' of ' .. KEYS[1] .. ' is not a row count below 2^52')
 end
+local err = check_counter(KEYS[5], 'the write version')
+if err then return err end
 
 if mode == 'keep' then
   -- still this append's rows: the same store (its layout version moved by layout changes

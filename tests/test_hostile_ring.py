@@ -135,15 +135,6 @@ def _dump(r, td_id):
     return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"*{td_id}*"))}
 
 
-#: (case, operation) pairs that may raise after changing keys (issue 24 N7, left): an append
-#: to a store whose write version was edited by hand. Its MULTI's INCR of the write version
-#: fails after the rows' SETRANGEs, which a server does not roll back; the reserve script that
-#: comes first does not read the write version. The error is a CorruptMetadataError that says
-#: the rest was applied (never a raw error, never retried). Every other write checks the write
-#: version before its first write (lib/common.lua check_counter, the armed writes' arming reads).
-APPLIED_BEFORE_REFUSAL = frozenset(
-    (f"wv-{kind}", op) for kind in ("empty", "float", "garbage", "list") for op in ("extend", "extend-twice")
-)
 CASES = sorted(EDITS)
 
 
@@ -169,9 +160,6 @@ def test_damaged_ring_keys(server, case):
                 continue
             if isinstance(err, TDStoreError):
                 assert td_id in str(err), (case, name, str(err))
-            if (case, name) in APPLIED_BEFORE_REFUSAL:
-                assert isinstance(err, CorruptMetadataError) and "after applying the rest" in str(err), (case, name, err)
-                continue
             assert _dump(r, td_id) == before, f"{case}/{name}: refused, but changed the store's keys"
         finally:
             elapsed = time.perf_counter() - t0
@@ -185,7 +173,6 @@ def test_damaged_ring_keys(server, case):
 def test_cursor_lua_cannot_hold_is_refused(server, cursor):
     """A cursor past 2**52: two extend() calls both got rows [0, 1] (Lua doubles lost the low
     bits). Each is refused before any write, armed (one packet) or not."""
-    from tdstore.errors import CorruptMetadataError
 
     s = _make(server)
     r = server.sync_client()

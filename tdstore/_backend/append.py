@@ -152,7 +152,7 @@ class AppendPlan:
 
     def reserve_keys_args(self, mode: str) -> tuple[list[str], list[str]]:
         keys, res = self.keys, self.res
-        kl = [keys.meta, keys.ring, keys.flags, keys.fence]
+        kl = [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv]  # (the write version: checked only)
         args = [str(self.lv), str(self.n), str(self.capacity), mode, str(res.start), res.lv or "0"]
         if mode == "new":
             return kl, args  # the data keys are checked by the write's replies (see check())

@@ -248,7 +248,7 @@ class TestCommitLifetime:
 # reserve (the first step of an append) and write_runs
 # =========================================================================== #
 
-RESERVE_KEYS = [META, RING, b"td:{s}:rf", b"td:{s}:fence"]
+RESERVE_KEYS = [META, RING, b"td:{s}:rf", b"td:{s}:fence", WV]
 
 
 class TestReserveLifetime:

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from .shim import LuaRedis
-from .test_scripts import META, RING, D, expect_error, make_store
+from .test_scripts import META, RING, WV, D, expect_error, make_store
 
 pytestmark = pytest.mark.lua
 
 FLAGS, FENCE = b"td:{s}:rf", b"td:{s}:fence"
-KEYS = [META, RING, FLAGS, FENCE]
+KEYS = [META, RING, FLAGS, FENCE, WV]
 CAP = 4
 
 
@@ -141,6 +141,10 @@ def test_chunked_entry_keys_are_checked(r: LuaRedis, lua_version: str) -> None:
         ("TDS_CORRUPT", "text cursor", argv(1)),
         ("TDS_CORRUPT", "huge cursor", argv(1)),  # 2**62: doubles would give two appends the same rows
         ("TDS_CORRUPT", "huge cursor", argv(1, mode="keep")),
+        # the MULTI after the reserve bumps the write version after the rows' SETRANGEs (issue 24)
+        ("TDS_CORRUPT", "text write version", argv(1)),
+        ("TDS_CORRUPT", "float write version", argv(1)),
+        ("TDS_CORRUPT", "text write version", argv(1, mode="keep")),
     ],
 )
 def test_errors_change_nothing(r: LuaRedis, lua_version: str, code: str, change: str | None, args: list[Any]) -> None:
@@ -158,6 +162,10 @@ def test_errors_change_nothing(r: LuaRedis, lua_version: str, code: str, change:
         r.data[RING] = b"1.5"
     elif change == "huge cursor":
         r.data[RING] = str(2**62).encode()
+    elif change == "text write version":
+        r.data[WV] = b"abc"
+    elif change == "float write version":
+        r.data[WV] = b"1.5"
     expect_error(r, code, "reserve", [*KEYS, D("x")], args, lua_version)
 
 

@@ -1308,7 +1308,7 @@ class TestClear:
         argv = commit_argv("new", ops=[put("a", 4, 5)], first="1024")
         assert r.run("commit", [*CK, tmp, D("a")], argv, lua_version) == 1025
         assert r.data[WV] == b"1" and RING not in r.data
-        keys = [META, RING, b"td:{s}:rf", b"td:{s}:fence"]
+        keys = [META, RING, b"td:{s}:rf", b"td:{s}:fence", WV]
         assert r.run("reserve", keys, ["1025", "1", "2", "new", "0", "0"], lua_version) == [0, b"", b"1025"]
 
 
