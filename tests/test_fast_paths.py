@@ -326,6 +326,32 @@ def test_armed_write_refuses_a_deleted_data_key(real_server, wire, driver):
     store.close()
 
 
+@pytest.mark.usefixtures("unchunked")  # the one-string layout
+@pytest.mark.parametrize("armed", [True, False])
+def test_armed_write_refuses_a_data_key_of_another_type(real_server, wire, driver, armed):
+    """Issue 24 (N7): a data key replaced by a list, met by an armed write (on the armed
+    connection, or arming afresh on another handle). The MULTI's SETRANGE was refused at the
+    list after the write version's INCR had run; now the arming reads see the key's type and
+    the write raises CorruptMetadataError naming the key, with no key changed."""
+    store = _big(real_server)
+    store[0:4] = TensorDict(x=torch.zeros(4, *ROW), batch_size=[4])
+    assert _slot(store, driver).armed is not None
+    if not armed:
+        store.close()
+        store = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    key = f"tensordict:{{{store.td_id}}}:d:x"
+    client = real_server.sync_client()
+    client.delete(key)
+    client.rpush(key, b"junk")
+    before = wire(real_server)
+    for _ in range(2):  # armed (or arming), then the plain WATCHed path
+        with pytest.raises(tdstore.CorruptMetadataError, match=f"{key}.*another type"):
+            store[4:8] = TensorDict(x=torch.ones(4, *ROW), batch_size=[4])
+    assert wire(real_server) == before
+    store.clear_redis()
+    store.close()
+
+
 def test_armed_write_after_another_client_changes_the_layout(real_server, driver):
     """A layout change between two writes aborts the armed EXEC; the write is re-planned on the new layout."""
     store = _big(real_server)

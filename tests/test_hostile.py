@@ -381,14 +381,6 @@ def _writes():
     }
 
 
-#: (case, write) pairs that may raise after the rest of their step was applied (issue 24 N7,
-#: left): a data key replaced by a list, met by a write in a MULTI/EXEC (an in-place entry
-#: write, or a row write that also writes a non-tensor entry). The MULTI's SETRANGE (or its
-#: write_runs script) is refused at the list, and its other commands (the write version's
-#: INCR, the non-tensor's writes) are not rolled back; the error is a CorruptMetadataError.
-APPLIED_BEFORE_REFUSAL = frozenset({("data-wrong-type", "row-td"), ("data-wrong-type", "entry")})
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_damaged_store_writes(server, case):
     """N7: indexed writes into damaged entries leaked JSONDecodeError (a non-tensor's bytes) or
@@ -408,10 +400,6 @@ def test_damaged_store_writes(server, case):
             ok = ok + (TDStoreError, RuntimeError, KeyError)
             assert isinstance(err, ok), f"{case}/{name}: {type(err).__name__}: {err}"
             assert td_id in str(err), (case, name, str(err))
-            if (case, name) in APPLIED_BEFORE_REFUSAL:
-                assert isinstance(err, CorruptMetadataError), (case, name, err)
-                writer.clear_redis()
-                continue
             after = {k: r.dump(k) for k in sorted(r.scan_iter(match=f"*{td_id}*"))}
             assert after == before, f"{case}/{name}: refused, but changed the store's keys"
         _, err = _bounded(writer.clear_redis)

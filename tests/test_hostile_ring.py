@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
-from tdstore.errors import CorruptMetadataError, TDStoreError
+from tdstore.errors import CorruptMetadataError, DataLostError, TDStoreError
 
 #: the longest one operation may take (seconds)
 TIME_BOUND = 10.0
@@ -186,3 +186,31 @@ def test_cursor_lua_cannot_hold_is_refused(server, cursor):
     with pytest.raises(CorruptMetadataError, match="ring cursor"):
         s.ring_state()
     s.clear_redis()
+
+
+def test_extend_into_a_data_key_of_another_type(server):
+    """The one step left that raises after applying the rest (docs/guarantees.md, "Keys edited
+    by hand"): an append whose entry's bytes were replaced by a list. Its MULTI's SETRANGE is
+    refused at the list, its flags, cursor and counters land (checking every data key's type
+    on each append would cost the server more than the append). The error says so, the
+    damaged entry stays unreadable (no row of it is ever read back stale), the other entries
+    get their rows, and clear_redis() deletes the store."""
+    s = TensorDictStore.from_schema(
+        {"x": ([2], torch.float32), "y": ([3], torch.int64)}, batch_size=[CAPACITY], **server.connection_kwargs()
+    )
+    s.extend(TensorDict(x=torch.ones(2, 2), y=torch.ones(2, 3, dtype=torch.int64), batch_size=[2]))
+    r = server.sync_client()
+    key = f"tensordict:{{{s.td_id}}}:d:x"
+    r.delete(key)
+    r.rpush(key, b"junk")
+    for handle in (s, TensorDictStore.from_store(td_id=s.td_id, **server.connection_kwargs())):
+        with pytest.raises(CorruptMetadataError, match="after applying the rest"):
+            handle.extend(TensorDict(x=torch.full((2, 2), 7.0), y=torch.full((2, 3), 7), batch_size=[2]))
+        for read in (lambda h: h.sample(4), lambda h: h[2], lambda h: h["x"]):
+            with pytest.raises((CorruptMetadataError, DataLostError), match=s.td_id):  # (an MGET reads a list as no value)
+                read(handle)
+    assert (s["y"][2:6] == 7).all()
+    assert r.type(key) == b"list"
+    s.clear_redis()
+    assert not list(r.scan_iter(match=f"*{s.td_id}*"))
+

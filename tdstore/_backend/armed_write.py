@@ -6,8 +6,8 @@ hash did not change since the WATCH. That costs three round trips before the byt
 
 Here the check of the next write is done at the end of the previous one: after EXEC, the
 same packet WATCHes the meta hash and the data keys again and reads the layout version,
-the expiry and whether the data keys exist. The connection is then kept out of the pool,
-still WATCHing ("armed"). The next write on it sends MULTI, the SETRANGEs and EXEC at once
+the expiry, the write version and whether the data keys exist as strings. The connection
+is then kept out of the pool, still WATCHing ("armed"). The next write on it sends MULTI, the SETRANGEs and EXEC at once
 (and re-arms in the same packet); if anything watched changed in between, EXEC does nothing
 and the write is re-planned, exactly as when the WATCH is issued just before. A write that
 finds no armed connection (the first one, another thread holding it, a changed layout)
@@ -46,9 +46,10 @@ from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from tdstore._backend.row_writes import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
+from tdstore._backend.wire import exchange
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import counter_damage
+from tdstore._core.layout import counter_damage, data_key_commands, data_key_damage
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]
@@ -189,24 +190,30 @@ class _ArmedWrite:
         keys, data_keys = self.keys, self.data_keys
         # (the write version is read to be checked: the MULTI's INCR of a damaged one would fail
         # after the SETRANGEs, which a server does not roll back)
+        # (and each data key's type: a SETRANGE refused at a key of another type would leave
+        # the MULTI's other commands applied, see data_key_commands)
         return [
-            ("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.wv), ("EXISTS", *data_keys),
+            ("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.wv),
+            *data_key_commands(data_keys),
         ]
 
     def checked(self, replies: list[Any]) -> str:
         """The store's expiry from :meth:`arm_commands`' replies on a fresh connection; raises if it cannot write."""
-        for i, reply in enumerate(replies):
-            if isinstance(reply, Exception) and i != 2:  # (the write version's: damage, below)
+        for reply in replies[:2]:
+            if isinstance(reply, Exception):
                 raise reply
         lv, exp = replies[1]
         if lv is None:
             raise StoreNotFoundError(f"no store at {self.keys.meta}")
         if _s(lv) != self.expected:
             raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {self.expected}")
-        damage = counter_damage(replies[2], self.keys.wv)
+        damage: Exception | None = counter_damage(replies[2], self.keys.wv)
         if damage is not None:
             raise damage
-        if replies[3] != len(self.data_keys):
+        damage, exists = data_key_damage(self.data_keys, replies[3:], self.keys.base)
+        if damage is not None:
+            raise damage
+        if not exists:
             raise self._lost()
         return _s(exp)
 
@@ -232,13 +239,14 @@ class _ArmedWrite:
         """The armed state the re-arming replies leave the connection in, or None if they do not arm."""
         if not self.park:
             return None
-        watch, meta, wv, exists = replies[self.sent :]
-        if isinstance(watch, Exception) or isinstance(meta, Exception) or isinstance(exists, Exception):
+        watch, meta, wv = replies[self.sent : self.sent + 3]
+        if isinstance(watch, Exception) or isinstance(meta, Exception):
             return None
-        if counter_damage(wv, self.keys.wv) is not None:
+        damage, exists = data_key_damage(self.data_keys, replies[self.sent + 3 :], self.keys.base)
+        if counter_damage(wv, self.keys.wv) is not None or damage is not None:
             return None  # the next write arms afresh, and checked() says what is wrong
         lv, exp = meta
-        if lv is None or exists != len(self.data_keys):
+        if lv is None or not exists:
             return None
         return _Armed(client, connection, _s(lv), _s(exp), frozenset(self.data_keys))
 
@@ -247,9 +255,10 @@ class _ArmedWrite:
         the same data keys (the write then goes the plain way)."""
         if not self.park or replies[self.sent - 1] is not None:
             return False
-        meta, exists = replies[self.sent + 1], replies[-1]
+        meta = replies[self.sent + 1]
+        damage, exists = data_key_damage(self.data_keys, replies[self.sent + 3 :], self.keys.base)
         lv = meta[0] if isinstance(meta, list) else None
-        return _s(lv) == self.expected and exists == len(self.data_keys)
+        return _s(lv) == self.expected and damage is None and exists
 
     def settle(self, slot: ArmedSlot, client: Any, connection: Any, replies: list[Any]) -> tuple[bool, list[Any], bool]:
         """After the write packet's replies: keeps the re-armed connection in ``slot``, or marks
@@ -277,11 +286,14 @@ class _ArmedWrite:
             raise result
         if result is None:
             # something watched changed: the layout, or a data key's existence
-            exists = replies[-1] if self.park else None
-            if self.park and exists != len(self.data_keys):
+            if self.park:
+                damage, exists = data_key_damage(self.data_keys, replies[self.sent + 3 :], self.keys.base)
                 meta = replies[self.sent + 1]
                 if isinstance(meta, list) and _s(meta[0]) == self.expected:
-                    raise self._lost()
+                    if damage is not None:
+                        raise damage  # (a data key replaced meanwhile: the EXEC ran nothing)
+                    if not exists:
+                        raise self._lost()
             raise StaleLayoutError("the layout changed during an indexed write")
         for reply in result:
             if isinstance(reply, redis.exceptions.ResponseError):
@@ -292,18 +304,6 @@ class _ArmedWrite:
 # --------------------------------------------------------------------------- #
 # the IO-loop driver
 # --------------------------------------------------------------------------- #
-
-
-async def _exchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place."""
-    await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
-    out: list[Any] = []
-    for _ in commands:
-        try:
-            out.append(await connection.read_response())
-        except redis.exceptions.ResponseError as err:
-            out.append(err)
-    return out
 
 
 async def write_runs_armed(
@@ -331,10 +331,10 @@ async def write_runs_armed(
     try:
         if armed is None:
             connection = await client.connection_pool.get_connection()
-            exp = write.checked(await _exchange(connection, write.arm_commands()))
+            exp = write.checked(await exchange(connection, write.arm_commands()))
         else:
             exp = armed.exp
-        replies = await _exchange(connection, write.commands(exp))
+        replies = await exchange(connection, write.commands(exp))
     except BaseException:
         # a refusal before MULTI leaves the WATCH set; a failure or cancellation mid-way
         # leaves replies unread: either way the connection is not reused

@@ -17,11 +17,12 @@ import redis.exceptions
 from tdstore._backend import large as _large
 from tdstore._backend import lease as _lease
 from tdstore._backend import memory as _memory
+from tdstore._backend import wire as _wire
 from tdstore._backend.ops import _nbytes, _raise_first_error
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, encode_path
-from tdstore._core.layout import _s, counter_damage, parse_entry
+from tdstore._core.layout import _s, counter_damage, data_key_commands, data_key_damage, parse_entry
 
 if TYPE_CHECKING:
     from tdstore._backend.ops import Op
@@ -118,22 +119,29 @@ async def write_runs_watched(
 
     nt_keys = [keys.data(path) for path, _ in nontensor]
     created = {op.path: _chunks.of_meta(op.meta) for op in creates}
+    # the keys the MULTI's SETRANGEs (and write_runs) write, but those it creates
+    data_keys = sorted(_chunks.written_keys(keys, groups, created) - {key for op in creates for key in _created_keys(keys, op)})
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(keys.meta, *nt_keys)
-        lv, lock, exp, count = await pipe.hmget(keys.meta, ["lv", "lock", "exp", "ne"])
+        # one packet: the layout, the write version and the data keys' types. The MULTI's INCR
+        # (or write_runs' check) of a damaged write version, or a SETRANGE into a key of
+        # another type, would be refused after writes a server does not roll back
+        meta, wv_raw, *checks = await _wire.exchange(
+            pipe.connection, [("HMGET", keys.meta, "lv", "lock", "exp", "ne"), ("GET", keys.wv), *data_key_commands(data_keys)]
+        )
+        if isinstance(meta, Exception):
+            raise meta
+        lv, lock, exp, count = meta
         if lv is None:
             raise StoreNotFoundError(f"no store at {keys.meta}")
         if _s(lv) != expected:
             raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {expected}")
         if check_lock and _s(lock) == "1":
             raise StoreLockedError(f"the store at {keys.meta} is locked")
-        # the MULTI's INCR (or write_runs' check) of a damaged write version would come after
-        # writes a server does not roll back: checked first
-        try:
-            wv_raw: Any = await pipe.get(keys.wv)
-        except redis.exceptions.ResponseError as err:  # a key of another type
-            wv_raw = err
         damage = counter_damage(wv_raw, keys.wv)
+        if damage is not None:
+            raise damage
+        damage, exists = data_key_damage(data_keys, checks, keys.base)
         if damage is not None:
             raise damage
         nt_writes = []
@@ -159,13 +167,12 @@ async def write_runs_watched(
                     new_fields += 1
                 if new_meta != old_meta:
                     layout_changed = True
-        if small_via_script:
-            # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
-            data_keys = _chunks.written_keys(keys, groups, created) - {key for op in creates for key in _created_keys(keys, op)}
-            if data_keys and await pipe.exists(*data_keys) != len(data_keys):
-                from tdstore.errors import DataLostError
+        if small_via_script and not exists:
+            # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead (a
+            # whole entry written in place recreates its key whole)
+            from tdstore.errors import DataLostError
 
-                raise DataLostError(f"an entry written at {keys.base} is registered but its bytes are gone from the server")
+            raise DataLostError(f"an entry written at {keys.base} is registered but its bytes are gone from the server")
         if creates:  # zero-filled entries allocate on the server: refuse what would pass maxmemory
             await _memory.check_ops(client, keys, creates, via=pipe)
         elif not small_via_script:

@@ -394,6 +394,31 @@ def counter_damage(raw: Any, key: str, what: str = "the write version") -> Corru
     return CorruptMetadataError(f"{what} {key} holds {shown!r:.100}, not a counter")
 
 
+def data_key_commands(data_keys: list[str]) -> list[tuple[Any, ...]]:
+    """The reads that check the data keys a MULTI is about to SETRANGE, sent before it (in the
+    packet of its WATCH): a STRLEN per key (an error reply for a key of another type) and one
+    EXISTS of them all. A MULTI is not rolled back: a SETRANGE refused at a key of another type
+    would leave the step's other commands applied. :func:`data_key_damage` reads the replies."""
+    if not data_keys:
+        return []
+    return [*(("STRLEN", key) for key in data_keys), ("EXISTS", *data_keys)]
+
+
+def data_key_damage(data_keys: list[str], replies: list[Any], base: str) -> tuple[CorruptMetadataError | None, bool]:
+    """(the error for a data key holding another type of value, or None; whether every data
+    key exists) from the replies of :func:`data_key_commands`."""
+    if not data_keys:
+        return None, True
+    for key, reply in zip(data_keys, replies, strict=False):
+        if isinstance(reply, Exception):
+            return CorruptMetadataError(
+                f"the data key {key} of the store {base} holds a value of another type ({reply}), not an "
+                "entry's bytes: damaged or written by hand? Nothing was written; `tdstore rm` deletes the store"
+            ), False
+    exists = replies[len(data_keys)] if len(replies) > len(data_keys) else None
+    return None, exists == len(data_keys)
+
+
 def parse_lv(raw: Any, base: str = "the store") -> int | None:
     """The layout version of a meta hash's ``lv`` field as read (bytes, str or None: no store);
     anything but a decimal count (empty, garbage, an error reply) raises
