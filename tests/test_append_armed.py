@@ -302,12 +302,12 @@ def test_appends_that_cannot_arm_do_not_reconnect(real_server, admin, monkeypatc
 @pytest.mark.parametrize("protocol", [2, 3])
 @pytest.mark.parametrize("parser", ["hiredis", "python"])
 def test_an_exchange_reads_every_reply_in_place(real_server, parser, protocol):
-    """``_exchange_sync`` reads a packet's replies straight from the hiredis reader (or one by
+    """``wire.exchange_sync`` reads a packet's replies straight from the hiredis reader (or one by
     one through ``read_response`` for another parser): the same replies, errors in place."""
     import redis
     from redis._parsers import _HiredisParser, _RESP2Parser
 
-    from tdstore._backend import armed_write
+    from tdstore._backend import wire
 
     if parser == "python":
         from redis._parsers import _RESP3Parser
@@ -322,11 +322,11 @@ def test_an_exchange_reads_every_reply_in_place(real_server, parser, protocol):
     ))
     connection = client.connection_pool.get_connection()
     try:
-        assert (armed_write._hiredis_reader(connection) is not None) == (parser == "hiredis")
+        assert (wire._hiredis_reader(connection) is not None) == (parser == "hiredis")
         client.delete("t:x", "t:s")
         client.set("t:s", "text")
         big = b"y" * 300_000
-        replies = armed_write._exchange_sync(connection, [
+        replies = wire.exchange_sync(connection, [
             ("INCR", "t:s"), ("MULTI",), ("INCR", "t:x"), ("INCR", "t:s"), ("SET", "t:b", memoryview(big)), ("EXEC",),
             ("GET", "t:b"), ("GET", "t:missing"), ("HLEN", "t:missing"),
         ])

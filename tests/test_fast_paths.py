@@ -32,6 +32,13 @@ def driver(request, monkeypatch):
     return request.param
 
 
+def _is_connected(connection):
+    """``is_connected`` of an asyncio connection (a blocking one has it from redis-py 7 on)."""
+    from tdstore._backend import wire
+
+    return connection.is_connected if hasattr(connection, "is_connected") else wire.connected(connection)
+
+
 def _slot(store, driver):
     return store._conn.direct_slot if driver == "direct" else store._conn.armed_slot
 
@@ -73,7 +80,8 @@ def test_packed_commands_match_redis_py_and_keep_large_buffers_uncopied():
 
     import redis.connection
 
-    from tdstore._backend.armed_write import _ZERO_COPY_MIN, _packed
+    from tdstore._backend.wire import ZERO_COPY_MIN as _ZERO_COPY_MIN
+    from tdstore._backend.wire import packed as _packed
 
     encoder = redis.connection.Encoder("utf-8", "strict", False)
     packer = redis.connection.PythonRespSerializer(6000, encoder.encode)
@@ -100,9 +108,9 @@ def test_gathered_send_delivers_every_byte_in_order_through_partial_sends(batch,
     import random
     import socket
 
-    from tdstore._backend import armed_write
+    from tdstore._backend import wire
 
-    monkeypatch.setattr(armed_write, "_IOV_BATCH", batch)
+    monkeypatch.setattr(wire, "_IOV_BATCH", batch)
     rng = random.Random(5)
     pieces: list = []
     for _ in range(40):
@@ -125,7 +133,7 @@ def test_gathered_send_delivers_every_byte_in_order_through_partial_sends(batch,
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        armed_write._send_gathered(a, pieces)
+        wire._send_gathered(a, pieces)
         thread.join(60)
     finally:
         a.close()
@@ -139,7 +147,7 @@ def test_direct_send_never_reconnects(real_server):
     write: redis-py would reconnect it and send the MULTI without the WATCH."""
     import redis
 
-    from tdstore._backend.armed_write import _exchange_sync
+    from tdstore._backend.wire import exchange_sync as _exchange_sync
 
     client = real_server.sync_client()
     key = "tdstest:{nore}:k"
@@ -453,11 +461,11 @@ def test_close_releases_the_armed_connection(real_server, driver):
     store = _big(real_server)
     store[0:2] = TensorDict(x=torch.zeros(2, *ROW), batch_size=[2])
     armed = _slot(store, driver).armed
-    assert armed is not None and armed.connection.is_connected
+    assert armed is not None and _is_connected(armed.connection)
     store.clear_redis()
     store.close()
     assert _slot(store, driver).armed is None
-    assert not armed.connection.is_connected  # disconnected: its WATCH is gone with it
+    assert not _is_connected(armed.connection)  # disconnected: its WATCH is gone with it
 
 
 def test_blocking_pool_is_never_parked(real_server):
@@ -518,7 +526,7 @@ def test_armed_connection_dropped_by_a_pool_reset_is_not_reused(real_server, wir
         store._conn.direct_client().connection_pool.disconnect()
     else:
         store._conn.run(reset)
-    assert not armed.connection.is_connected
+    assert not _is_connected(armed.connection)
     real_server.sync_client().delete(f"tensordict:{{{store.td_id}}}:d:x")
     before = wire(real_server)
     with pytest.raises(tdstore.DataLostError):

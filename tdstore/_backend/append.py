@@ -55,9 +55,10 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.armed_write import ArmedSlot, _alive, _discard_sync, _exchange_sync, _s
+from tdstore._backend.armed_write import ArmedSlot, _discard_sync, _s
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.wire import alive, exchange_sync
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
 from tdstore.errors import (
@@ -392,7 +393,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
     if slot is not None:
         cooling = slot.cooling()  # (counts this append)
         held: ArmedRing | None = slot.take(client)  # type: ignore[assignment]
-        if held is not None and not _alive(held.connection):
+        if held is not None and not alive(held.connection):
             slot.drop_sync(held)  # type: ignore[arg-type]
         elif held is not None and held.watching and not cooling and plan.usable(held):
             armed = held
@@ -405,7 +406,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         commands = [("MULTI",), *plan.write_commands(start, armed.exp, armed=True), ("EXEC",)]
         sent = len(commands)
         try:
-            replies = _exchange_sync(connection, commands + plan.arm_commands(start + plan.n))
+            replies = exchange_sync(connection, commands + plan.arm_commands(start + plan.n))
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
             _discard_sync(client, connection)
             raise _connection_broke(plan, err) from err
@@ -437,7 +438,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
             keys, args = plan.reserve_keys_args(plan.mode())
             first_commands: list[tuple[Any, ...]] = [("UNWATCH",)] if unwatch else []
             first_commands += [plan.watch_command(), ("EVALSHA", sha, len(keys), *keys, *args)]
-            got_replies = _exchange_sync(connection, first_commands)
+            got_replies = exchange_sync(connection, first_commands)
             unwatch = False
             watch, reply = got_replies[-2], got_replies[-1]
             _raise_reply(watch)
@@ -449,7 +450,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         commands = [("MULTI",), *plan.write_commands(start, exp), ("EXEC",)]
         arm = slot is not None and slot.cool <= 0  # re-armed unless appends are cooling down
         sent_write = True
-        replies = _exchange_sync(connection, commands + (plan.arm_commands(start + plan.n) if arm else []))
+        replies = exchange_sync(connection, commands + (plan.arm_commands(start + plan.n) if arm else []))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
         _discard_sync(client, connection)
         if sent_write:

@@ -30,23 +30,18 @@ new client, an error or a cancellation drops it (disconnected, never reused).
 from __future__ import annotations
 
 import os
-import select
-import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import redis.asyncio
 import redis.exceptions
-from redis._parsers import _HiredisParser
-from redis._parsers.hiredis import NOT_ENOUGH_DATA
 
 from tdstore._backend.row_writes import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
-from tdstore._backend.wire import exchange
+from tdstore._backend.wire import alive, connected, exchange, exchange_sync
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import counter_damage, data_key_commands, data_key_damage
@@ -357,165 +352,6 @@ async def write_runs_armed(
 # --------------------------------------------------------------------------- #
 
 
-#: Buffer arguments at least this large go to the socket from their own memory, not copied.
-_ZERO_COPY_MIN = 64 * 1024
-
-
-@lru_cache(maxsize=4096)
-def _bulk_str(arg: str) -> bytes:
-    """The RESP bulk string of ``arg`` (keys and field names recur: memoized)."""
-    data = arg.encode()
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-def _packed(commands: list[tuple[Any, ...]]) -> list[Any]:
-    """The RESP encoding of ``commands``: ``bytes`` pieces, with every large buffer argument
-    in between as itself, to be sent from its own memory.
-
-    (redis-py's blocking connections, with hiredis installed, copy a ``memoryview`` argument
-    into ``bytes`` and then into the packed command: two copies of the payload.)
-    """
-    out: list[Any] = []
-    head = bytearray()
-    for command in commands:
-        head += b"*%d\r\n" % len(command)
-        for arg in command:
-            kind = type(arg)  # (exact types first: this runs for every argument of every packet)
-            if kind is str:
-                head += _bulk_str(arg)
-                continue
-            if kind is int:
-                data = b"%d" % arg
-            elif kind is bytes:
-                data = arg
-            elif isinstance(arg, memoryview):
-                head += b"$%d\r\n" % arg.nbytes
-                if arg.nbytes >= _ZERO_COPY_MIN:
-                    out.append(bytes(head))
-                    out.append(arg)
-                    head = bytearray(b"\r\n")
-                    continue
-                head += arg
-                head += b"\r\n"
-                continue
-            else:
-                data = arg if isinstance(arg, bytes) else str(arg).encode()
-            head += b"$%d\r\n" % len(data)
-            head += data
-            head += b"\r\n"
-    out.append(bytes(head))
-    return out
-
-
-#: Buffers one ``sendmsg`` call passes (Linux's IOV_MAX is 1024).
-_IOV_BATCH = 512
-_GATHER = hasattr(socket.socket, "sendmsg")
-
-
-def _send_gathered(sock: Any, pieces: list[Any]) -> None:
-    """``sendall`` of ``pieces`` back to back, with one ``sendmsg`` system call per batch of
-    buffers instead of one call each: the server then finds a packet's commands together
-    (one read, not one wake-up per piece), and the client makes fewer system calls."""
-    views = [memoryview(piece).cast("B") for piece in pieces]
-    i = 0
-    while i < len(views):
-        batch = views[i : i + _IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        # (a blocking socket with a timeout may take part of the data: send the rest)
-        for view in batch:
-            if sent >= view.nbytes:
-                sent -= view.nbytes
-                i += 1
-                continue
-            views[i] = view[sent:]
-            break
-
-
-def _send_sync(connection: Any, pieces: list[Any]) -> None:
-    """Writes ``pieces`` to the connection's socket, never reconnecting.
-
-    (redis-py's ``send_packed_command`` reconnects a connection found disconnected, e.g. by
-    a concurrent ``close()``: a write that relies on the connection's WATCH must fail then.)
-    """
-    sock = connection._sock
-    if sock is None:
-        raise redis.exceptions.ConnectionError("the armed connection was closed")
-    try:
-        if len(pieces) == 1 or not _GATHER:
-            for piece in pieces:
-                sock.sendall(piece)
-        else:
-            _send_gathered(sock, pieces)
-    except TimeoutError:
-        connection.disconnect()
-        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
-    except OSError as err:
-        connection.disconnect()
-        raise redis.exceptions.ConnectionError(f"error while writing to socket: {err}") from err
-
-
-def _exchange_sync(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place."""
-    _send_sync(connection, _packed(commands))
-    reader = _hiredis_reader(connection)
-    if reader is not None:
-        return _read_replies(connection._parser, reader, len(commands))
-    out: list[Any] = []
-    for _ in commands:
-        try:
-            out.append(connection.read_response())
-        except redis.exceptions.ResponseError as err:
-            out.append(err)
-    return out
-
-
-def _hiredis_reader(connection: Any) -> Any:
-    """The hiredis reader of a connection of redis-py's (None for another parser: replies are
-    then read one by one through ``read_response``)."""
-    parser = getattr(connection, "_parser", None)
-    if type(parser) is not _HiredisParser:
-        return None
-    return getattr(parser, "_reader", None)
-
-
-def _read_replies(parser: Any, reader: Any, count: int) -> list[Any]:
-    """``count`` replies straight from the hiredis reader: what ``read_response`` returns for
-    each (RESP2 or RESP3), without its per-reply bookkeeping."""
-    push = getattr(parser, "_hiredis_PushNotificationType", None)
-    out: list[Any] = []
-    while len(out) < count:
-        reply = reader.gets()
-        kind = type(reply)
-        if kind is bytes or kind is int:  # (most replies: QUEUED, OK, counters, lengths)
-            out.append(reply)
-            continue
-        if reply is NOT_ENOUGH_DATA:
-            parser.read_from_socket()
-            continue
-        if isinstance(reply, redis.exceptions.ConnectionError):
-            raise reply
-        if push is not None and isinstance(reply, push):
-            parser.handle_push_response(reply)  # (RESP3: not a reply to a command)
-            continue
-        if isinstance(reply, list) and reply and isinstance(reply[0], redis.exceptions.ConnectionError):
-            raise reply[0]
-        out.append(reply)
-    return out
-
-
-def _alive(connection: Any) -> bool:
-    """A parked connection still usable: connected, with nothing to read (a server that
-    closed it, on restart or idle timeout, leaves it readable at end of file)."""
-    sock = getattr(connection, "_sock", None)
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return False
-    return not readable
-
-
 #: The attribute of a blocking client of tdstore's that holds a connection kept between
 #: direct exchanges: ``(pid, connection)``.
 _SPARE = "_tdstore_spare"
@@ -528,7 +364,7 @@ def take_spare(client: Any) -> Any:
     if held is not None:
         pid, connection = held
         if pid == os.getpid():  # (a forked child leaves its parent's connection alone)
-            if _alive(connection):
+            if alive(connection):
                 return connection
             _discard_sync(client, connection)  # closed by the server, or by close()
     return client.connection_pool.get_connection()
@@ -540,10 +376,6 @@ def keep_spare(client: Any, connection: Any) -> None:
     held = (os.getpid(), connection)
     if client.__dict__.setdefault(_SPARE, held) is not held:
         client.connection_pool.release(connection)
-
-
-def _connected(connection: Any) -> bool:
-    return getattr(connection, "_sock", None) is not None
 
 
 def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
@@ -561,17 +393,17 @@ def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Gro
         return False
     write = _ArmedWrite(keys, groups, expected, _can_park(client))
     armed = slot.take(client)
-    if armed is not None and not write.usable(armed, _connected(armed.connection)):
+    if armed is not None and not write.usable(armed, connected(armed.connection)):
         slot.drop_sync(armed)
         armed = None
     connection: Any = armed.connection if armed is not None else None
     try:
         if armed is None:
             connection = client.connection_pool.get_connection()
-            exp = write.checked(_exchange_sync(connection, write.arm_commands()))
+            exp = write.checked(exchange_sync(connection, write.arm_commands()))
         else:
             exp = armed.exp
-        replies = _exchange_sync(connection, write.commands(exp))
+        replies = exchange_sync(connection, write.commands(exp))
     except BaseException:
         if connection is not None:
             _discard_sync(client, connection)

@@ -28,6 +28,7 @@ from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend import row_writes as _row_writes
 from tdstore._backend import translate as _translate
+from tdstore._backend import wire as _wire
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
 from tdstore._backend.retry import (
     OutcomeUnknownError,
@@ -457,6 +458,8 @@ class Connection:
             _INHERITED_CLIENTS.append(direct)  # inherited through fork(): never close the parent's sockets
             self._direct = None
         if self.closed or self._runner is None or self._generation != generation or self.cluster_route is not None:
+            return None
+        if not _wire.direct_ok():  # a redis-py without the parts the blocking drivers use
             return None
         sync_class = _DIRECT_CLASSES.get(self._connection_class)
         kw = self._conn_kwargs

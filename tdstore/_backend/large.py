@@ -25,16 +25,15 @@ as fakeredis takes the ordinary path).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
-import types
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
 
+from tdstore._backend import wire as _wire
 from tdstore._core.keys import StoreKeys
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
@@ -80,53 +79,6 @@ def empty_buffer(nbytes: int, device: torch.device | None) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-async def _send_streamed(self: Any, command: Any, check_health: bool = True) -> None:
-    """``send_packed_command`` of a redis-py connection, writing large memoryviews in slices."""
-    if not self.is_connected:
-        await self.connect_check_health(check_health=False)
-    if check_health:
-        await self.check_health()
-    if isinstance(command, str):
-        command = command.encode()
-    if isinstance(command, bytes):
-        command = [command]
-    writer = self._writer
-    timeout = self.socket_timeout
-    pending: list[Any] = []
-
-    async def drain() -> None:
-        if timeout:
-            await asyncio.wait_for(writer.drain(), timeout)
-        else:
-            await writer.drain()
-
-    try:
-        for item in command:
-            if isinstance(item, memoryview) and item.nbytes >= WRITE_MIN:
-                if pending:
-                    writer.write(b"".join(pending))
-                    pending = []
-                view = item.cast("B") if item.format != "B" or item.ndim != 1 else item
-                for offset in range(0, view.nbytes, WRITE_PIECE):
-                    writer.write(view[offset : offset + WRITE_PIECE])
-                    await drain()  # the transport holds at most one slice
-            else:
-                pending.append(item)
-        if pending:
-            writer.write(b"".join(pending))
-        await drain()
-    except asyncio.TimeoutError:
-        await self.disconnect(nowait=True)
-        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
-    except OSError as err:
-        await self.disconnect(nowait=True)
-        raise redis.exceptions.ConnectionError(f"Error while writing to socket: {err}") from err
-    except BaseException:
-        # a command cut short: the connection cannot be reused
-        await self.disconnect(nowait=True)
-        raise
-
-
 @contextlib.asynccontextmanager
 async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
     """While active, ``pipe`` sends its large memoryview arguments in slices (see module doc).
@@ -141,14 +93,13 @@ async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
     if conn is None:
         conn = await pipe.connection_pool.get_connection()
         pipe.connection = conn  # the pipeline's reset() gives it back to the pool
-    if not hasattr(conn, "_writer") or "send_packed_command" in vars(conn):
+    if not _wire.streamed_sends(conn, WRITE_MIN, WRITE_PIECE):
         yield
         return
-    conn.send_packed_command = types.MethodType(_send_streamed, conn)
     try:
         yield
     finally:
-        vars(conn).pop("send_packed_command", None)
+        _wire.unstreamed(conn)
 
 
 # --------------------------------------------------------------------------- #
@@ -262,9 +213,9 @@ def read_pieces_direct(client: Any, read: PieceRead) -> bool:
     clean = False
     ahead = None
     try:
-        if conn._sock is None:
+        if _wire.socket_of(conn) is None:
             conn.connect()
-        replies = _RawReplies(conn._sock)
+        replies = _RawReplies(_wire.socket_of(conn))
         windows = [commands[i : i + READ_WINDOW] for i in range(0, len(commands), READ_WINDOW)]
         replies.send(conn.pack_commands(windows[0]))
         ahead = _Mapper(targets)  # maps the buffers' pages beside the receive

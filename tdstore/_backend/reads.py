@@ -13,9 +13,10 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.armed_write import _discard_sync, _exchange_sync, keep_spare, take_spare
+from tdstore._backend.armed_write import _discard_sync, keep_spare, take_spare
 from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.wire import exchange_sync
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import parse_lv
@@ -166,7 +167,7 @@ def _exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     one-row read's client time)."""
     connection = take_spare(client)  # (the one kept after the last exchange: no pool checkout)
     try:
-        replies = _exchange_sync(connection, commands)
+        replies = exchange_sync(connection, commands)
     except BaseException:
         _discard_sync(client, connection)  # replies may be left unread on it
         raise
