@@ -76,6 +76,43 @@ def test_the_walk_finds_what_it_looks_for():
     assert [c for c in calls if c in _METHODS and c not in AMBIGUOUS] == ["ping", "config_get"]
 
 
+def _tdstore_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every tdstore module ``path`` imports, at any level (module top, functions, TYPE_CHECKING)."""
+    root = pathlib.Path(tdstore.__file__).parent
+    package = ".".join(("tdstore", *path.relative_to(root).with_suffix("").parts[:-1]))
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "tdstore"]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolved against the package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            if module.split(".")[0] == "tdstore":
+                out += [(node.lineno, module if module != "tdstore" else f"tdstore.{a.name}") for a in node.names]
+    return out
+
+
+def test_core_imports_only_core_and_errors():
+    """``tdstore._core`` is pure: no I/O layer, no store (issue 25, item 4)."""
+    root = pathlib.Path(tdstore.__file__).parent
+    found = [
+        f"{path.relative_to(root)}:{line}: {module}"
+        for path in sorted((root / "_core").rglob("*.py"))
+        for line, module in _tdstore_imports(path)
+        if not (module == "tdstore._core" or module.startswith("tdstore._core.") or module == "tdstore.errors")
+    ]
+    assert found == []
+
+
+def test_the_import_walk_sees_function_level_imports():
+    api = pathlib.Path(tdstore.__file__).parent / "store" / "api.py"
+    assert "tdstore.store.writes" in {m for _, m in _tdstore_imports(api)}  # (inside _planner)
+    backend = pathlib.Path(tdstore.__file__).parent / "_backend" / "connection.py"
+    assert any(m.startswith("tdstore._backend.") for _, m in _tdstore_imports(backend))
+
+
 def test_probe_returns_the_facts_doctor_judges(real_server):
     facts = probe_server(real_server.connection_kwargs(), pings=3)
     assert facts.info.get("redis_version") and facts.info_refused is None

@@ -31,8 +31,8 @@ from tdstore._core import chunks as _chunks
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, decode_path, encode_path
 from tdstore._core.layout import (
     SCRIPT_META_FIELDS,
-    Entry,
     Layout,
+    Op,
     _s,
     parse_entry,
     parse_layout,
@@ -467,20 +467,6 @@ def byte_view(payload: Any) -> memoryview:
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     return view
-
-
-@dataclass
-class Op:
-    """One change applied by the commit script (see lua/commit.lua)."""
-
-    op: str
-    path: tuple[str, ...]
-    meta: Entry | None = None
-    payload: Any = None  # bytes-like for "put"
-    nbytes: int | None = None  # for "zero"
-    new_path: tuple[str, ...] | None = None  # for "move"
-    has_data: bool = True  # "del"/"move": whether the entry has a data key
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from tdstore.errors import CorruptMetadataError
 
 __all__ = [
     "Entry", "Kind", "KINDS", "Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry",
-    "is_dims", "is_names", "MAX_DIMS", "MAX_DIM", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS", "DTYPE_ITEMSIZE",
+    "is_dims", "is_names", "MAX_DIMS", "MAX_DIM", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS", "DTYPE_ITEMSIZE", "Op",
 ]
 
 #: The kinds of registry entries: tensor, non-tensor and nested tensordict of a dense store;
@@ -435,3 +435,17 @@ def parse_entry(path: tuple[str, ...], raw: Any, base: str = "the store") -> Ent
     """One registry value, parsed and validated (:meth:`Entry.from_json`), or
     :class:`~tdstore.errors.CorruptMetadataError` naming the entry and the field."""
     return Entry.from_json(path, raw, base)
+
+
+@dataclass
+class Op:
+    """One change applied by the commit script (see lua/commit.lua)."""
+
+    op: str
+    path: tuple[str, ...]
+    meta: Entry | None = None
+    payload: Any = None  # bytes-like for "put"
+    nbytes: int | None = None  # for "zero"
+    new_path: tuple[str, ...] | None = None  # for "move"
+    has_data: bool = True  # "del"/"move": whether the entry has a data key
+    extra: dict[str, Any] = field(default_factory=dict)

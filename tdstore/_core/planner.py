@@ -13,15 +13,14 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore._backend import ops as _backend
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
-from tdstore._core.layout import Entry
+from tdstore._core.layout import Entry, Layout, Op
 from tdstore.errors import EntryNotFoundError, InplaceWriteError
 
 if TYPE_CHECKING:
-    from tdstore.store import TensorDictStore
+    from collections.abc import Callable
 
 __all__ = ["WritePlanner", "check_tensor", "tensor_like", "flatten_values"]
 
@@ -60,15 +59,20 @@ def check_tensor(value: torch.Tensor, path: tuple[str, ...], where: str) -> None
 class WritePlanner:
     """Turns whole-entry writes into commit ops against one layout snapshot."""
 
-    def __init__(self, store: TensorDictStore, layout: _backend.Layout, *, inplace: bool) -> None:
-        self.store = store
+    def __init__(
+        self, layout: Layout, *, inplace: bool, where: str, pickle_policy: Any, check_entry_size: Callable[..., None],
+    ) -> None:
+        """``where``: the store, as errors name it; ``pickle_policy``: what non-tensor values may
+        be pickled (``tdstore._core.codec``); ``check_entry_size(path, nbytes, where, chunk=)``
+        refuses an entry the server cannot hold (the connection's limits)."""
+        self.pickle_policy, self.check_entry_size = pickle_policy, check_entry_size
         self.layout = layout
         self.inplace = inplace
-        self.ops: list[_backend.Op] = []
+        self.ops: list[Op] = []
         self.bump = False
         self.entries = dict(layout.entries)
         self._seq = 0
-        self.where = store._where()
+        self.where = where
 
     def order(self) -> list[int]:
         self._seq += 1
@@ -90,7 +94,7 @@ class WritePlanner:
                     raise EntryNotFoundError(f"key {parent!r} not found in {self.where}")
                 node = _values.node_meta(self.owner_bs(parent), None, self.order())
                 self.entries[parent] = node
-                self.ops.append(_backend.Op("node", parent, node))
+                self.ops.append(Op("node", parent, node))
                 self.bump = True
             elif not meta.is_node:
                 raise KeyError(f"cannot write {path!r} in {self.where}: {parent!r} is not a nested tensordict")
@@ -104,7 +108,7 @@ class WritePlanner:
             self.entries.pop(sub)
             meta = self.layout.entries.get(sub)
             if meta is not None:
-                self.ops.append(_backend.Op("del", sub, has_data=meta.has_data))
+                self.ops.append(Op("del", sub, has_data=meta.has_data))
             self.bump = True
 
     def add(self, path: tuple[str, ...], value: Any) -> None:
@@ -118,7 +122,7 @@ class WritePlanner:
                 raise EntryNotFoundError(f"non-tensor key {path!r} not found in {self.where} for an in-place write")
             try:
                 meta, payload = _values.nontensor_parts(
-                    value, existing.order if existing else self.order(), self.store._conn.pickle_policy
+                    value, existing.order if existing else self.order(), self.pickle_policy
                 )
             except (TypeError, ValueError) as err:  # unpicklable, or pickle switched off: name the entry
                 raise type(err)(f"entry {path!r} of {self.where}: {err}") from err
@@ -129,7 +133,7 @@ class WritePlanner:
             elif existing is None:
                 self.bump = True
             self.entries[path] = meta
-            self.ops.append(_backend.Op("put", path, meta, payload=payload))
+            self.ops.append(Op("put", path, meta, payload=payload))
         elif isinstance(value, TensorDictBase):
             self.add_node(path, value, existing, owner_bs)
         else:
@@ -164,7 +168,7 @@ class WritePlanner:
         keep, view = _codec.tensor_view(value)
         self.check_size(path, len(view), meta.chunk)
         self.entries[path] = meta
-        self.ops.append(_backend.Op("put", path, meta, payload=view, extra={"keep": keep}))
+        self.ops.append(Op("put", path, meta, payload=view, extra={"keep": keep}))
 
     def add_node(self, path: tuple[str, ...], value: TensorDictBase, existing: Entry | None, owner_bs: torch.Size) -> None:
         if self.inplace:
@@ -183,7 +187,7 @@ class WritePlanner:
         names = value.names if value._has_names() else None
         node = _values.node_meta(value.batch_size, names, existing.order if existing else self.order())
         self.entries[path] = node
-        self.ops.append(_backend.Op("node", path, node))
+        self.ops.append(Op("node", path, node))
         self.bump = True
         for key, leaf in value.items(include_nested=False):
             if is_tensorclass(leaf) and not isinstance(leaf, (NonTensorData, NonTensorStack)):
@@ -191,12 +195,12 @@ class WritePlanner:
             self.add(path + (key,), leaf)
 
     def check_size(self, path: tuple[str, ...], nbytes: int, chunk: int | None = None) -> None:
-        self.store._conn.check_entry_size(path, nbytes, self.where, chunk=chunk)
+        self.check_entry_size(path, nbytes, self.where, chunk=chunk)
 
 
 def rename_ops(
     entries: Mapping[tuple[str, ...], Entry], old: tuple[str, ...], new: tuple[str, ...], where: str, order_base: int
-) -> list[_backend.Op]:
+) -> list[Op]:
     """The commit ops of renaming the entry ``old`` (with all its content) to ``new``.
 
     The renamed entries move to the end of their parent's keys, as ``TensorDict.rename_key_``
@@ -220,7 +224,7 @@ def rename_ops(
             )
     moved = {p for p in entries if p[: len(old)] == old}
     ops = [
-        _backend.Op("del", p, has_data=m.has_data)
+        Op("del", p, has_data=m.has_data)
         for p, m in entries.items()
         if p[: len(new)] == new and p not in moved
     ]
@@ -231,8 +235,8 @@ def rename_ops(
         m = entries[p]._replace(order=fresh[p])
         target = new + p[len(old) :]
         if m.is_node:
-            ops.append(_backend.Op("del", p, has_data=False))
-            ops.append(_backend.Op("node", target, m))
+            ops.append(Op("del", p, has_data=False))
+            ops.append(Op("node", target, m))
         else:
-            ops.append(_backend.Op("move", p, m, new_path=target))
+            ops.append(Op("move", p, m, new_path=target))
     return ops

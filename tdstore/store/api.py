@@ -530,10 +530,10 @@ async def _noop(client: Any) -> None:
 
 
 def _planner(store: Any, layout: _backend.Layout) -> Any:
-    from tdstore._core.planner import WritePlanner
+    from tdstore.store.writes import planner_for
 
     store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
-    return WritePlanner(store, layout, inplace=False)
+    return planner_for(store, layout, inplace=False)
 
 
 def _check_batch_size(batch_size: Any) -> torch.Size:

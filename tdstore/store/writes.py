@@ -88,7 +88,7 @@ class StoreWrites(DenseBase):
         prepared = {path: self._prepare_value(path, value) for path, value in items.items()}
 
         def check(layout: _backend.Layout) -> None:
-            planner = WritePlanner(_store(self), layout, inplace=inplace)
+            planner = planner_for(_store(self), layout, inplace=inplace)
             for path, value in prepared.items():
                 planner.add(path, value)
 
@@ -98,7 +98,7 @@ class StoreWrites(DenseBase):
         conn = self._conn
 
         def plan(layout: _backend.Layout) -> WritePlanner:
-            planner = WritePlanner(_store(self), layout, inplace=inplace)
+            planner = planner_for(_store(self), layout, inplace=inplace)
             for path, value in prepared.items():
                 planner.add(path, value)
             return planner
@@ -308,3 +308,13 @@ def _is_leaf_nontensor_cls(cls: type) -> bool:
 def _store(host: StoreWrites) -> TensorDictStore:
     """The host as the class that the planners take (``StoreWrites`` is a mixin of TensorDictStore only)."""
     return cast("TensorDictStore", host)
+
+
+def planner_for(store: Any, layout: _backend.Layout, *, inplace: bool) -> WritePlanner:
+    """A :class:`~tdstore._core.planner.WritePlanner` with the settings of ``store``: its name
+    in errors, its pickle policy, its connection's size limits."""
+    conn = store._conn
+    return WritePlanner(
+        layout, inplace=inplace, where=store._where(), pickle_policy=conn.pickle_policy,
+        check_entry_size=conn.check_entry_size,
+    )
