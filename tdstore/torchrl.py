@@ -33,7 +33,6 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import is_tensorclass
 
-from tdstore._backend import ops as _backend
 from tdstore.errors import SchemaError, StoreExistsError, StoreNotFoundError
 from tdstore.store import TensorDictStore
 
@@ -289,9 +288,10 @@ class TensorDictStoreStorage(TensorStorage):
         self._local_len = 0
         self._known_full = False
         if self._storage is not None:
-            # (a store deleted meanwhile holds no rows: nothing to empty, and nothing is written)
-            conn, cap = self._storage._conn, self.max_size
-            conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, 0, cap))
+            try:
+                self._storage.set_ring_total(0)
+            except StoreNotFoundError:
+                pass  # a store deleted meanwhile holds no rows: nothing to empty, and nothing is written
         self._bump_mutation_revision()
 
     def state_dict(self) -> dict[str, Any]:
@@ -322,10 +322,7 @@ class TensorDictStoreStorage(TensorStorage):
             )
         store = self._ensure_store(data, batched=True)
         store.update(data, inplace=True)
-        conn = store._conn
-        total = int(state_dict.get("total", state_dict["_len"]))
-        if not conn.run(lambda c: _backend.set_ring_total(c, conn.keys, conn.runner, total, self.max_size)):
-            raise store._not_found()
+        store.set_ring_total(int(state_dict.get("total", state_dict["_len"])))
         self._local_len = int(state_dict["_len"])
         self._bump_mutation_revision()
 

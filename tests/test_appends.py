@@ -233,3 +233,27 @@ def test_extend_refuses_nested_non_tensor_column(server):
     assert torch.equal(store["x"], torch.zeros(4))
     store.clear_redis()
     store.close()
+
+
+def test_set_ring_total(server):
+    """The public form of what TorchRL's empty() and load_state_dict() do (tdstore.torchrl)."""
+    from tdstore.errors import StoreNotFoundError
+
+    s = TensorDictStore.from_schema({"x": ([2], torch.float32)}, batch_size=[8], **server.connection_kwargs())
+    s.extend(TensorDict(x=torch.ones(5, 2), batch_size=[5]))
+    other = TensorDictStore.from_store(td_id=s.td_id, **server.connection_kwargs())
+    other.set_ring_total(3)
+    assert tuple(s.ring_state()) == (3, 3, 8, 3)
+    assert s.extend(TensorDict(x=torch.full((2, 2), 2.0), batch_size=[2])).tolist() == [3, 4]
+    other.set_ring_total(0)
+    assert tuple(s.ring_state()) == (0, 0, 8, 0)
+    with pytest.raises(ValueError, match="no row was appended"):
+        s.sample(1)
+    for bad in (-1, 2**52 + 1):
+        with pytest.raises(ValueError, match="2\\*\\*52"):
+            s.set_ring_total(bad)
+        assert tuple(s.ring_state()) == (0, 0, 8, 0)
+    s.clear_redis()
+    with pytest.raises(StoreNotFoundError):
+        other.set_ring_total(1)
+

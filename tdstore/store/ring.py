@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import is_non_tensor, is_tensorclass
 
 from tdstore._backend import append as _append_mod
+from tdstore._backend import ops as _ops
 from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
@@ -192,6 +193,26 @@ class RingBufferAPI(DenseBase):
         # a flag byte is 0 or 1 and only reserved rows are flagged: never more valid than total
         valid = min(flagged, capacity, total) if exists else min(total, capacity)
         return RingState(valid, total, capacity, total % capacity if capacity else 0)
+
+    def set_ring_total(self: TensorDictStore, total: int) -> None:  # type: ignore[misc]
+        """Sets the ring's count of rows ever appended to ``total`` (0 empties the ring), for
+        every process, in one step.
+
+        The first ``min(total, capacity)`` rows then count as written (``sample()`` draws
+        them), except rows an append still in flight reserved; the next ``extend()`` writes
+        at ``total % capacity``. What TorchRL's ``rb.empty()`` and ``load_state_dict()`` do
+        (:mod:`tdstore.torchrl`).
+
+        Raises:
+            ValueError: ``total`` is not from 0 to 2**52.
+            StoreNotFoundError: the store does not exist.
+        """
+        conn = self._conn
+        capacity = self.batch_size[0] if self.batch_dims else 0
+        if capacity < 1:
+            raise ValueError(f"set_ring_total() on {self._where()}: a ring needs a first batch dim of at least 1 row")
+        if not conn.run(lambda c: _ops.set_ring_total(c, conn.keys, conn.runner, total, capacity)):
+            raise self._not_found()
 
     def sample(self: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> Any:  # type: ignore[misc]
         """Reads ``n`` random rows (with replacement) among the valid ones; one consistent snapshot.
