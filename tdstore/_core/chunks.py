@@ -68,7 +68,7 @@ def check_chunk_bytes(value: Any, where: str) -> int | None:
             f"chunk_bytes of {where} must be an int of at least {MIN_CHUNK_BYTES} bytes (or None for "
             f"one string per entry), got {value!r}"
         )
-    return value
+    return int(value)
 
 
 #: The environment variable that gives new stores a default ``chunk_bytes``.

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, TypeGuard
+from typing import Any, Literal, NamedTuple, TypeGuard, cast
 
 from tdstore._core.chunks import MAX_CHUNKS, Chunking
 from tdstore._core.keys import decode_path
@@ -307,7 +307,7 @@ class Layout:
             except RecursionError:  # (nested too deep for the parser: damage, as bad JSON is)
                 raise ValueError(f"batch size nested too deep to parse: {raw!r:.100}") from None
             self.memo["batch_size"] = value
-        return value
+        return cast("list[int]", value)
 
 
 #: Meta hash fields that only the scripts write (commit.lua refuses them as metadata updates).

@@ -102,7 +102,9 @@ class WritePlanner:
     def remove(self, path: tuple[str, ...]) -> None:
         # an entry this plan wrote earlier (update({("b", "c"): x, "b": y})) is superseded: its op
         # goes, as a "del" after it would miss bytes it wrote in another chunking
-        under = lambda p: p[: len(path)] == path  # noqa: E731
+        def under(p: tuple[str, ...]) -> bool:
+            return p[: len(path)] == path
+
         self.ops = [op for op in self.ops if op.op == "del" or not under(op.path)]
         for sub in [p for p in self.entries if under(p)]:
             self.entries.pop(sub)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict.base import NO_DEFAULT  # the "argument left out" sentinel of TensorDictBase
@@ -135,7 +135,7 @@ def parse_names(raw: str | None, ndim: int, where: str) -> list[str | None] | No
         value = raw
     if not _is_names(value, ndim):
         raise CorruptMetadataError(f"store {where} has malformed names {raw!r:.200} in its meta hash")
-    return value
+    return cast("list[str | None] | None", value)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, path: tuple[str, ...], where: str) -> torch.Tensor:
