@@ -691,8 +691,8 @@ def test_cli_and_errors_import_without_torch_or_tensordict(real_server: ServerHa
 
 def _serve_with_default_port(port: int, tmp_path: Any, *extra: str) -> subprocess.Popen[str]:
     """``tdstore serve`` in a subprocess whose default port is ``port`` (instead of 6379)."""
-    code = ("import sys; import tdstore.cli.commands as c; c.SERVE_PORT = int(sys.argv[1]); "
-            "sys.exit(c.main(['serve', *sys.argv[2:]]))")
+    code = ("import sys; import tdstore.cli.serve as s; s.SERVE_PORT = int(sys.argv[1]); "
+            "from tdstore.cli import main; sys.exit(main(['serve', *sys.argv[2:]]))")
     return subprocess.Popen([sys.executable, "-c", code, str(port), *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_child_env(), cwd=str(tmp_path))
 

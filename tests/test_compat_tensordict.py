@@ -1,7 +1,7 @@
 """The store behaves the same on tensordict 0.14.3 and 0.15.x (TorchRL 0.14.1 pins 0.14.3).
 
 The main CI run covers 0.15.x; the 0.14.3 step of ``.ci/run`` runs this module again, where
-``tdstore.store.compat`` supplies what TensorDictBase lacks. Every check compares the store with
+``tdstore.base.compat`` supplies what TensorDictBase lacks. Every check compares the store with
 an in-memory TensorDict given the same operations, and reads the result back through a
 second handle (``from_store``), so a change kept only in a local copy fails.
 """
@@ -15,8 +15,8 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
+from tdstore.base.compat import NEEDS_COMPAT, TENSORDICT_VERSION
 from tdstore.errors import UnsupportedOperationError
-from tdstore.store.compat import NEEDS_COMPAT, TENSORDICT_VERSION
 
 
 def _pair(server):

@@ -227,7 +227,7 @@ def test_direct_reads_keep_one_connection_and_drop_it_when_killed(real_server):
     """Direct reads reuse the connection kept after the last one (no pool checkout); one the
     server closed meanwhile is dropped before anything is sent on it, and the read goes on
     a fresh one."""
-    from tdstore._backend.armed_write import _SPARE
+    from tdstore._backend.blocking import _SPARE
 
     store = TensorDictStore.from_tensordict(TensorDict(x=torch.arange(40.0).reshape(10, 4), batch_size=[10]),
                                             **real_server.connection_kwargs())

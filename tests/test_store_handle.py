@@ -1,9 +1,9 @@
-"""What the dense and the lazy store share (tdstore/store/handle.py), and behaves the same in both.
+"""What the dense and the lazy store share (tdstore/base/handle.py), and behaves the same in both.
 
 The two classes get their key list, ``entry_class``, lock, repr, handle construction, rename
 checks and trivial overrides from one mixin, ``StoreHandle``, instead of a copy each; the
 lazy store's refused methods come from the same factory as the dense store's
-(``tdstore.store.unsupported.refuse``). These tests check that the members are the same
+(``tdstore.base.unsupported.refuse``). These tests check that the members are the same
 objects, and that what both do through them holds on a server.
 """
 

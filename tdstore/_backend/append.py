@@ -55,7 +55,8 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.armed_write import ArmedSlot, _discard_sync, _s
+from tdstore._backend.armed_write import ArmedSlot, _s
+from tdstore._backend.blocking import discard
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.wire import alive, exchange_sync
@@ -335,7 +336,7 @@ def _unwatch(client: Any, connection: Any) -> None:
         connection.read_response()
     except Exception:  # noqa: BLE001 - the connection is dropped instead (disconnecting forgets the WATCH)
         try:
-            _discard_sync(client, connection)
+            discard(client, connection)
         except Exception:  # noqa: BLE001
             pass
         return
@@ -368,7 +369,7 @@ def _park(
     displaced = slot.put(armed)  # type: ignore[arg-type]
     if displaced is not None:
         try:
-            _discard_sync(displaced.client, displaced.connection)
+            discard(displaced.client, displaced.connection)
         except Exception:  # noqa: BLE001 - (another thread's connection; the append is applied)
             pass
 
@@ -408,10 +409,10 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         try:
             replies = exchange_sync(connection, commands + plan.arm_commands(start + plan.n))
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
-            _discard_sync(client, connection)
+            discard(client, connection)
             raise _connection_broke(plan, err) from err
         except BaseException:
-            _discard_sync(client, connection)
+            discard(client, connection)
             raise
         result = replies[sent - 1]
         assert slot is not None
@@ -452,12 +453,12 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         sent_write = True
         replies = exchange_sync(connection, commands + (plan.arm_commands(start + plan.n) if arm else []))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
-        _discard_sync(client, connection)
+        discard(client, connection)
         if sent_write:
             raise _connection_broke(plan, err) from err
         raise
     except BaseException:
-        _discard_sync(client, connection)  # forgets the WATCH
+        discard(client, connection)  # forgets the WATCH
         raise
     sent = len(commands)
     if arm:

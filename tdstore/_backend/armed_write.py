@@ -29,7 +29,6 @@ new client, an error or a cancellation drops it (disconnected, never reused).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,10 +37,11 @@ from typing import Any
 import redis.asyncio
 import redis.exceptions
 
+from tdstore._backend.blocking import discard
 from tdstore._backend.row_writes import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
-from tdstore._backend.wire import alive, connected, exchange, exchange_sync
+from tdstore._backend.wire import connected, exchange, exchange_sync
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import counter_damage, data_key_commands, data_key_damage
@@ -136,7 +136,7 @@ class ArmedSlot:
     def drop_sync(self, armed: _Armed | None) -> None:
         """:meth:`drop` for a connection of a blocking client."""
         if armed is not None:
-            _discard_sync(armed.client, armed.connection)
+            discard(armed.client, armed.connection)
 
 
 async def _discard(client: Any, connection: Any) -> None:
@@ -144,13 +144,6 @@ async def _discard(client: Any, connection: Any) -> None:
         await connection.disconnect()
     finally:
         await client.connection_pool.release(connection)
-
-
-def _discard_sync(client: Any, connection: Any) -> None:
-    try:
-        connection.disconnect()
-    finally:
-        client.connection_pool.release(connection)
 
 
 def _s(value: Any) -> str:
@@ -352,32 +345,6 @@ async def write_runs_armed(
 # --------------------------------------------------------------------------- #
 
 
-#: The attribute of a blocking client of tdstore's that holds a connection kept between
-#: direct exchanges: ``(pid, connection)``.
-_SPARE = "_tdstore_spare"
-
-
-def take_spare(client: Any) -> Any:
-    """A connection of ``client``'s pool for one exchange: the one kept after the last (no
-    checkout), else one from the pool. Thread-safe: ``dict.pop`` hands it to one thread."""
-    held = client.__dict__.pop(_SPARE, None)
-    if held is not None:
-        pid, connection = held
-        if pid == os.getpid():  # (a forked child leaves its parent's connection alone)
-            if alive(connection):
-                return connection
-            _discard_sync(client, connection)  # closed by the server, or by close()
-    return client.connection_pool.get_connection()
-
-
-def keep_spare(client: Any, connection: Any) -> None:
-    """Keeps ``connection`` (idle, nothing to read on it) for the next exchange of
-    ``client``; back to the pool when another thread's is kept already."""
-    held = (os.getpid(), connection)
-    if client.__dict__.setdefault(_SPARE, held) is not held:
-        client.connection_pool.release(connection)
-
-
 def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
     """:func:`write_runs_armed` on a blocking client, from the calling thread.
 
@@ -406,11 +373,11 @@ def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Gro
         replies = exchange_sync(connection, write.commands(exp))
     except BaseException:
         if connection is not None:
-            _discard_sync(client, connection)
+            discard(client, connection)
         raise
     contended, drop, release = write.settle(slot, client, connection, replies)
     for conn in drop:
-        _discard_sync(client, conn)
+        discard(client, conn)
     if release:
         client.connection_pool.release(connection)
     if contended:

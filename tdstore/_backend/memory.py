@@ -35,6 +35,7 @@ import redis.exceptions
 
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import ZeroBytes, byte_view
 from tdstore.errors import WouldExceedMaxmemoryError
 
 __all__ = ["GUARD_MIN", "GROWTH_SLACK", "alloc_size", "estimate", "note_setup", "check", "check_ops"]
@@ -64,8 +65,6 @@ def alloc_size(nbytes: int) -> int:
 
 
 def _payload_nbytes(payload: Any) -> int:
-    from tdstore._backend.ops import ZeroBytes, byte_view
-
     if isinstance(payload, ZeroBytes):
         return payload.n
     return byte_view(payload).nbytes
@@ -103,8 +102,6 @@ def estimate(ops: Sequence[Any], *, staged: bool = False, step: int = 16 * 1024 
 
 
 def _is_zero(payload: Any) -> bool:
-    from tdstore._backend.ops import ZeroBytes
-
     return isinstance(payload, ZeroBytes)
 
 

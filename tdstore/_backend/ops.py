@@ -25,6 +25,7 @@ from tdstore._backend import large as _large
 from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
+from tdstore._backend.blocking import transaction
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
@@ -33,7 +34,9 @@ from tdstore._core.layout import (
     SCRIPT_META_FIELDS,
     Layout,
     Op,
+    ZeroBytes,
     _s,
+    byte_view,
     parse_entry,
     parse_layout,
     parse_lv,
@@ -229,7 +232,6 @@ def read_entries_direct(
     the caller does the same.
     """
     big, device = _big_entries(paths, options)
-    from tdstore._backend.reads import transaction  # (reads imports this module)
 
     under = options.get("under")
     attempt = _EntriesTry(keys, paths, with_layout, big, device, _chunking_of(keys, paths, under), under)
@@ -384,7 +386,7 @@ class _EntriesTry:
 
 def _hash(reply: Any) -> Any:
     """An HGETALL reply as a dict: RESP2 sends a flat list of fields and values where no
-    parsing callback made it one (the direct client's :func:`~tdstore._backend.reads.transaction`)."""
+    parsing callback made it one (the direct client's :func:`~tdstore._backend.blocking.transaction`)."""
     if isinstance(reply, list):
         return dict(zip(reply[::2], reply[1::2], strict=True))
     return reply
@@ -452,21 +454,6 @@ def _raise_first_error(replies: list[Any]) -> None:
 
 def _nbytes(payload: Any) -> int:
     return payload.nbytes if isinstance(payload, memoryview) else len(payload) if isinstance(payload, bytes) else 0
-
-
-@dataclass
-class ZeroBytes:
-    """The payload of a zero-filled entry (or chunk) grown on the server in a tmp key: ``n`` zero bytes."""
-
-    n: int
-
-
-def byte_view(payload: Any) -> memoryview:
-    """A flat byte view of a bytes-like payload (no copy)."""
-    view = memoryview(payload)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
 
 
 if TYPE_CHECKING:

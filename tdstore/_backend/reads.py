@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import redis.exceptions
-
-from tdstore._backend.armed_write import _discard_sync, keep_spare, take_spare
+from tdstore._backend.blocking import exchange as _exchange
+from tdstore._backend.blocking import transaction
 from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
-from tdstore._backend.wire import exchange_sync
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import parse_lv
@@ -157,44 +155,6 @@ def read_runs_direct(
     replies = transaction(client, _run_commands(keys, runner, recipe) + [("STRLEN", key) for _, key, _ in checks])
     _raise_first_error(replies)
     return _split_checked(replies, recipe, checks, keys.base)
-
-
-def _exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """Sends ``commands`` in one packet on a connection of a blocking client and returns their
-    replies, errors as values (armed_write's exchange): what ``pipeline(transaction=False)
-    .execute(raise_on_error=False)`` does for commands whose replies need no parsing callback
-    (GETRANGE, STRLEN, HGET), without redis-py's per-pipeline bookkeeping (a third of a
-    one-row read's client time)."""
-    connection = take_spare(client)  # (the one kept after the last exchange: no pool checkout)
-    try:
-        replies = exchange_sync(connection, commands)
-    except BaseException:
-        _discard_sync(client, connection)  # replies may be left unread on it
-        raise
-    keep_spare(client, connection)
-    return replies
-
-
-def transaction(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """MULTI, ``commands`` and EXEC sent in one packet on a blocking client (:func:`_exchange`):
-    EXEC's replies, errors as values, as ``pipeline(transaction=True).execute(raise_on_error=
-    False)`` gives them for commands whose replies need no parsing callback, without redis-py's
-    per-command bookkeeping (measured on the busy 2-core VM, the MULTIs of ``to_tensordict()``
-    of 32 small leaves and of a lazy element read: 254 and 98 us a call, against 325 and 170
-    through the pipeline).
-
-    Raises what the server refused before EXEC ran (a command it would not queue, e.g. over
-    maxmemory; EXECABORT), as redis-py's errors: the caller's direct try then falls back to
-    the IO loop's read, which deals with it (see ``Connection.read``).
-    """
-    replies = _exchange(client, [("MULTI",), *commands, ("EXEC",)])
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    result = replies[-1]
-    if not isinstance(result, list) or len(result) != len(commands):
-        raise redis.exceptions.ResponseError(f"EXEC answered {result!r:.100} to a MULTI of {len(commands)} commands")
-    return result
 
 
 def _single_run(

@@ -112,7 +112,7 @@ def annotate(meta: Entry, store_meta: Mapping[str, str]) -> Entry:
     cb = store_meta.get("cb")
     if cb and meta.is_tensor:
         assert meta.shape is not None
-        size = chunk_size(meta.shape, meta.torch_dtype.itemsize, int(cb))
+        size = chunk_size(meta.shape, meta.itemsize, int(cb))
         if size is not None:
             return meta._replace(chunk=size)
     return meta

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from tdstore._core.layout import DTYPE_ITEMSIZE
+from tdstore._core.layout import DTYPE_ITEMSIZE, Entry
 
 __all__ = [
     "DTYPE_BY_NAME",
     "dtype_name",
     "dtype_from_name",
+    "entry_dtype",
     "tensor_nbytes",
     "tensor_view",
     "tensor_from_reply",
@@ -72,6 +73,12 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(
             f"unknown dtype {name!r} in the store's metadata (this torch knows {', '.join(DTYPE_BY_NAME)})"
         ) from None
+
+
+def entry_dtype(meta: Entry) -> torch.dtype:
+    """The ``torch.dtype`` of a tensor entry of the registry (its dtype name, mapped)."""
+    assert meta.dtype is not None, meta
+    return dtype_from_name(meta.dtype)
 
 
 def tensor_nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:

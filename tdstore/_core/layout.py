@@ -19,7 +19,7 @@ from tdstore.errors import CorruptMetadataError
 
 __all__ = [
     "Entry", "Kind", "KINDS", "Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry",
-    "is_dims", "is_names", "MAX_DIMS", "MAX_DIM", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS", "DTYPE_ITEMSIZE", "Op",
+    "is_dims", "is_names", "MAX_DIMS", "MAX_DIM", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS", "DTYPE_ITEMSIZE", "Op", "ZeroBytes", "byte_view",
 ]
 
 #: The kinds of registry entries: tensor, non-tensor and nested tensordict of a dense store;
@@ -142,14 +142,6 @@ class Entry(NamedTuple):
     def dim_names(self) -> list[str | None] | None:
         """The dim names of a nested tensordict, as TensorDict gives them (a list, or None)."""
         return None if self.names is None else list(self.names)
-
-    @property
-    def torch_dtype(self) -> Any:
-        """The ``torch.dtype`` of a tensor entry."""
-        from tdstore._core import codec as _codec  # torch: not imported by the command line
-
-        assert self.dtype is not None, self
-        return _codec.dtype_from_name(self.dtype)
 
     @property
     def itemsize(self) -> int:
@@ -449,3 +441,18 @@ class Op:
     new_path: tuple[str, ...] | None = None  # for "move"
     has_data: bool = True  # "del"/"move": whether the entry has a data key
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ZeroBytes:
+    """The payload of a zero-filled entry (or chunk) grown on the server in a tmp key: ``n`` zero bytes."""
+
+    n: int
+
+
+def byte_view(payload: Any) -> memoryview:
+    """A flat byte view of a bytes-like payload (no copy)."""
+    view = memoryview(payload)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view

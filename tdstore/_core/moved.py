@@ -2,7 +2,7 @@
 
 A pickle names the module of each class and function it holds (``tdstore._store_api._unpickle``,
 ``tdstore._retry.RetryPolicy``, ...). Those modules moved into ``tdstore._core``, ``tdstore._backend``,
-``tdstore.store``, ``tdstore.lazy``, ``tdstore.server`` and ``tdstore.cli``; this finder answers an
+``tdstore.store``, ``tdstore.base``, ``tdstore.lazy``, ``tdstore.server`` and ``tdstore.cli``; this finder answers an
 import of an old name with the module at its new place (the same module object, not a copy).
 """
 
@@ -40,10 +40,10 @@ MOVED: dict[str, str] = {
     "tdstore._index_write": "tdstore.store.index_write",
     "tdstore._ring": "tdstore.store.ring",
     "tdstore._lifetime": "tdstore.store.lifetime",
-    "tdstore._compat": "tdstore.store.compat",
-    "tdstore._views": "tdstore.store.views",
-    "tdstore._unsupported": "tdstore.store.unsupported",
-    "tdstore._layout_cache": "tdstore.store.layout_cache",
+    "tdstore._compat": "tdstore.base.compat",
+    "tdstore._views": "tdstore.base.views",
+    "tdstore._unsupported": "tdstore.base.unsupported",
+    "tdstore._layout_cache": "tdstore.base.layout_cache",
     "tdstore._lazy_keys": "tdstore.lazy.writes",
     "tdstore._lazy_read": "tdstore.lazy.reads",
     "tdstore._lazy_plan": "tdstore.lazy.plan",
@@ -55,6 +55,12 @@ MOVED: dict[str, str] = {
     "tdstore._cli_inspect": "tdstore.cli.stores",
     "tdstore._cli_serve": "tdstore.cli.serve",
     "tdstore.demo": "tdstore.cli.demo",
+    "tdstore.store.handle": "tdstore.base.handle",
+    "tdstore.store.layout_cache": "tdstore.base.layout_cache",
+    "tdstore.store.unsupported": "tdstore.base.unsupported",
+    "tdstore.store.compat": "tdstore.base.compat",
+    "tdstore.store.views": "tdstore.base.views",
+    "tdstore.store.host": "tdstore.base.host",
 }
 
 

@@ -154,7 +154,7 @@ class WritePlanner:
                         f"Failed to update {path!r} in {self.where}: the value of shape {value.shape} "
                         f"does not fit the entry of shape {shape}"
                     ) from None
-            value = value.to(existing.torch_dtype)
+            value = value.to(_codec.entry_dtype(existing))
             meta = existing
         else:
             if value.shape[: len(owner_bs)] != owner_bs:

@@ -6,7 +6,7 @@ installs. Each name here is tensordict's own class where the installed release h
 code written for TensorDict catches what a store raises, and a class of the same bases
 otherwise. Nothing else in tdstore imports a private tensordict name (tests/test_compat_tensordict.py
 checks the source). The methods that tensordict 0.14's TensorDictBase lacks are filled in by
-:mod:`tdstore.store.compat`.
+:mod:`tdstore.base.compat`.
 """
 
 from __future__ import annotations

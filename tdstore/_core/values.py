@@ -185,7 +185,7 @@ def decode_value(
         )
     if meta.is_tensor:
         try:
-            tensor = _codec.tensor_from_reply(data, meta.torch_dtype, tuple(meta.shape or ()), owned=owned)
+            tensor = _codec.tensor_from_reply(data, _codec.entry_dtype(meta), tuple(meta.shape or ()), owned=owned)
         except ValueError as err:
             raise CorruptMetadataError(f"entry {path!r} of {where}: {err}") from None
         if device is not None and device.type != "cpu":

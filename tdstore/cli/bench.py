@@ -242,7 +242,7 @@ def _server_version(info: dict[str, Any]) -> str:
 
 def run_bench(opts: Any, args: Any, out: TextIO) -> int:
     """Runs ``tdstore bench``; returns 0."""
-    from tdstore.cli import CliError
+    from tdstore.errors import CliError
 
     if not 0 < args.mb <= 1024:
         raise CliError("tdstore bench: --mb must be in (0, 1024]", 2)

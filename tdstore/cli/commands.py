@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from tdstore._backend.credentials import login_kwargs
+from tdstore.cli.serve import SERVE_PORT
 from tdstore.errors import CliError
 
 __all__ = ["main", "ConnOptions", "CliError", "build_parser"]
@@ -100,10 +101,6 @@ class ConnOptions:
             kwargs.pop("db")
             return redis.asyncio.cluster.RedisCluster(**kwargs)
         return redis.asyncio.Redis(**kwargs)
-
-
-#: ``tdstore serve``'s port when ``--port`` is not given and this one is free
-SERVE_PORT = 6379
 
 
 def _version() -> str:

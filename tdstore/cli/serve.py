@@ -16,6 +16,9 @@ import sys
 import time
 from typing import Any, TextIO
 
+#: ``tdstore serve``'s port when ``--port`` is not given and this one is free
+SERVE_PORT = 6379
+
 __all__ = ["serve"]
 
 #: seconds between checks that the server process is still alive
@@ -57,8 +60,6 @@ def serve(args: Any, out: TextIO) -> int:
         config["appendonly"] = "yes"
     if args.dir:
         config["save"] = "3600 1 300 100 60 10000"  # the servers' own default snapshots
-    from tdstore.cli.commands import SERVE_PORT
-
     note = ""
     if args.port is None:  # the default: 6379 when free, else a free port (and say so)
         port: int | None = SERVE_PORT

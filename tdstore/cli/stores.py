@@ -204,7 +204,7 @@ def _manifest(raw: Any) -> dict[str, Any] | None:
 
 def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
     """Everything ``tdstore info`` shows about one store (a dict ready for JSON)."""
-    from tdstore.cli import CliError
+    from tdstore.errors import CliError
 
     try:
         keys = StoreKeys(prefix, td_id)
@@ -381,8 +381,7 @@ def remove_stores(
     import sys
 
     from tdstore import StoreNotFoundError
-    from tdstore.cli import CliError
-    from tdstore.errors import CorruptMetadataError, DataLostError
+    from tdstore.errors import CliError, CorruptMetadataError, DataLostError
 
     found: list[dict[str, Any]] = []
     missing: list[str] = []

@@ -30,6 +30,10 @@ from tdstore._backend import ops as _backend
 from tdstore._core.keys import new_td_id
 from tdstore._core.layout import Entry
 from tdstore._core.values import is_dims, is_no_default
+from tdstore.base.compat import StoreCompat014
+from tdstore.base.handle import StoreHandle, entries_below
+from tdstore.base.layout_cache import LayoutCache
+from tdstore.base.unsupported import StoreUnsupported, refuse
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -41,10 +45,6 @@ from tdstore.errors import (
 from tdstore.lazy import plan
 from tdstore.lazy.reads import LazyReads
 from tdstore.lazy.writes import LazyWrites
-from tdstore.store.compat import StoreCompat014
-from tdstore.store.handle import StoreHandle, entries_below
-from tdstore.store.layout_cache import LayoutCache
-from tdstore.store.unsupported import StoreUnsupported, refuse
 
 __all__ = ["LazyStackedTensorDictStore"]
 

@@ -116,7 +116,7 @@ def plan_index_write(
         positions = _position_stack(store, layout, list(tensor_targets), members, elem_bs, s, pick, remapped)
         for path in tensor_targets:
             meta = layout.entries[path]
-            dtype = meta.torch_dtype
+            dtype = _codec.entry_dtype(meta)
             item = dtype.itemsize
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             offsets, _ = store._spans(layout, path)
@@ -138,7 +138,7 @@ def _leaf_write(
 ) -> list[tuple[tuple[str, ...], list[tuple[int, int]], Any]]:
     """The runs of ``set_at_(key, value, index)`` where ``index`` reaches past the batch dims."""
     meta = layout.entries[path]
-    dtype = meta.torch_dtype
+    dtype = _codec.entry_dtype(meta)
     members = list(range(n))
     positions = _position_stack(store, layout, [path], members, elem_bs, s, None, (slice(None),))
     rel = path[len(store._path) :]
@@ -179,7 +179,7 @@ def _position_stack(
     values: dict[tuple[str, ...], dict[int, Any]] = {}
     for path in paths:
         meta = layout.entries[path]
-        item = meta.torch_dtype.itemsize
+        item = meta.itemsize
         offsets, _ = store._spans(layout, path)
         shapes = plan.elem_shapes(meta, n)
         values[path] = {

@@ -75,7 +75,7 @@ def elem_shapes(meta: Entry, n: int) -> list[list[int]]:
 
 def elem_spans(meta: Entry, n: int) -> tuple[list[int], list[int]]:
     """Byte offset and byte length of each element of a tensor leaf."""
-    item = meta.torch_dtype.itemsize
+    item = meta.itemsize
     if meta.shape is not None:
         size = math.prod(meta.shape) * item
         return [j * size for j in range(n)], [size] * n

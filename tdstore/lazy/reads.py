@@ -19,14 +19,15 @@ from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
 from tdstore._backend.lease import ReadLease
 from tdstore._backend.optimistic import Retry, optimistic
+from tdstore._core import codec as _codec
 from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
 from tdstore._core.tdcompat import KeyThroughLeafError, default_covers_leaf
 from tdstore._core.values import NO_DEFAULT, is_no_default
+from tdstore.base.host import LazyBase
 from tdstore.errors import DataLostError, UnsupportedOperationError
 from tdstore.lazy import plan
-from tdstore.store.host import LazyBase
 
 __all__ = ["LazyReads"]
 
@@ -110,7 +111,7 @@ class LazyReads(LazyBase):
                 values = plan.decode_nontensor(meta, chunks[0], n, owner, path, self._where(), conn.pickle_policy, device)
                 out[path] = {j: values[j] for j in members}
                 continue
-            dtype = meta.torch_dtype
+            dtype = _codec.entry_dtype(meta)
             shapes = self._shapes(layout, path)
             offsets, sizes = self._spans(layout, path)
             found: dict[int, Any] = {}
@@ -364,7 +365,7 @@ class LazyReads(LazyBase):
                 if lv is None:
                     raise self._not_found()
                 raise Retry(stale=True)  # back off, refresh, read again
-            dtype = meta.torch_dtype
+            dtype = _codec.entry_dtype(meta)
             nbytes = meta.nbytes * bs[s]
             raw = self._buffer(replies[0][0], nbytes, path) if nbytes else torch.empty(0, dtype=torch.uint8)
             tensor = _as_tensor(raw, dtype, [bs[s], *meta.shape]).movedim(0, s)

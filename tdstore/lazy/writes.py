@@ -24,9 +24,9 @@ from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
 from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import NO_DEFAULT, is_no_default
+from tdstore.base.host import LazyBase
 from tdstore.errors import SchemaError, StaleLayoutError, UnsupportedOperationError
 from tdstore.lazy import plan
-from tdstore.store.host import LazyBase
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -26,10 +26,10 @@ from tdstore._core.keys import new_td_id
 from tdstore._core.layout import Entry
 from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import is_no_default
+from tdstore.base.host import DenseBase
 from tdstore.errors import (
     SchemaError,
 )
-from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
     from typing_extensions import Self

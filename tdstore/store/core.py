@@ -29,6 +29,10 @@ from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
 from tdstore._core.layout import Entry
 from tdstore._core.values import NO_DEFAULT
+from tdstore.base.compat import StoreCompat014
+from tdstore.base.handle import StoreHandle, entries_below
+from tdstore.base.layout_cache import LayoutCache
+from tdstore.base.unsupported import StoreUnsupported
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -37,13 +41,9 @@ from tdstore.errors import (
     StoreNotFoundError,
 )
 from tdstore.store.api import StoreAPI
-from tdstore.store.compat import StoreCompat014
-from tdstore.store.handle import StoreHandle, entries_below
-from tdstore.store.layout_cache import LayoutCache
 from tdstore.store.lifetime import LifetimeAPI, ttl_ms
 from tdstore.store.reads import StoreReads
 from tdstore.store.ring import RingBufferAPI
-from tdstore.store.unsupported import StoreUnsupported
 from tdstore.store.writes import StoreWrites
 
 __all__ = ["TensorDictStore"]

@@ -86,7 +86,7 @@ def write_index(
             # torch checks the dtypes before the index's range: the same error comes first
             meta = layout.entries.get(path)
             if meta is not None and meta.is_tensor:
-                check_index_dtype(index, value, meta.torch_dtype, path, where)
+                check_index_dtype(index, value, _codec.entry_dtype(meta), path, where)
         block = contiguous_rows(index, batch_size)
         if block is not None:
             # an int or a slice over dim 0: one run of rows, no tensor index math
@@ -152,7 +152,7 @@ def write_index(
                     f"entry {path!r} of {where} is registered with {meta.nbytes} bytes in one string, more than "
                     f"the server's proto-max-bulk-len of {conn.max_bulk} allows: its registry entry is damaged"
                 )
-            dtype = meta.torch_dtype
+            dtype = _codec.entry_dtype(meta)
             feat_shape = tuple((meta.shape or ())[nb:])
             payload = _row_payload(value, dtype, tuple(new_bs) + feat_shape, path, where, index)
             row_bytes = _codec.tensor_nbytes(feat_shape, dtype)

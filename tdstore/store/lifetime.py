@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
-from tdstore.store.host import DenseBase
+from tdstore.base.host import DenseBase
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore

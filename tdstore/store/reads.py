@@ -28,8 +28,8 @@ from tdstore._core.indexing import RowSpans, consumed_dims, contiguous_rows, nor
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import encode_path
 from tdstore._core.progress import Progress
+from tdstore.base.host import DenseBase
 from tdstore.errors import CorruptMetadataError, DataLostError, StaleLayoutError, WriteConflictError
-from tdstore.store.host import DenseBase
 
 __all__ = ["StoreReads"]
 
@@ -310,7 +310,7 @@ class StoreReads(DenseBase):
             for key, value in leaves.items(True, True):
                 path = self._path + _as_path(key)
                 meta = snap.entries[path]
-                value = value.to(meta.torch_dtype)
+                value = value.to(_codec.entry_dtype(meta))
                 if tuple(value.shape) != meta.shape:
                     raise RuntimeError(f"{method.__name__} changed the shape of {path!r} in {self._where()}")
                 flat, view = _codec.tensor_view(value)
@@ -372,7 +372,7 @@ class StoreReads(DenseBase):
         plan = []
         for path, meta in items:
             if meta.is_tensor:
-                dtype = meta.torch_dtype
+                dtype = _codec.entry_dtype(meta)
                 feat = tuple((meta.shape or ())[nb:])
                 plan.append((path, meta, dtype, feat, _codec.tensor_nbytes(feat, dtype)))
             elif meta.is_non_tensor:

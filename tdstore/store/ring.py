@@ -21,8 +21,8 @@ from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import check_tensor
+from tdstore.base.host import DenseBase
 from tdstore.errors import CorruptMetadataError, SchemaError, StaleLayoutError
-from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -169,7 +169,7 @@ class RingBufferAPI(DenseBase):
         per_row = []
         for path, meta in self._descendants(layout, self._path):
             if meta.is_tensor:
-                dtype = meta.torch_dtype
+                dtype = _codec.entry_dtype(meta)
                 row_shape = torch.Size(tuple(batch[1:]) + tuple((meta.shape or ())[nb:]))
                 leaves.append((path, path[depth:], dtype, row_shape, _codec.tensor_nbytes(row_shape, dtype)))
             elif meta.is_non_tensor and meta.stack:

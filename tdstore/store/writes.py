@@ -25,8 +25,8 @@ from tdstore._core import values as _values
 from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
+from tdstore.base.host import DenseBase
 from tdstore.errors import SchemaError, StoreExistsError
-from tdstore.store.host import DenseBase
 
 if TYPE_CHECKING:
     from typing_extensions import Self

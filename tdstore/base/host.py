@@ -3,7 +3,7 @@
 ``TensorDictStore`` is assembled from mixins (``StoreAPI``, ``StoreWrites``, ``StoreReads``,
 ``RingBufferAPI``, ``LifetimeAPI``, ...) and ``LazyStackedTensorDictStore`` from others
 (``LazyReads``, ``LazyWrites``); both share ``LayoutCache`` and ``StoreHandle``
-(:mod:`tdstore.store.handle`). A mixin calls methods and reads attributes that its host defines.
+(:mod:`tdstore.base.handle`). A mixin calls methods and reads attributes that its host defines.
 The protocols here declare them, so that the type checker checks each mixin against them instead
 of taking every attribute on trust.
 

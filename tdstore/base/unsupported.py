@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from tdstore.base.host import SharedBase
 from tdstore.errors import UnsupportedOperationError
-from tdstore.store.host import SharedBase
 
 __all__ = ["StoreUnsupported", "refuse"]
 

@@ -17,8 +17,8 @@ from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
 from tdstore._core.layout import Entry
+from tdstore.base.host import SharedBase
 from tdstore.errors import CorruptMetadataError, DataLostError, EntryNotFoundError, FormatVersionError
-from tdstore.store.host import SharedBase
 
 __all__ = ["LayoutCache"]
 

@@ -9,7 +9,7 @@ context manager).
 host class: ``_class_of(meta)`` (the class an entry reads as), ``_nontensors_are_leaves``
 (whether ``keys(leaves_only=True)`` lists non-tensor entries when no ``is_leaf`` is given),
 and for ``repr`` ``_repr_name``, ``_repr_details()`` and ``_node_batch_size(meta, layout)``.
-The methods both refuse are made by :func:`tdstore.store.unsupported.refuse`.
+The methods both refuse are made by :func:`tdstore.base.unsupported.refuse`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
 from tdstore._core.tdcompat import KeyThroughLeafError
 from tdstore._core.values import is_no_default, order_key
-from tdstore.store.host import SharedBase
-from tdstore.store.views import StoreKeysView
+from tdstore.base.host import SharedBase
+from tdstore.base.views import StoreKeysView
 
 if TYPE_CHECKING:
     from typing_extensions import Self

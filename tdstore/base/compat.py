@@ -23,8 +23,8 @@ import tensordict
 from tensordict import TensorDict, TensorDictBase
 
 from tdstore._core.keys import KeyTypeError
+from tdstore.base.host import SharedBase
 from tdstore.errors import UnsupportedOperationError
-from tdstore.store.host import SharedBase
 
 __all__ = ["NEEDS_COMPAT", "StoreCompat014", "TENSORDICT_VERSION"]
 
