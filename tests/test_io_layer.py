@@ -106,9 +106,113 @@ def test_core_imports_only_core_and_errors():
     assert found == []
 
 
-def test_the_import_walk_sees_function_level_imports():
-    api = pathlib.Path(tdstore.__file__).parent / "store" / "api.py"
-    assert "tdstore.store.writes" in {m for _, m in _tdstore_imports(api)}  # (inside _planner)
+def _run_time_imports(module: str, source: str, modules: set[str], *, package: bool) -> dict[str, list[int]]:
+    """The tdstore modules that ``module`` imports when it runs, with the lines: imports at the
+    module's top and inside functions (they run when the function is called), not those under
+    ``if TYPE_CHECKING:`` (never run; they name types only). ``from P import name`` is an import
+    of ``P.name`` when that is a module, else of ``P``. Importing ``P.m`` also runs the package
+    ``P``'s ``__init__``: that implicit edge is Python's own and not counted."""
+    here = module if package else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    type_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    out: dict[str, list[int]] = {}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target in modules and target != module:
+                out.setdefault(target, []).append(node.lineno)
+    return out
+
+
+def _cycles(edges: dict[str, dict[str, list[int]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _import_graph() -> dict[str, dict[str, list[int]]]:
+    root = pathlib.Path(tdstore.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(("tdstore", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("tdstore", *parts))
+        paths[name] = path
+    return {
+        name: _run_time_imports(name, path.read_text(), set(paths), package=path.name == "__init__.py")
+        for name, path in paths.items()
+    }
+
+
+def test_no_import_cycles():
+    """No two tdstore modules import each other, directly or around a loop, at any level that
+    runs, function-level imports included (issue 25, item 4): each layer builds on the ones below.
+    ``if TYPE_CHECKING:`` imports are not counted (they never run); the mixins' self types use
+    them."""
+    graph = _import_graph()
+    report = [
+        " <-> ".join(cycle) + ": " + "; ".join(
+            f"{a} imports {b} (line {', '.join(map(str, graph[a][b]))})" for a in cycle for b in graph[a] if b in cycle
+        )
+        for cycle in _cycles(graph)
+    ]
+    assert report == []
+
+
+def test_the_import_walk_sees_function_level_imports_and_cycles():
+    modules = {"tdstore.a", "tdstore.b", "tdstore.c", "tdstore.pkg", "tdstore.pkg.m"}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import tdstore.c\n"
+        "from tdstore.pkg import m, name\n"
+        "if TYPE_CHECKING:\n    from tdstore import a\n"
+        "def f():\n    from tdstore.b import thing\n"
+    )
+    edges = _run_time_imports("tdstore.x", source, modules, package=False)
+    assert edges == {"tdstore.c": [2], "tdstore.pkg.m": [3], "tdstore.pkg": [3], "tdstore.b": [7]}
+    assert _cycles({"tdstore.a": {"tdstore.b": [1]}, "tdstore.b": {"tdstore.c": [1]}, "tdstore.c": {"tdstore.a": [1]}}) == [
+        ["tdstore.a", "tdstore.b", "tdstore.c"]
+    ]
+    assert _cycles({"tdstore.a": {"tdstore.b": [1]}, "tdstore.b": {}}) == []
     backend = pathlib.Path(tdstore.__file__).parent / "_backend" / "connection.py"
     assert any(m.startswith("tdstore._backend.") for _, m in _tdstore_imports(backend))
 

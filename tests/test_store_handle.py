@@ -133,3 +133,31 @@ def test_refused_methods_of_the_lazy_store_name_the_store_and_the_alternative(se
     finally:
         store.clear_redis()
         store.close()
+
+
+def test_a_store_given_as_a_value_or_operand_is_read_as_one_snapshot(server: ServerHandle) -> None:
+    """A store of either class written into another store, or compared with one, is read
+    whole by ``to_tensordict()`` (one atomic read; ``tdstore.base.handle.snapshot_of``), and
+    the result is what the in-memory snapshot gives."""
+    conn = server.connection_kwargs()
+    same = LazyStackedTensorDictStore.from_lazy_stack(
+        LazyStackedTensorDict(TensorDict({"x": torch.zeros(3)}, []), TensorDict({"x": torch.ones(3)}, [])), **conn
+    )
+    dense = TensorDictStore(batch_size=[2], **conn)
+    try:
+        dense["from_lazy"] = same
+        assert torch.equal(dense["from_lazy", "x"], same.to_tensordict()["x"])
+        source = TensorDictStore.from_dict({"x": torch.arange(6.0).reshape(2, 3)}, batch_size=[2], **conn)
+        dense["from_dense"] = source
+        assert torch.equal(dense["from_dense", "x"], source["x"])
+        assert (dense["from_lazy"] == same).all()
+        assert not (dense["from_dense"] == same).all()
+        same[1] = TensorDict({"x": torch.full((3,), 5.0)}, [])  # a lazy element written from a dense store's row
+        one = TensorDictStore.from_dict({"x": torch.full((3,), 7.0)}, batch_size=[], **conn)
+        same[0] = one  # a store as the value of an element write
+        assert torch.equal(same.to_tensordict()["x"], torch.stack([torch.full((3,), 7.0), torch.full((3,), 5.0)]))
+        for other in (source, one):
+            other.clear_redis()
+    finally:
+        for store in (same, dense):
+            store.clear_redis()

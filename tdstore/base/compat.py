@@ -23,6 +23,7 @@ import tensordict
 from tensordict import TensorDict, TensorDictBase
 
 from tdstore._core.keys import KeyTypeError
+from tdstore.base.handle import snapshot_of
 from tdstore.base.host import SharedBase
 from tdstore.errors import UnsupportedOperationError
 
@@ -52,12 +53,6 @@ _ON_SNAPSHOT = (
 _UNSUPPORTED = ("_repeat", "_unbind", "_to_module", "_multithread_rebuild")
 
 
-def _snapshot_operand(value: Any) -> Any:
-    from tdstore.store import TensorDictStore
-
-    return value.to_tensordict() if isinstance(value, TensorDictStore) else value
-
-
 def _is_nested_key(key: Any) -> bool:
     if isinstance(key, str):
         return True
@@ -80,7 +75,7 @@ def _inplace(name: str) -> Callable[..., Any]:
 
 def _on_snapshot(name: str) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        args = tuple(_snapshot_operand(a) for a in args)
+        args = tuple(snapshot_of(a) for a in args)
         return getattr(self.to_tensordict(), name)(*args, **kwargs)
 
     method.__name__ = name
@@ -116,7 +111,7 @@ if NEEDS_COMPAT:
             self._set_names(value)
 
         def _apply_nest(self: Any, fn: Callable[..., Any], *others: Any, inplace: bool = False, **kwargs: Any) -> Any:
-            others = tuple(_snapshot_operand(o) for o in others)
+            others = tuple(snapshot_of(o) for o in others)
             if kwargs.get("out") is self:
                 kwargs.pop("out")
                 inplace = True
@@ -155,7 +150,7 @@ if NEEDS_COMPAT:
         def _stack_onto_(self: Any, list_item: list[Any], dim: int) -> Any:
             import torch
 
-            stacked = torch.stack([_snapshot_operand(td) for td in list_item], dim)
+            stacked = torch.stack([snapshot_of(td) for td in list_item], dim)
             self.update_(stacked)
             return self
 

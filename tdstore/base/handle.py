@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from tdstore._backend.connection import Connection
 
-__all__ = ["StoreHandle", "entries_below"]
+__all__ = ["StoreHandle", "entries_below", "snapshot_of"]
 
 _Entries = list[tuple[tuple[str, ...], Entry]]
 
@@ -252,3 +252,10 @@ class StoreHandle(SharedBase):
 
     def __ne__(self, other: Any) -> Any:  # type: ignore[override]
         return self.to_tensordict() != other
+
+
+def snapshot_of(value: Any) -> Any:
+    """``value``, or, for a store handle (dense or lazy), its in-memory snapshot
+    (``to_tensordict()``: one atomic read). A store given as a value to write, an operand or
+    a stack member is read once, whole, rather than entry by entry."""
+    return value.to_tensordict() if isinstance(value, StoreHandle) else value

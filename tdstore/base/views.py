@@ -1,4 +1,4 @@
-"""The live keys view that ``TensorDictStore.keys()`` returns."""
+"""The live keys view that ``keys()`` of a dense or lazy store returns."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tdstore._core.keys import as_path
 
 if TYPE_CHECKING:
-    from tdstore.store import TensorDictStore
+    from tdstore.base.host import StoreHost
 
 __all__ = ["StoreKeysView"]
 
@@ -16,7 +16,7 @@ __all__ = ["StoreKeysView"]
 class StoreKeysView:
     """What ``keys()`` returns: a live view over the store's registry."""
 
-    def __init__(self, store: TensorDictStore, include_nested: bool, leaves_only: bool, is_leaf: Any, sort: bool) -> None:
+    def __init__(self, store: StoreHost, include_nested: bool, leaves_only: bool, is_leaf: Any, sort: bool) -> None:
         self.tensordict = store
         self.include_nested = include_nested
         self.leaves_only = leaves_only

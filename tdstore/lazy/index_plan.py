@@ -23,6 +23,7 @@ from tdstore._core import codec as _codec
 from tdstore._core.indexing import leaf_dims, normalize_index
 from tdstore._core.layout import Entry
 from tdstore._core.values import decode_stored_non_tensor
+from tdstore.base.handle import snapshot_of
 from tdstore.errors import (
     CorruptMetadataError,
     ElementShapeError,
@@ -54,8 +55,6 @@ def plan_index_write(
     store: LazyStackedTensorDictStore, layout: _backend.Layout, index: Any, value: Any
 ) -> tuple[list[tuple[tuple[str, ...], list[tuple[int, int]], Any]], list[tuple[tuple[str, ...], Any]]]:
     """The ``write_runs_watched`` groups and non-tensor updates of ``store[index] = value``."""
-    from tdstore.lazy import LazyStackedTensorDictStore
-
     bs, s = store._root(layout)
     n = bs[s]
     base = store._path
@@ -86,8 +85,7 @@ def plan_index_write(
             if meta.kind == "lt":
                 tensor_targets[path] = value
     else:
-        if isinstance(value, LazyStackedTensorDictStore):
-            value = value.to_tensordict()
+        value = snapshot_of(value)
         if is_tensorclass(value) and not isinstance(value, (NonTensorData, NonTensorStack)):
             value = value._tensordict
         if isinstance(value, dict):

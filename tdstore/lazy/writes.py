@@ -24,9 +24,11 @@ from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
 from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import NO_DEFAULT, is_no_default
+from tdstore.base.handle import snapshot_of
 from tdstore.base.host import LazyBase
 from tdstore.errors import SchemaError, StaleLayoutError, UnsupportedOperationError
 from tdstore.lazy import plan
+from tdstore.lazy.index_plan import OneLeaf, plan_index_write
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -59,8 +61,6 @@ class LazyWrites(LazyBase):
         rel = _as_path(key)
         if not isinstance(value, (torch.Tensor, numbers.Number)):
             raise TypeError(f"set_at_ writes a tensor at an index of {rel!r} in {self._where()}, got {type(value).__name__}")
-        from tdstore.lazy.index_plan import OneLeaf
-
         self._write_index(idx, OneLeaf(rel, value))
         return self
 
@@ -131,10 +131,7 @@ class LazyWrites(LazyBase):
         self._commit_ops(build)
 
     def _key_ops(self, layout: _backend.Layout, path: tuple[str, ...], value: Any, k: int) -> list[_backend.Op]:
-        from tdstore.lazy import LazyStackedTensorDictStore
-
-        if isinstance(value, LazyStackedTensorDictStore):
-            value = value.to_tensordict()
+        value = snapshot_of(value)
         if is_tensorclass(value) and not isinstance(value, (NonTensorData, NonTensorStack)):
             value = value._tensordict
         ops: list[_backend.Op] = []
@@ -237,8 +234,6 @@ class LazyWrites(LazyBase):
 
     # ------------------------------------------------------------------ element writes
     def _write_index(self, index: Any, value: Any) -> None:
-        from tdstore.lazy.index_plan import plan_index_write
-
         self._check_on_cleared(lambda layout: plan_index_write(self, layout, index, value))  # type: ignore[arg-type]
         self._ensure_exists()
         conn = self._conn
@@ -313,9 +308,7 @@ class LazyWrites(LazyBase):
 
     def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:
         """``fn`` applied to every tensor leaf in place: one snapshot, written back as one compare-and-set."""
-        from tdstore.lazy import LazyStackedTensorDictStore
-
-        others = tuple(o.to_tensordict() if isinstance(o, LazyStackedTensorDictStore) else o for o in others)
+        others = tuple(snapshot_of(o) for o in others)
 
         def run(td: Any) -> Any:
             td.apply_(fn, *others, **kwargs)

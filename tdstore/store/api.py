@@ -26,10 +26,13 @@ from tdstore._core.keys import new_td_id
 from tdstore._core.layout import Entry
 from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import is_no_default
+from tdstore.base.handle import snapshot_of
 from tdstore.base.host import DenseBase
 from tdstore.errors import (
     SchemaError,
 )
+from tdstore.lazy.core import LazyStackedTensorDictStore
+from tdstore.store.writes import planner_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -129,10 +132,7 @@ class StoreAPI(DenseBase):
         if is_tensorclass(td) and not isinstance(td, (NonTensorData, NonTensorStack)):
             tensorclass = f"{type(td).__module__}.{type(td).__qualname__}"
             td = td._tensordict
-        from tdstore.lazy import LazyStackedTensorDictStore
-
-        if isinstance(td, LazyStackedTensorDictStore):
-            td = td.to_tensordict()
+        td = snapshot_of(td)
         if isinstance(td, LazyStackedTensorDict):
             # entries of different shapes (ragged leaves) are kept as they are
             return LazyStackedTensorDictStore.from_lazy_stack(  # type: ignore[return-value]
@@ -530,8 +530,6 @@ async def _noop(client: Any) -> None:
 
 
 def _planner(store: Any, layout: _backend.Layout) -> Any:
-    from tdstore.store.writes import planner_for
-
     store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
     return planner_for(store, layout, inplace=False)
 

@@ -25,8 +25,10 @@ from tdstore._core import values as _values
 from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
+from tdstore.base.handle import snapshot_of
 from tdstore.base.host import DenseBase
 from tdstore.errors import SchemaError, StoreExistsError
+from tdstore.store.index_write import write_index
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -172,10 +174,7 @@ class StoreWrites(DenseBase):
             batch_size = self.batch_size
         if is_tensorclass(value) and not isinstance(value, (NonTensorData, NonTensorStack)):
             value = value._tensordict
-        from tdstore.store.core import TensorDictStore
-
-        if isinstance(value, TensorDictStore):
-            value = value.to_tensordict()
+        value = snapshot_of(value)
         if isinstance(value, (torch.Tensor, TensorDictBase)):
             if isinstance(value, torch.Tensor):
                 check_tensor(value, path, self._where())
@@ -237,8 +236,6 @@ class StoreWrites(DenseBase):
                     "the index selects no element (indexed destination batch size has 0 elements)"
                 )
             value = NonTensorData(data=value, batch_size=[])
-        from tdstore.store.index_write import write_index
-
         write_index(_store(self), idx, {path: value}, leaf=True)
         return self
 
@@ -260,10 +257,7 @@ class StoreWrites(DenseBase):
             return
         if is_tensorclass(value):
             value = value._tensordict
-        from tdstore.store.core import TensorDictStore
-
-        if isinstance(value, TensorDictStore):
-            value = value.to_tensordict()
+        value = snapshot_of(value)
         from_dict = isinstance(value, dict)
         if from_dict:
             value = TensorDict.from_dict(value, batch_size=[])
@@ -276,8 +270,6 @@ class StoreWrites(DenseBase):
         self._write_index(index, targets, check_batch=None if from_dict else _batch_check(value, self._where()))
 
     def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any], check_batch: Any = None) -> None:
-        from tdstore.store.index_write import write_index
-
         write_index(_store(self), index, targets, check_batch)
 
 
