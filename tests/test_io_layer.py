@@ -250,3 +250,36 @@ def test_doctor_judges_facts_without_a_server(monkeypatch):
     assert items["eviction"]["status"] == "warn"  # the server does not say its policy
     assert items["proto-max-bulk-len"]["status"] == "warn"
     assert items["latency"]["value"] == 2.0
+
+
+def test_nothing_outside_the_backend_uses_a_private_member_of_a_connection():
+    """The store classes, torchrl.py and the rest call the public methods of a handle's
+    ``Connection`` (``run``, ``read``, ``append``, ``write_rows``...), never its private members
+    (issue 25, item 3): ``store._conn._direct_call`` and the like are the backend's business."""
+    root = pathlib.Path(tdstore.__file__).parent
+    source = (root / "_backend" / "connection.py").read_text()
+    connection = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Connection"
+    )
+    names: set[str] = set()
+    for node in ast.walk(connection):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+    private = {n for n in names if n.startswith("_") and not n.startswith("__")}
+    assert "_direct_call" in private and "_client" in private  # (the walk finds them)
+
+    def is_connection(value: ast.expr) -> bool:
+        return (isinstance(value, ast.Attribute) and value.attr == "_conn") or (
+            isinstance(value, ast.Name) and value.id in ("conn", "_conn", "connection")
+        )
+
+    found = [
+        f"{path.relative_to(root)}:{node.lineno}: .{node.attr}"
+        for path in sorted(root.rglob("*.py"))
+        if path.parent.name != "_backend"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in private and is_connection(node.value)
+    ]
+    assert found == []

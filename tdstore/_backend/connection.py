@@ -21,6 +21,7 @@ import redis.exceptions
 import redis.retry
 from redis.backoff import NoBackoff
 
+from tdstore._backend import append as _append
 from tdstore._backend import cluster as _cluster
 from tdstore._backend import credentials as _credentials
 from tdstore._backend import loop as _io
@@ -256,6 +257,12 @@ class Connection:
         self.owned_replies = self._connection_class.__module__.startswith("redis.")
 
     # -- description -------------------------------------------------------------------
+    @property
+    def pool_kwargs(self) -> dict[str, Any]:
+        """A copy of the keywords this connection's pool is built with (``host`` and ``port``,
+        or ``path``; ``db``...; ``server`` for an in-process fakeredis server)."""
+        return dict(self._conn_kwargs)
+
     def describe(self) -> str:
         kw = self._conn_kwargs
         if self.cluster_route is not None:
@@ -533,6 +540,16 @@ class Connection:
             self.run(lambda c: _row_writes.write_runs_watched(c, keys, self.runner, groups, expected=expected))
         else:
             self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
+
+    def append(self, plan: _append.AppendPlan) -> int:
+        """One try of the ring append ``plan`` (rows reserved and written in one atomic step);
+        returns the first row's index. On the direct client from the calling thread, else on
+        the IO loop (not idempotent: a re-sent append would be refused, its reservation gone,
+        or take rows twice; see tdstore/_backend/append.py)."""
+        done = self._direct_call(lambda c: _append.append_direct(c, self.runner, plan, self.append_slot))
+        if isinstance(done, int):
+            return done
+        return int(self.run(lambda c: _append.append_watched(c, self.runner, plan), idempotent=False))
 
     def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
         if self.closed:

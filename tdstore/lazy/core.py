@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase
 
-from tdstore._backend import connection as _connection
 from tdstore._backend import ops as _backend
+from tdstore._backend.connect import ConnectSpec
 from tdstore._core.keys import new_td_id
 from tdstore._core.layout import Entry
 from tdstore._core.values import is_dims, is_no_default
@@ -371,4 +371,5 @@ def _open(td_id: str, kwargs: dict[str, Any]) -> Any:
     """The connection of a lazy store handle, from the connection keywords of ``TensorDictStore``."""
     for name in _DENSE_ONLY:
         kwargs.pop(name, None)
-    return _connection.open_connection(td_id=td_id, **kwargs)
+    connect = ConnectSpec.take(kwargs)
+    return connect.with_redis_kwargs(kwargs).open(td_id)

@@ -19,6 +19,7 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from tensordict.utils import is_tensorclass
 
 from tdstore._backend import ops as _backend
+from tdstore._backend.connect import ConnectSpec
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
@@ -96,10 +97,8 @@ class StoreAPI(DenseBase):
         if names is not None:
             td = td.clone(False)
             td.names = list(names)
-        return cls.from_tensordict(
-            td, backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path,
-            prefix=prefix, device=device, **kwargs,
-        )
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
+        return cls.from_tensordict(td, backend=backend, device=device, _connect=connect, **kwargs)
 
     @classmethod
     def from_tensordict(
@@ -133,11 +132,11 @@ class StoreAPI(DenseBase):
             tensorclass = f"{type(td).__module__}.{type(td).__qualname__}"
             td = td._tensordict
         td = snapshot_of(td)
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
         if isinstance(td, LazyStackedTensorDict):
             # entries of different shapes (ragged leaves) are kept as they are
             return LazyStackedTensorDictStore.from_lazy_stack(  # type: ignore[return-value]
-                td, backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path,
-                prefix=prefix, device=device, **kwargs,
+                td, backend=backend, device=device, _connect=connect, **kwargs
             )
         if not isinstance(td, TensorDictBase):
             raise TypeError(f"from_tensordict expects a TensorDictBase, got {type(td).__name__}")
@@ -145,8 +144,7 @@ class StoreAPI(DenseBase):
             td = td.to_tensordict()
         store_device = torch.device(device) if device is not None else td.device
         store = cls(
-            backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path,
-            prefix=prefix, batch_size=td.batch_size, device=store_device, _create=False, **kwargs,
+            backend=backend, batch_size=td.batch_size, device=store_device, _create=False, _connect=connect, **kwargs
         )
         try:
             planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size)), **store._creation_meta()}, {}))
@@ -236,10 +234,8 @@ class StoreAPI(DenseBase):
         if len(set(paths)) != len(paths):
             raise SchemaError("schema has duplicate keys")
         store_device = torch.device(device) if device is not None else None
-        store = cls(
-            backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path,
-            prefix=prefix, batch_size=bs, device=store_device, _create=False, **kwargs,
-        )
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
+        store = cls(backend=backend, batch_size=bs, device=store_device, _create=False, _connect=connect, **kwargs)
         try:
             ops: list[_backend.Op] = []
             seq = 0
@@ -285,10 +281,8 @@ class StoreAPI(DenseBase):
                 f"from_store(td_id={td_id!r}) connects to an existing store and takes no expire=; "
                 "call .expire(seconds) on the store it returns to set its lifetime"
             )
-        store = cls(
-            backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path,
-            prefix=prefix, td_id=td_id, device=device, _create=False, **kwargs,
-        )
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
+        store = cls(backend=backend, td_id=td_id, device=device, _create=False, _connect=connect, **kwargs)
         try:
             layout = store._layout(refresh=True)
         except BaseException:

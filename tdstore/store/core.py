@@ -20,7 +20,8 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from tdstore._backend import ops as _backend
-from tdstore._backend.connection import Connection, open_connection
+from tdstore._backend.connect import ConnectSpec
+from tdstore._backend.connection import Connection
 from tdstore._backend.loop import DEFAULT_TIMEOUT
 from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
@@ -93,15 +94,17 @@ class TensorDictStore(
         retry: RetryPolicy | int | bool | None = None,
         chunk_bytes: int | None = None,
         _create: bool = True,
+        _connect: ConnectSpec | None = None,
         **redis_kwargs: Any,
     ) -> None:
         if batch_size is not None and any(not isinstance(d, int) or d < 0 for d in torch.Size(batch_size)):
             raise SchemaError(f"batch_size must hold non-negative ints, got {list(batch_size)}")
-        conn = open_connection(
-            host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, prefix=prefix,
-            td_id=td_id if td_id is not None else new_td_id(), timeout=timeout, allow_pickle=allow_pickle,
-            pickle_key=pickle_key, retry=retry, progress=progress, **redis_kwargs,
+        # _connect=: the connection keywords gathered by a constructor that called this one
+        connect = _connect if _connect is not None else ConnectSpec(
+            host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix, client=client,
+            timeout=timeout, allow_pickle=allow_pickle, pickle_key=pickle_key, retry=retry, progress=progress,
         )
+        conn = connect.with_redis_kwargs(redis_kwargs).open(td_id if td_id is not None else new_td_id())
         device = torch.device(device) if device is not None else None
         self._init_handle(conn, (), device, cache_metadata, backend)
         # expire=: the lifetime given to the store when this call creates it (seconds)

@@ -39,15 +39,6 @@ class RingState(NamedTuple):
     cursor: int  #: the row the next append starts at (total % capacity)
 
 
-def _append(conn: Any, plan: _append_mod.AppendPlan) -> int:
-    """One append try: on the direct client from this thread, else on the IO loop."""
-    done = conn._direct_call(lambda c: _append_mod.append_direct(c, conn.runner, plan, conn.append_slot))
-    if isinstance(done, int):
-        return done
-    # not idempotent: a re-sent write would be refused (its reservation is gone) or take rows twice
-    return int(conn.run(lambda c: _append_mod.append_watched(c, conn.runner, plan), idempotent=False))
-
-
 class _ExtendSpec(NamedTuple):
     """What ``extend()`` needs of a layout: see ``RingBufferAPI._extend_spec``."""
 
@@ -146,7 +137,7 @@ class RingBufferAPI(DenseBase):
             plan = _append_mod.AppendPlan(
                 conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=self._path, reservation=reservation
             )
-            start = _append(conn, plan)
+            start = conn.append(plan)
             if start == _append_mod.ABORTED:
                 raise _append_mod.stale()
             return (start + torch.arange(n)) % capacity

@@ -650,7 +650,7 @@ class ConsistencyTests:
 
 def _conn(store, server):
     """Connection kwargs of the server a store lives on (fakeredis: a client on the same server)."""
-    kw = store._conn._conn_kwargs
+    kw = store._conn.pool_kwargs
     if "server" in kw:
         import fakeredis.aioredis
 

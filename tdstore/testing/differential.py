@@ -132,7 +132,7 @@ def rand_index(rng: random.Random, batch: tuple[int, ...]):
 
 
 def _same_server(server, store):
-    kw = store._conn._conn_kwargs
+    kw = store._conn.pool_kwargs
     if "server" in kw:
         import fakeredis.aioredis
 

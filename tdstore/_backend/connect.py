@@ -1,0 +1,72 @@
+"""Where and how a store handle connects: one :class:`ConnectSpec` for every constructor.
+
+The store constructors (``TensorDictStore(...)``, ``from_dict``, ``from_tensordict``,
+``from_schema``, ``from_store`` and the lazy class's) all take the same connection keywords.
+Each public constructor gathers those it was given into a :class:`ConnectSpec` once and hands
+that on (as the private ``_connect=`` keyword), so a connection keyword is added, checked and
+forwarded in one place: here. :meth:`ConnectSpec.open` opens the handle's connection
+(:func:`tdstore._backend.connection.open_connection`; nothing is sent until the first call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tdstore._backend import loop as _io
+from tdstore._backend.connection import Connection, open_connection
+
+__all__ = ["ConnectSpec"]
+
+
+@dataclass(frozen=True)
+class ConnectSpec:
+    """The connection keywords of the store constructors (their meaning: ``TensorDictStore``)."""
+
+    host: str = "localhost"
+    port: int = 6379
+    db: int = 0
+    unix_socket_path: str | None = None
+    prefix: str = "tensordict"
+    client: object = None
+    timeout: float = _io.DEFAULT_TIMEOUT
+    allow_pickle: bool | None = None
+    pickle_key: bytes | str | None = None
+    retry: object = None
+    progress: bool | None = None
+    #: what the constructors do not know: passed on to the redis-py client
+    redis_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    #: the keyword that carries a spec from one constructor to the next
+    KEYWORD: ClassVar[str] = "_connect"
+    #: the fields given as keywords of their own (all but ``redis_kwargs``)
+    NAMES: ClassVar[tuple[str, ...]] = (
+        "host", "port", "db", "unix_socket_path", "prefix", "client", "timeout", "allow_pickle", "pickle_key",
+        "retry", "progress",
+    )  # fmt: skip
+
+    @classmethod
+    def take(cls, kwargs: dict[str, Any], **given: Any) -> ConnectSpec:
+        """The spec of a constructor call: the one handed on in ``kwargs`` (``_connect=``), or
+        one made of ``given`` (the constructor's own connection parameters) and of the
+        connection keywords in ``kwargs``. Either way those are popped from ``kwargs``, which
+        keeps the store's own keywords (and unknown ones, for the redis-py client)."""
+        handed = kwargs.pop(cls.KEYWORD, None)
+        found = {name: kwargs.pop(name) for name in cls.NAMES if name in kwargs}
+        if handed is not None:
+            if not isinstance(handed, ConnectSpec):
+                raise TypeError(f"{cls.KEYWORD}= takes a ConnectSpec, got {type(handed).__name__}")
+            return dataclasses.replace(handed, **found) if found else handed
+        return cls(**given, **found)
+
+    def with_redis_kwargs(self, extra: Mapping[str, Any]) -> ConnectSpec:
+        """This spec with ``extra`` added to the keywords passed on to the redis-py client."""
+        return dataclasses.replace(self, redis_kwargs={**self.redis_kwargs, **extra}) if extra else self
+
+    def open(self, td_id: str) -> Connection:
+        """The connection of a handle of store ``td_id`` (checked; nothing sent yet)."""
+        return open_connection(
+            td_id=td_id, **{name: getattr(self, name) for name in self.NAMES}, **dict(self.redis_kwargs)
+        )
