@@ -35,6 +35,7 @@ from tensordict.utils import is_tensorclass
 
 from tdstore.errors import SchemaError, StoreExistsError, StoreNotFoundError
 from tdstore.store import TensorDictStore
+from tdstore.store import ring as _ring
 
 try:
     from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
@@ -271,7 +272,7 @@ class TensorDictStoreStorage(TensorStorage):
             return torch.randint(0, valid, (batch_size,), generator=self._rng)
         # rows written by appends only: draw among those flagged as written, never one an
         # append reserved and has not written yet (see TensorDictStore.sample)
-        return self._storage._draw_written(batch_size, self._rng)
+        return _ring.draw_written(self._storage, batch_size, self._rng)
 
     def contains(self, item: Any) -> Any:
         valid = len(self)

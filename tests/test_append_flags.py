@@ -52,7 +52,7 @@ def test_sample_skips_rows_reserved_and_not_written(store, monkeypatch, large):
     assert (state.valid, state.total, state.cursor) == (4, 7, 7)
     drawn = store.sample(400)
     assert set(drawn["y"].tolist()) == {1.0, 2.0}, "a sampled row was reserved but never written"
-    rows = store._draw_written(400, torch.Generator().manual_seed(0))
+    rows = _ring.draw_written(store, 400, torch.Generator().manual_seed(0))
     assert set(rows.tolist()) == {0, 1, 5, 6}
 
 
@@ -178,7 +178,7 @@ def test_a_cursor_set_between_an_appends_two_steps_keeps_every_counted_row(store
     state = store.ring_state()
     assert (state.valid, state.total) == (max(total, rows[-1] + 1), max(total, rows[-1] + 1))
     assert store["y"][: state.valid].tolist() == [1.0] * rows[0] + [2.0, 2.0] + [1.0] * (state.valid - rows[-1] - 1)
-    assert set(store._draw_written(400, torch.Generator().manual_seed(0)).tolist()) == set(range(state.valid))
+    assert set(_ring.draw_written(store, 400, torch.Generator().manual_seed(0)).tolist()) == set(range(state.valid))
     assert got == rows
     assert calls[0] == 5 and len(calls) == 2, calls  # planned for rows 5-6, aborted, planned again
 

@@ -44,18 +44,34 @@ AMBIGUOUS = {n for n in _METHODS if any(hasattr(t, n) for t in _EVERYDAY)} | {
 }
 
 
+def _tdstore_module_aliases(tree: ast.Module) -> set[str]:
+    """The names a file binds to tdstore modules (``from tdstore.store import ring as _ring``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tdstore":
+            for alias in node.names:
+                parts = [*(node.module or "").split(".")[1:], alias.name]
+                if (PACKAGE.joinpath(*parts).with_suffix(".py")).is_file() or (PACKAGE.joinpath(*parts) / "__init__.py").is_file():
+                    out.add(alias.asname or alias.name)
+    return out
+
+
 def _calls_outside() -> list[tuple[str, int, str]]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         if rel.startswith(ALLOWED_DIRS) or rel in ALLOWED_FILES:
             continue
-        for node in ast.walk(ast.parse(path.read_text(), rel)):
+        tree = ast.parse(path.read_text(), rel)
+        modules = _tdstore_module_aliases(tree)
+        for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             name = node.func.attr
             if name not in _METHODS or name in NOT_COMMANDS:
                 continue
+            if isinstance(node.func.value, ast.Name) and node.func.value.id in modules:
+                continue  # a function of a tdstore module (``_lifetime.expire(store, s)``), not a client's
             on_client = isinstance(node.func.value, ast.Name) and node.func.value.id in CLIENT_NAMES
             if name not in AMBIGUOUS or on_client:
                 found.append((rel, node.lineno, name))

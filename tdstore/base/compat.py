@@ -10,7 +10,7 @@ returns, which on a store are copies, so the change would be silently lost.
 :class:`StoreCompat014` fills that gap with TensorDictBase's public surface only:
 read-only methods run on ``to_tensordict()`` (one consistent snapshot), the in-place
 methods run through the store's compare-and-set ``_inplace_on_copies``, and the methods
-that would alias server memory raise ``UnsupportedOperationError``. On 0.15.x the mixin
+that would alias server memory raise ``UnsupportedOperationError``. On 0.15.x the table
 is empty, so nothing changes there.
 """
 
@@ -95,7 +95,8 @@ def _unsupported(name: str) -> Callable[..., Any]:
 
 
 class StoreCompat014(SharedBase):
-    """Mixin placed before TensorDictBase: the 0.15 behaviour of the store on tensordict 0.14.x."""
+    """A table of methods (not a base) installed on both store classes where TensorDictBase's would
+    apply (:func:`tdstore.base.unsupported.install`): the 0.15 behaviour on tensordict 0.14.x."""
 
 
 if NEEDS_COMPAT:

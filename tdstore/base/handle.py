@@ -23,7 +23,7 @@ from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
 from tdstore._core.tdcompat import KeyThroughLeafError
 from tdstore._core.values import is_no_default, order_key
-from tdstore.base.host import SharedBase
+from tdstore.base.layout_cache import LayoutCache
 from tdstore.base.views import StoreKeysView
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def entries_below(
     return memo
 
 
-class StoreHandle(SharedBase):
+class StoreHandle(LayoutCache):
     """Mixin: the members the dense and the lazy store classes share."""
 
     # hooks of TensorDictBase (0.15) for backends whose reads return copies

@@ -1,9 +1,11 @@
 """What the mixins of the store classes need of the class they are mixed into.
 
-``TensorDictStore`` is assembled from mixins (``StoreAPI``, ``StoreWrites``, ``StoreReads``,
-``RingBufferAPI``, ``LifetimeAPI``, ...) and ``LazyStackedTensorDictStore`` from others
-(``LazyReads``, ``LazyWrites``); both share ``LayoutCache`` and ``StoreHandle``
-(:mod:`tdstore.base.handle`). A mixin calls methods and reads attributes that its host defines.
+``TensorDictStore`` derives from ``StoreHandle`` (:mod:`tdstore.base.handle`, with its layout
+cache), ``StoreAPI``, ``StoreWrites`` and ``StoreReads``, and ``LazyStackedTensorDictStore`` from
+``StoreHandle``, ``LazyReads`` and ``LazyWrites``; the ring buffer and the lifetime are modules
+that take a store (:mod:`tdstore.store.ring`, :mod:`tdstore.store.lifetime`), and the refused and
+compatibility methods are tables installed on both classes (:func:`tdstore.base.unsupported.install`).
+A mixin calls methods and reads attributes that its host defines.
 The protocols here declare them, so that the type checker checks each mixin against them instead
 of taking every attribute on trust.
 

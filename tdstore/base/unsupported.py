@@ -7,13 +7,14 @@ in-memory alternative instead of silently downloading everything.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from tdstore.base.host import SharedBase
 from tdstore.errors import UnsupportedOperationError
 
-__all__ = ["StoreUnsupported", "refuse"]
+__all__ = ["StoreUnsupported", "install", "refuse"]
 
 _VIEW_METHODS = (
     "view", "transpose", "permute", "unsqueeze", "squeeze", "reshape", "flatten",
@@ -48,7 +49,8 @@ def refuse(cls: type, names: Sequence[str], hint: Callable[[str], str], why: str
 
 
 class StoreUnsupported(SharedBase):
-    """Mixin: methods of TensorDictBase that raise on a store, each naming the alternative."""
+    """A table of methods (not a base; :func:`install`): TensorDictBase's methods that raise on a
+    store, each naming the alternative."""
 
     def _where(self) -> str:  # overridden by the store
         return "?"
@@ -66,3 +68,22 @@ refuse(
     lambda name: f"Call store.to_tensordict().{name.lstrip('_')}(...) on an in-memory copy; "
     "the store itself is already shared through the server (pass its td_id).",
 )
+
+
+#: what every class body holds: not methods of a table
+_CLASS_MACHINERY = frozenset(vars(type("_Empty", (), {}))) | {"__annotations__", "__orig_bases__", "__parameters__"}
+
+
+def install(cls: type, *tables: type) -> None:
+    """Gives ``cls`` the methods of each table (:class:`StoreUnsupported`, and
+    :class:`~tdstore.base.compat.StoreCompat014`) that neither ``cls`` nor any of its bases
+    before ``TensorDictBase`` defines: they take the place of TensorDictBase's methods only,
+    as tables between the store's own classes and TensorDictBase would in the MRO, without
+    being bases. Earlier tables win over later ones."""
+    below = cls.__mro__[: next(i for i, k in enumerate(cls.__mro__) if k.__name__ == "TensorDictBase")]
+    for table in tables:
+        for name, value in vars(table).items():
+            if name in _CLASS_MACHINERY or any(name in vars(k) for k in below):
+                continue
+            setattr(cls, name, value)
+    abc.update_abstractmethods(cls)  # (TensorDictBase's abstract methods they define are no longer abstract)

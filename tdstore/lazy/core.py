@@ -32,8 +32,7 @@ from tdstore._core.layout import Entry
 from tdstore._core.values import is_dims, is_no_default
 from tdstore.base.compat import StoreCompat014
 from tdstore.base.handle import StoreHandle, entries_below
-from tdstore.base.layout_cache import LayoutCache
-from tdstore.base.unsupported import StoreUnsupported, refuse
+from tdstore.base.unsupported import StoreUnsupported, install, refuse
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -49,9 +48,7 @@ from tdstore.lazy.writes import LazyWrites
 __all__ = ["LazyStackedTensorDictStore"]
 
 
-class LazyStackedTensorDictStore(
-    LayoutCache, StoreHandle, LazyReads, LazyWrites, StoreUnsupported, StoreCompat014, TensorDictBase
-):
+class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictBase):
     """A lazy stack of tensordicts kept on a Redis-wire server; elements may differ in shape.
 
     Create one with :meth:`from_lazy_stack` (or ``TensorDictStore.from_tensordict`` of a
@@ -332,6 +329,9 @@ class LazyStackedTensorDictStore(
         dev = self.device if device is None or is_no_default(device) else device
         return TensorDict(batch_size=bs, device=dev)
 
+
+# the methods of TensorDictBase that raise on a store, and (on tensordict 0.14) the 0.15 behaviour
+install(LazyStackedTensorDictStore, StoreUnsupported, StoreCompat014)
 
 for _name in ("select", "exclude", "apply", "named_apply", "to_dict", "numpy", "flatten_keys", "unflatten_keys", "unbind"):
     def _delegate(self: Any, *args: Any, _name: str = _name, **kwargs: Any) -> Any:

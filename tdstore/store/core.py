@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
@@ -32,8 +32,7 @@ from tdstore._core.layout import Entry
 from tdstore._core.values import NO_DEFAULT
 from tdstore.base.compat import StoreCompat014
 from tdstore.base.handle import StoreHandle, entries_below
-from tdstore.base.layout_cache import LayoutCache
-from tdstore.base.unsupported import StoreUnsupported
+from tdstore.base.unsupported import StoreUnsupported, install
 from tdstore.errors import (
     CorruptMetadataError,
     EntryNotFoundError,
@@ -41,19 +40,21 @@ from tdstore.errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
+from tdstore.store import lifetime as _lifetime
+from tdstore.store import ring as _ring
 from tdstore.store.api import StoreAPI
-from tdstore.store.lifetime import LifetimeAPI, ttl_ms
+from tdstore.store.lifetime import ttl_ms
 from tdstore.store.reads import StoreReads
-from tdstore.store.ring import RingBufferAPI
+from tdstore.store.ring import RingState
 from tdstore.store.writes import StoreWrites
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["TensorDictStore"]
 
 
-class TensorDictStore(
-    LayoutCache, StoreHandle, StoreAPI, StoreWrites, StoreReads, RingBufferAPI, LifetimeAPI, StoreUnsupported,
-    StoreCompat014, TensorDictBase,
-):
+class TensorDictStore(StoreHandle, StoreAPI, StoreWrites, StoreReads, TensorDictBase):
     """A TensorDict whose entries live on a Redis-compatible server.
 
     See the module docstring and ``docs/`` for the full guide; the public API follows
@@ -369,6 +370,107 @@ class TensorDictStore(
         return self._read_index(idx, only=path)
 
     _get_at_tuple = _get_at_str
+
+    # ------------------------------------------------------------------ ring buffer: tdstore/store/ring.py
+    def extend(self, td: Any) -> torch.Tensor:
+        """Appends the rows of ``td`` along the first batch dim, atomically; returns their indices.
+
+        The rows go to ``(cursor + i) % capacity``: the buffer wraps around its first batch
+        dim. ``td`` must hold every tensor entry of the store, with the store's row shapes
+        (dtypes are cast). Concurrent ``extend`` calls from any process get disjoint rows.
+        Non-tensor entries are not appended: a ``td`` holding one, or a store with a per-row
+        non-tensor entry, is refused with a :class:`~tdstore.errors.SchemaError` and nothing
+        is written. An append does not conflict with a read-modify-write (``apply_``, ``+=``)
+        on a sub-store whose entries it does not write.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from tdstore import TensorDictStore
+            >>> buf = TensorDictStore.from_schema({"x": ([2], torch.float32)}, batch_size=[4])
+            >>> buf.extend(TensorDict(x=torch.ones(3, 2), batch_size=[3]))
+            tensor([0, 1, 2])
+            >>> buf.extend(TensorDict(x=torch.full((2, 2), 2.0), batch_size=[2]))
+            tensor([3, 0])
+            >>> buf.ring_state()
+            RingState(valid=4, total=5, capacity=4, cursor=1)
+            >>> buf.clear_redis()
+            >>> buf.close()
+        """
+        return _ring.extend(self, td)
+
+    def ring_state(self) -> RingState:
+        """How many rows are valid (written whole by an append), how many were ever reserved, and where the cursor is.
+
+        ``valid`` counts the rows flagged as written: rows reserved by an append still in
+        flight, or by an appender that died before writing them, are not valid.
+        """
+        return _ring.ring_state(self)
+
+    def set_ring_total(self, total: int) -> None:
+        """Sets the ring's count of rows ever appended to ``total`` (0 empties the ring), for
+        every process, in one step.
+
+        The first ``min(total, capacity)`` rows then count as written (``sample()`` draws
+        them), except rows an append still in flight reserved; the next ``extend()`` writes
+        at ``total % capacity``. What TorchRL's ``rb.empty()`` and ``load_state_dict()`` do
+        (:mod:`tdstore.torchrl`).
+
+        Raises:
+            ValueError: ``total`` is not from 0 to 2**52.
+            StoreNotFoundError: the store does not exist.
+        """
+        return _ring.set_ring_total(self, total)
+
+    def sample(self, n: int, *, generator: torch.Generator | None = None) -> Any:
+        """Reads ``n`` random rows (with replacement) among the valid ones; one consistent snapshot.
+
+        Only rows flagged as written by an append are drawn (never one reserved by an
+        append still in flight, or by an appender that died between its two steps). The
+        flags are read first, then the rows in one snapshot: a row once flagged always
+        holds a whole appended row, as an append writes its rows in one MULTI.
+
+        Raises:
+            ValueError: when no row was appended yet.
+        """
+        return _ring.sample(self, n, generator=generator)
+
+    # ------------------------------------------------------------------ lifetime: tdstore/store/lifetime.py
+    def expire(self, seconds: float) -> Self:
+        """Makes the whole store expire ``seconds`` from now, atomically; returns the store.
+
+        Every key of the store (also on a nested handle: the lifetime is the store's)
+        expires at the same time, and entries created later inherit it. Calling it again
+        replaces the expiry; :meth:`persist` removes it. The time is the server's clock.
+
+        Examples:
+            >>> import torch
+            >>> from tdstore import TensorDictStore
+            >>> store = TensorDictStore.from_dict({"x": torch.zeros(3)}, batch_size=[3], expire=3600)
+            >>> 3590 < store.ttl() <= 3600
+            True
+            >>> store.persist().ttl() is None
+            True
+            >>> store.clear_redis()
+            >>> store.close()
+        """
+        return _lifetime.expire(self, seconds)
+
+    def persist(self) -> Self:
+        """Removes the store's expiry, from every key at once; returns the store."""
+        return _lifetime.persist(self)
+
+    def ttl(self) -> float | None:
+        """Seconds until the store expires, or None when it has no expiry.
+
+        Raises:
+            StoreNotFoundError: the store does not exist (or has expired).
+        """
+        return _lifetime.ttl(self)
+
+
+# the methods of TensorDictBase that raise on a store, and (on tensordict 0.14) the 0.15 behaviour
+install(TensorDictStore, StoreUnsupported, StoreCompat014)
 
 
 def _nested_names_ops(

@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
 from tdstore._backend.optimistic import optimistic
-from tdstore.base.host import DenseBase
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
 
-__all__ = ["LifetimeAPI", "ttl_ms"]
+__all__ = ["expire", "persist", "ttl", "set_expiry", "ttl_ms"]
 
 #: The longest lifetime a store takes, in ms (15 digits: the scripts' limit).
 MAX_TTL_MS = 10**15 - 1
@@ -55,54 +54,33 @@ def ttl_ms(seconds: Any, where: str) -> int | None:
     return ms
 
 
-class LifetimeAPI(DenseBase):
-    """Lifetime methods of :class:`~tdstore.TensorDictStore`."""
+def expire(store: TensorDictStore, seconds: float) -> TensorDictStore:
+    """:meth:`TensorDictStore.expire` (its documentation is there)."""
+    set_expiry(store, ttl_ms(seconds, store._where()))
+    return store
 
-    def expire(self: TensorDictStore, seconds: float) -> TensorDictStore:  # type: ignore[misc]
-        """Makes the whole store expire ``seconds`` from now, atomically; returns the store.
+def persist(store: TensorDictStore) -> TensorDictStore:
+    """:meth:`TensorDictStore.persist` (its documentation is there)."""
+    set_expiry(store, None)
+    return store
 
-        Every key of the store (also on a nested handle: the lifetime is the store's)
-        expires at the same time, and entries created later inherit it. Calling it again
-        replaces the expiry; :meth:`persist` removes it. The time is the server's clock.
+def ttl(store: TensorDictStore) -> float | None:
+    """:meth:`TensorDictStore.ttl` (its documentation is there)."""
+    conn = store._conn
+    pttl = conn.run(lambda c: _backend.ttl_ms(c, conn.keys))
+    if pttl == -2:
+        raise store._not_found()
+    return None if pttl < 0 else pttl / 1000
 
-        Examples:
-            >>> import torch
-            >>> from tdstore import TensorDictStore
-            >>> store = TensorDictStore.from_dict({"x": torch.zeros(3)}, batch_size=[3], expire=3600)
-            >>> 3590 < store.ttl() <= 3600
-            True
-            >>> store.persist().ttl() is None
-            True
-            >>> store.clear_redis()
-            >>> store.close()
-        """
-        self._set_expiry(ttl_ms(seconds, self._where()))
-        return self
+def set_expiry(store: TensorDictStore, ms: int | None) -> None:
+    conn = store._conn
 
-    def persist(self: TensorDictStore) -> TensorDictStore:  # type: ignore[misc]
-        """Removes the store's expiry, from every key at once; returns the store."""
-        self._set_expiry(None)
-        return self
+    def once(attempt: int) -> None:
+        # after a stale try (a key was added or removed meanwhile): list the keys again
+        layout = store._layout(refresh=attempt > 0)
+        conn.run(partial(_lifecycle.expire, keys=conn.keys, runner=conn.runner, layout=layout, ttl_ms=ms))
+        conn.layout = None  # the meta hash changed ("exp", "ttl")
 
-    def ttl(self: TensorDictStore) -> float | None:  # type: ignore[misc]
-        """Seconds until the store expires, or None when it has no expiry.
+    optimistic(once, where=store._where, what="expire()/persist()")
 
-        Raises:
-            StoreNotFoundError: the store does not exist (or has expired).
-        """
-        conn = self._conn
-        pttl = conn.run(lambda c: _backend.ttl_ms(c, conn.keys))
-        if pttl == -2:
-            raise self._not_found()
-        return None if pttl < 0 else pttl / 1000
 
-    def _set_expiry(self: TensorDictStore, ms: int | None) -> None:  # type: ignore[misc]
-        conn = self._conn
-
-        def once(attempt: int) -> None:
-            # after a stale try (a key was added or removed meanwhile): list the keys again
-            layout = self._layout(refresh=attempt > 0)
-            conn.run(partial(_lifecycle.expire, keys=conn.keys, runner=conn.runner, layout=layout, ttl_ms=ms))
-            conn.layout = None  # the meta hash changed ("exp", "ttl")
-
-        optimistic(once, where=self._where, what="expire()/persist()")

@@ -21,13 +21,12 @@ from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import check_tensor
-from tdstore.base.host import DenseBase
 from tdstore.errors import CorruptMetadataError, SchemaError, StaleLayoutError
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
 
-__all__ = ["RingState", "RingBufferAPI"]
+__all__ = ["RingState", "extend", "ring_state", "set_ring_total", "sample", "draw_written"]
 
 
 class RingState(NamedTuple):
@@ -40,7 +39,7 @@ class RingState(NamedTuple):
 
 
 class _ExtendSpec(NamedTuple):
-    """What ``extend()`` needs of a layout: see ``RingBufferAPI._extend_spec``."""
+    """What ``extend()`` needs of a layout: see :func:`extend_spec`."""
 
     batch: torch.Size
     capacity: int
@@ -50,220 +49,170 @@ class _ExtendSpec(NamedTuple):
     per_row: tuple[tuple[str, ...], ...]  #: the per-row non-tensor entries (extend() refuses them)
 
 
-class RingBufferAPI(DenseBase):
-    """Ring-buffer methods of :class:`~tdstore.TensorDictStore` (a mixin)."""
+def extend(store: TensorDictStore, td: Any) -> torch.Tensor:
+    """:meth:`TensorDictStore.extend` (its documentation is there)."""
+    if is_tensorclass(td):
+        td = td._tensordict
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(f"extend() takes a TensorDict, got {type(td).__name__}")
+    conn = store._conn
 
-    def extend(self: TensorDictStore, td: Any) -> torch.Tensor:  # type: ignore[misc]
-        """Appends the rows of ``td`` along the first batch dim, atomically; returns their indices.
-
-        The rows go to ``(cursor + i) % capacity``: the buffer wraps around its first batch
-        dim. ``td`` must hold every tensor entry of the store, with the store's row shapes
-        (dtypes are cast). Concurrent ``extend`` calls from any process get disjoint rows.
-        Non-tensor entries are not appended: a ``td`` holding one, or a store with a per-row
-        non-tensor entry, is refused with a :class:`~tdstore.errors.SchemaError` and nothing
-        is written. An append does not conflict with a read-modify-write (``apply_``, ``+=``)
-        on a sub-store whose entries it does not write.
-
-        Examples:
-            >>> import torch
-            >>> from tensordict import TensorDict
-            >>> from tdstore import TensorDictStore
-            >>> buf = TensorDictStore.from_schema({"x": ([2], torch.float32)}, batch_size=[4])
-            >>> buf.extend(TensorDict(x=torch.ones(3, 2), batch_size=[3]))
-            tensor([0, 1, 2])
-            >>> buf.extend(TensorDict(x=torch.full((2, 2), 2.0), batch_size=[2]))
-            tensor([3, 0])
-            >>> buf.ring_state()
-            RingState(valid=4, total=5, capacity=4, cursor=1)
-            >>> buf.clear_redis()
-            >>> buf.close()
-        """
-        if is_tensorclass(td):
-            td = td._tensordict
-        if not isinstance(td, TensorDictBase):
-            raise TypeError(f"extend() takes a TensorDict, got {type(td).__name__}")
-        conn = self._conn
-
-        def once(_attempt: int) -> torch.Tensor:
-            layout = self._layout()
-            spec = self._extend_spec(layout)
-            batch, capacity = spec.batch, spec.capacity
-            n = td.batch_size[0] if td.batch_dims else 0
-            if td.batch_dims == 0 or td.batch_size[1:] != batch[1:]:
-                raise SchemaError(
-                    f"extend() into {self._where()} takes rows of batch shape [n, {', '.join(map(str, batch[1:]))}]"
-                    f"; got batch_size={list(td.batch_size)}"
-                )
-            if not 1 <= n <= capacity:
-                raise SchemaError(f"extend() appends 1 to {capacity} rows at once into {self._where()}, got {n}")
-            # non-tensor columns are not appended: refuse rather than leave old values beside new rows
-            non_tensor = [k for k, v in td.items(True, False) if is_non_tensor(v)]
-            if non_tensor or spec.per_row:
-                key = _as_path(non_tensor[0]) if non_tensor else spec.per_row[0][len(self._path) :]
-                name = key[0] if len(key) == 1 else key
-                why = (
-                    f"td holds the non-tensor entry {name!r}" if non_tensor
-                    else f"its non-tensor entry {name!r} holds one value per row, which the new rows would not get"
-                )
-                raise SchemaError(
-                    f"extend() into {self._where()} appends tensor entries only, and {why}. Nothing was "
-                    "written; write non-tensor columns with store[rows] = td"
-                )
-            given = {k if isinstance(k, tuple) else (k,) for k in td.keys(True, True)}
-            if given != spec.relative:
-                missing = sorted(str(self._path + k) for k in spec.relative - given)
-                extra = sorted(str(self._path + k) for k in given - spec.relative)
-                raise SchemaError(
-                    f"extend() writes every tensor entry of {self._where()} at once: missing {missing}, unknown {extra}"
-                )
-            groups = []
-            keep = []
-            for path, rel, dtype, row_shape, row_bytes in spec.leaves:
-                value = td.get(rel)
-                if value.shape[1:] != row_shape or value.shape[0] != n:
-                    raise SchemaError(
-                        f"extend(): entry {path!r} of {self._where()} takes rows of shape "
-                        f"{list(row_shape)}, got {list(value.shape[1:])}"
-                    )
-                try:
-                    flat, view = _codec.tensor_view(value if value.dtype == dtype else value.to(dtype))
-                except (NotImplementedError, RuntimeError):
-                    # a meta, sparse or nested tensor: the clear TypeError of store[k] = value
-                    # (checked here, off the hot path, only when torch refused)
-                    check_tensor(value, path, self._where())
-                    raise
-                keep.append(flat)
-                groups.append((path, row_bytes, view))
-            plan = _append_mod.AppendPlan(
-                conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=self._path, reservation=reservation
+    def once(_attempt: int) -> torch.Tensor:
+        layout = store._layout()
+        spec = extend_spec(store, layout)
+        batch, capacity = spec.batch, spec.capacity
+        n = td.batch_size[0] if td.batch_dims else 0
+        if td.batch_dims == 0 or td.batch_size[1:] != batch[1:]:
+            raise SchemaError(
+                f"extend() into {store._where()} takes rows of batch shape [n, {', '.join(map(str, batch[1:]))}]"
+                f"; got batch_size={list(td.batch_size)}"
             )
-            start = conn.append(plan)
-            if start == _append_mod.ABORTED:
-                raise _append_mod.stale()
-            return (start + torch.arange(n)) % capacity
-
-        # the rows reserved by a try whose write was aborted are written by the next try
-        reservation = _append_mod.Reservation()
-        return optimistic(once, where=self._where, what="extend()", on_stale=lambda: self._layout(refresh=True))
-
-    def _extend_spec(self: TensorDictStore, layout: Any) -> _ExtendSpec:  # type: ignore[misc]
-        """What ``extend()`` checks and writes under ``layout`` (memoized per layout)."""
-        key = ("extend", self._path)
-        spec: _ExtendSpec | None = layout.memo.get(key)
-        if spec is not None:
-            return spec
-        batch = torch.Size(self._node(layout).batch_size or ())
-        if not batch:
-            raise SchemaError(f"extend() needs a store with a batch dim; {self._where()} has none")
-        nb, depth = len(batch), len(self._path)
-        leaves = []
-        per_row = []
-        for path, meta in self._descendants(layout, self._path):
-            if meta.is_tensor:
-                dtype = _codec.entry_dtype(meta)
-                row_shape = torch.Size(tuple(batch[1:]) + tuple((meta.shape or ())[nb:]))
-                leaves.append((path, path[depth:], dtype, row_shape, _codec.tensor_nbytes(row_shape, dtype)))
-            elif meta.is_non_tensor and meta.stack:
-                per_row.append(path)
-        spec = _ExtendSpec(batch, batch[0], tuple(leaves), frozenset(leaf[1] for leaf in leaves), tuple(per_row))
-        layout.memo[key] = spec
-        return spec
-
-    def ring_state(self: TensorDictStore) -> RingState:  # type: ignore[misc]
-        """How many rows are valid (written whole by an append), how many were ever reserved, and where the cursor is.
-
-        ``valid`` counts the rows flagged as written: rows reserved by an append still in
-        flight, or by an appender that died before writing them, are not valid.
-        """
-        conn = self._conn
-        cursor, lv, flagged, exists = conn.run(lambda c: _append_mod.ring_counts(c, conn.keys))
-        if lv is None:
-            raise self._not_found()
-        total = _append_mod.parse_cursor(cursor, conn.keys)
-        capacity = self.batch_size[0] if self.batch_dims else 0
-        # a flag byte is 0 or 1 and only reserved rows are flagged: never more valid than total
-        valid = min(flagged, capacity, total) if exists else min(total, capacity)
-        return RingState(valid, total, capacity, total % capacity if capacity else 0)
-
-    def set_ring_total(self: TensorDictStore, total: int) -> None:  # type: ignore[misc]
-        """Sets the ring's count of rows ever appended to ``total`` (0 empties the ring), for
-        every process, in one step.
-
-        The first ``min(total, capacity)`` rows then count as written (``sample()`` draws
-        them), except rows an append still in flight reserved; the next ``extend()`` writes
-        at ``total % capacity``. What TorchRL's ``rb.empty()`` and ``load_state_dict()`` do
-        (:mod:`tdstore.torchrl`).
-
-        Raises:
-            ValueError: ``total`` is not from 0 to 2**52.
-            StoreNotFoundError: the store does not exist.
-        """
-        conn = self._conn
-        capacity = self.batch_size[0] if self.batch_dims else 0
-        if capacity < 1:
-            raise ValueError(f"set_ring_total() on {self._where()}: a ring needs a first batch dim of at least 1 row")
-        if not conn.run(lambda c: _ops.set_ring_total(c, conn.keys, conn.runner, total, capacity)):
-            raise self._not_found()
-
-    def sample(self: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> Any:  # type: ignore[misc]
-        """Reads ``n`` random rows (with replacement) among the valid ones; one consistent snapshot.
-
-        Only rows flagged as written by an append are drawn (never one reserved by an
-        append still in flight, or by an appender that died between its two steps). The
-        flags are read first, then the rows in one snapshot: a row once flagged always
-        holds a whole appended row, as an append writes its rows in one MULTI.
-
-        Raises:
-            ValueError: when no row was appended yet.
-        """
-        idx = self._draw_written(n, generator)
-        return self[idx]
-
-    def _draw_written(self: TensorDictStore, n: int, generator: torch.Generator | None) -> torch.Tensor:  # type: ignore[misc]
-        """``n`` rows drawn uniformly (with replacement) among those flagged as written."""
-        conn = self._conn
-        keys = conn.keys
-        capacity = self.batch_size[0] if self.batch_dims else 0
-        large = capacity > _FLAGS_READ_MAX
-
-        cursor, lv, exists, flags = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
-        if lv is None:
-            raise self._not_found()
-        total = min(_append_mod.parse_cursor(cursor, keys), capacity)
-        empty = ValueError(f"sample() from {self._where()}: no row was appended yet (extend() first)")
-        if not exists:  # a store appended to before the flags existed, or never
-            if total == 0:
-                raise empty
-            return torch.randint(0, total, (n,), generator=generator)
-        if not large:
-            if not isinstance(flags, bytes) or flags.translate(None, b"\x00\x01"):
-                raise CorruptMetadataError(
-                    f"sample() from {self._where()}: the row flags {keys.flags} hold bytes other than 0 and 1"
+        if not 1 <= n <= capacity:
+            raise SchemaError(f"extend() appends 1 to {capacity} rows at once into {store._where()}, got {n}")
+        # non-tensor columns are not appended: refuse rather than leave old values beside new rows
+        non_tensor = [k for k, v in td.items(True, False) if is_non_tensor(v)]
+        if non_tensor or spec.per_row:
+            key = _as_path(non_tensor[0]) if non_tensor else spec.per_row[0][len(store._path) :]
+            name = key[0] if len(key) == 1 else key
+            why = (
+                f"td holds the non-tensor entry {name!r}" if non_tensor
+                else f"its non-tensor entry {name!r} holds one value per row, which the new rows would not get"
+            )
+            raise SchemaError(
+                f"extend() into {store._where()} appends tensor entries only, and {why}. Nothing was "
+                "written; write non-tensor columns with store[rows] = td"
+            )
+        given = {k if isinstance(k, tuple) else (k,) for k in td.keys(True, True)}
+        if given != spec.relative:
+            missing = sorted(str(store._path + k) for k in spec.relative - given)
+            extra = sorted(str(store._path + k) for k in given - spec.relative)
+            raise SchemaError(
+                f"extend() writes every tensor entry of {store._where()} at once: missing {missing}, unknown {extra}"
+            )
+        groups = []
+        keep = []
+        for path, rel, dtype, row_shape, row_bytes in spec.leaves:
+            value = td.get(rel)
+            if value.shape[1:] != row_shape or value.shape[0] != n:
+                raise SchemaError(
+                    f"extend(): entry {path!r} of {store._where()} takes rows of shape "
+                    f"{list(row_shape)}, got {list(value.shape[1:])}"
                 )
-            if not flags:
-                raise empty
-            written = torch.frombuffer(bytearray(flags), dtype=torch.uint8)[:capacity].nonzero().flatten()
-            if written.numel() == 0:
-                raise empty
-            return written[torch.randint(0, written.numel(), (n,), generator=generator)]
-        if int(flags) == 0 or total == 0:
-            raise empty
-        # a large ring: draw among the rows reserved so far, check their flags, redraw the
-        # few that are not written (in flight, or left by a dead appender)
-        idx = torch.randint(0, total, (n,), generator=generator)
-        todo = torch.arange(n)
-        for _ in range(_REDRAWS):
-            rows = idx[todo].tolist()
-            got = conn.run(lambda c, rows=rows: _append_mod.flag_bytes(c, keys, rows))
-            bad = torch.tensor([not f for f in got], dtype=torch.bool)
-            todo = todo[bad]
-            if todo.numel() == 0:
-                return idx
-            idx[todo] = torch.randint(0, total, (todo.numel(),), generator=generator)
-        raise StaleLayoutError(
-            f"sample() from {self._where()}: kept drawing rows not written yet ({todo.numel()} of {n} after "
-            f"{_REDRAWS} draws); appends may be failing between their two steps"
+            try:
+                flat, view = _codec.tensor_view(value if value.dtype == dtype else value.to(dtype))
+            except (NotImplementedError, RuntimeError):
+                # a meta, sparse or nested tensor: the clear TypeError of store[k] = value
+                # (checked here, off the hot path, only when torch refused)
+                check_tensor(value, path, store._where())
+                raise
+            keep.append(flat)
+            groups.append((path, row_bytes, view))
+        plan = _append_mod.AppendPlan(
+            conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=store._path, reservation=reservation
         )
+        start = conn.append(plan)
+        if start == _append_mod.ABORTED:
+            raise _append_mod.stale()
+        return (start + torch.arange(n)) % capacity
+
+    # the rows reserved by a try whose write was aborted are written by the next try
+    reservation = _append_mod.Reservation()
+    return optimistic(once, where=store._where, what="extend()", on_stale=lambda: store._layout(refresh=True))
+
+def extend_spec(store: TensorDictStore, layout: Any) -> _ExtendSpec:
+    """What ``extend()`` checks and writes under ``layout`` (memoized per layout)."""
+    key = ("extend", store._path)
+    spec: _ExtendSpec | None = layout.memo.get(key)
+    if spec is not None:
+        return spec
+    batch = torch.Size(store._node(layout).batch_size or ())
+    if not batch:
+        raise SchemaError(f"extend() needs a store with a batch dim; {store._where()} has none")
+    nb, depth = len(batch), len(store._path)
+    leaves = []
+    per_row = []
+    for path, meta in store._descendants(layout, store._path):
+        if meta.is_tensor:
+            dtype = _codec.entry_dtype(meta)
+            row_shape = torch.Size(tuple(batch[1:]) + tuple((meta.shape or ())[nb:]))
+            leaves.append((path, path[depth:], dtype, row_shape, _codec.tensor_nbytes(row_shape, dtype)))
+        elif meta.is_non_tensor and meta.stack:
+            per_row.append(path)
+    spec = _ExtendSpec(batch, batch[0], tuple(leaves), frozenset(leaf[1] for leaf in leaves), tuple(per_row))
+    layout.memo[key] = spec
+    return spec
+
+def ring_state(store: TensorDictStore) -> RingState:
+    """:meth:`TensorDictStore.ring_state` (its documentation is there)."""
+    conn = store._conn
+    cursor, lv, flagged, exists = conn.run(lambda c: _append_mod.ring_counts(c, conn.keys))
+    if lv is None:
+        raise store._not_found()
+    total = _append_mod.parse_cursor(cursor, conn.keys)
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    # a flag byte is 0 or 1 and only reserved rows are flagged: never more valid than total
+    valid = min(flagged, capacity, total) if exists else min(total, capacity)
+    return RingState(valid, total, capacity, total % capacity if capacity else 0)
+
+def set_ring_total(store: TensorDictStore, total: int) -> None:
+    """:meth:`TensorDictStore.set_ring_total` (its documentation is there)."""
+    conn = store._conn
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    if capacity < 1:
+        raise ValueError(f"set_ring_total() on {store._where()}: a ring needs a first batch dim of at least 1 row")
+    if not conn.run(lambda c: _ops.set_ring_total(c, conn.keys, conn.runner, total, capacity)):
+        raise store._not_found()
+
+def sample(store: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> Any:
+    """:meth:`TensorDictStore.sample` (its documentation is there)."""
+    idx = draw_written(store, n, generator)
+    return store[idx]
+
+def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``n`` rows drawn uniformly (with replacement) among those flagged as written."""
+    conn = store._conn
+    keys = conn.keys
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    large = capacity > _FLAGS_READ_MAX
+
+    cursor, lv, exists, flags = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
+    if lv is None:
+        raise store._not_found()
+    total = min(_append_mod.parse_cursor(cursor, keys), capacity)
+    empty = ValueError(f"sample() from {store._where()}: no row was appended yet (extend() first)")
+    if not exists:  # a store appended to before the flags existed, or never
+        if total == 0:
+            raise empty
+        return torch.randint(0, total, (n,), generator=generator)
+    if not large:
+        if not isinstance(flags, bytes) or flags.translate(None, b"\x00\x01"):
+            raise CorruptMetadataError(
+                f"sample() from {store._where()}: the row flags {keys.flags} hold bytes other than 0 and 1"
+            )
+        if not flags:
+            raise empty
+        written = torch.frombuffer(bytearray(flags), dtype=torch.uint8)[:capacity].nonzero().flatten()
+        if written.numel() == 0:
+            raise empty
+        return written[torch.randint(0, written.numel(), (n,), generator=generator)]
+    if int(flags) == 0 or total == 0:
+        raise empty
+    # a large ring: draw among the rows reserved so far, check their flags, redraw the
+    # few that are not written (in flight, or left by a dead appender)
+    idx = torch.randint(0, total, (n,), generator=generator)
+    todo = torch.arange(n)
+    for _ in range(_REDRAWS):
+        rows = idx[todo].tolist()
+        got = conn.run(lambda c, rows=rows: _append_mod.flag_bytes(c, keys, rows))
+        bad = torch.tensor([not f for f in got], dtype=torch.bool)
+        todo = todo[bad]
+        if todo.numel() == 0:
+            return idx
+        idx[todo] = torch.randint(0, total, (todo.numel(),), generator=generator)
+    raise StaleLayoutError(
+        f"sample() from {store._where()}: kept drawing rows not written yet ({todo.numel()} of {n} after "
+        f"{_REDRAWS} draws); appends may be failing between their two steps"
+    )
 
 
 #: Rings of at most this many rows have their flags read whole by sample(); larger ones per row drawn.
