@@ -28,18 +28,14 @@ def batch(value: float, n: int) -> TensorDict:
     return TensorDict(x=torch.full((n, 2), value), y=torch.full((n,), value), batch_size=[n])
 
 
-def make(server, **kw):
-    return TensorDictStore.from_schema(
-        {"x": ([2], torch.float32), "y": ([], torch.float32)}, batch_size=[CAP], **server.connection_kwargs(), **kw
-    )
+SCHEMA = {"x": ([2], torch.float32), "y": ([], torch.float32)}
 
 
 @pytest.fixture
-def store(real_server):
-    s = make(real_server)
+def store(stores, real_server):
+    s = stores(real_server, "from_schema", SCHEMA, batch_size=[CAP])
     yield s
     s.clear_redis()
-    s.close()
 
 
 @pytest.fixture
@@ -225,8 +221,8 @@ async def _set_total(client, store, total):
     assert await ops.set_ring_total(client, store._conn.keys, store._conn.runner, total, CAP)
 
 
-def test_armed_appends_keep_the_store_expiry(real_server, admin):
-    store = make(real_server, expire=60)
+def test_armed_appends_keep_the_store_expiry(stores, real_server, admin):
+    store = stores(real_server, "from_schema", SCHEMA, batch_size=[CAP], expire=60)
     try:
         store.extend(batch(1.0, 1))
         store.extend(batch(2.0, 1))  # armed: may create the counters, must give them the expiry
@@ -235,7 +231,6 @@ def test_armed_appends_keep_the_store_expiry(real_server, admin):
             assert 0 < admin.pttl(key) <= 60_000, f"{key} has no expiry"
     finally:
         store.clear_redis()
-        store.close()
 
 
 def test_threads_appending_on_one_handle_get_disjoint_rows(real_server):

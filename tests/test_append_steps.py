@@ -18,11 +18,11 @@ import multiprocessing
 import os
 import signal
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import _append_step_workers as w
 import pytest
 import torch
+from fixtures import PoolSpec
 
 from tdstore import TensorDictStore
 from tdstore.testing.counts import record as _record
@@ -32,12 +32,8 @@ SCHEMA = {"tag": ([3], torch.int64), "obs": ([8], torch.float32)}
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=5, mp_context=ctx) as executor:
-        list(executor.map(time.sleep, [0.3] * 5))  # start (and import) every worker up front
-        yield executor
+#: the module's ``pool`` (tests/fixtures.py): 5 workers, started (and imported) up front
+POOL = PoolSpec(workers=5, warm_up=time.sleep, warm_up_arg=0.3)
 
 
 def _keys(server, store) -> set[str]:

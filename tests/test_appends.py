@@ -11,13 +11,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import _append_workers as w
 import pytest
 import torch
+from fixtures import PoolSpec
 from tensordict import NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
@@ -121,17 +120,12 @@ def test_cas_still_conflicts_with_other_writes(server):
     store.close()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=4, mp_context=ctx) as executor:
-        list(executor.map(w.warm_up, [0.3] * 4))
-        yield executor
+#: the module's ``pool`` (tests/fixtures.py)
+POOL = PoolSpec(workers=4, warm_up=w.warm_up, warm_up_arg=0.3)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["redis", "valkey"])
-def test_apply_on_substore_succeeds_while_4_processes_append(request, pool, kind, tmp_path):
+def test_apply_on_substore_succeeds_while_4_processes_append(request, pool, race_server, tmp_path):
     """Issue 16: with 4 actors calling extend(), ``s["stats"].apply_`` used to fail with
     StaleLayoutError after ~15 s. Now every apply_ goes through within a bounded time and
     none is lost.
@@ -140,8 +134,7 @@ def test_apply_on_substore_succeeds_while_4_processes_append(request, pool, kind
     however the machine schedules the processes: the test waits until the first appends
     land, and makes at least 20 apply_ calls, more (up to 10 s) until appends are seen
     between its first and its last."""
-    srv = request.getfixturevalue(f"{kind}_server")
-    conn = srv.connection_kwargs()
+    conn = race_server.connection_kwargs()
     store = _nested(conn)
     stop = tmp_path / "stop"
     start = time.time() + 0.5

@@ -11,14 +11,13 @@ The conformance suite also runs whole with ``TDSTORE_CHUNK_BYTES`` set (see .ci/
 
 from __future__ import annotations
 
-import multiprocessing
 import random
-from concurrent.futures import ProcessPoolExecutor
 
 import _race_workers as w
 import pytest
 import redis
 import torch
+from fixtures import PoolSpec
 from tensordict import NonTensorStack, TensorDict
 
 import tdstore
@@ -106,21 +105,6 @@ class TestPieces:
 
 
 # --------------------------------------------------------------------------- on every backend
-
-
-@pytest.fixture
-def make(server):
-    created = []
-
-    def factory(method=None, *args, **kwargs):
-        conn = server.connection_kwargs()
-        store = TensorDictStore(**conn, **kwargs) if method is None else getattr(TensorDictStore, method)(*args, **conn, **kwargs)
-        created.append(store)
-        return store
-
-    yield factory
-    for store in created:
-        store.close()
 
 
 def _strings(server, store):
@@ -402,17 +386,8 @@ def test_from_schema_fills_chunk_by_chunk(limited):
 # --------------------------------------------------------------------------- many processes
 
 
-@pytest.fixture(scope="module")
-def pool():
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=5, mp_context=ctx) as executor:
-        list(executor.map(w.warm_up, [0.5] * 5))
-        yield executor
-
-
-@pytest.fixture(params=["redis", "valkey"])
-def race_server(request):
-    return request.getfixturevalue(f"{request.param}_server")
+#: the module's ``pool`` (tests/fixtures.py); the tests below run on ``race_server`` (redis, valkey)
+POOL = PoolSpec(workers=5, warm_up=w.warm_up, warm_up_arg=0.5)
 
 
 @pytest.mark.multiprocess

@@ -167,11 +167,11 @@ CASES = {
 READS_FINE: set[str] = set()
 
 
-def _make(server):
-    td = TensorDict(
+def _td() -> TensorDict:
+    """The content of the store each test damages (made with ``stores(server, "from_tensordict", _td())``)."""
+    return TensorDict(
         {"x": torch.arange(16.0).reshape(4, 4), "nt": "hello", "n": TensorDict({"y": torch.ones(4, 2)}, [4])}, [4]
     )
-    return TensorDictStore.from_tensordict(td, **server.connection_kwargs())
 
 
 def _reads(store_factory):
@@ -213,8 +213,8 @@ class _traced:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_damaged_store(server, case):
-    writer = _make(server)
+def test_damaged_store(stores, server, case):
+    writer = stores(server, "from_tensordict", _td())
     td_id = writer.td_id
     r = server.sync_client()
     base = f"tensordict:{{{td_id}}}"
@@ -250,10 +250,10 @@ def test_damaged_store(server, case):
     assert not [k for k in r.scan_iter(match=f"*{td_id}*")], case
 
 
-def test_indexed_reads_check_the_byte_count(server):
+def test_indexed_reads_check_the_byte_count(stores, server):
     """Data too short or too long: indexed reads say what whole reads say."""
     for fix, word in ((lambda b: b[:-4], "bytes"), (lambda b: b + b"\0" * 4, "bytes")):
-        writer = _make(server)
+        writer = stores(server, "from_tensordict", _td())
         base = f"tensordict:{{{writer.td_id}}}"
         _data("x", fix)(server.sync_client(), base)
         store = TensorDictStore.from_store(td_id=writer.td_id, **server.connection_kwargs())
@@ -265,18 +265,18 @@ def test_indexed_reads_check_the_byte_count(server):
         writer.clear_redis()
 
 
-def test_format_version(server):
-    writer = _make(server)
+def test_format_version(stores, server):
+    writer = stores(server, "from_tensordict", _td())
     _meta("fmt", "99")(server.sync_client(), f"tensordict:{{{writer.td_id}}}")
     with pytest.raises(FormatVersionError):
         TensorDictStore.from_store(td_id=writer.td_id, **server.connection_kwargs())
 
 
-def test_chunk_bomb_cli(real_server):
+def test_chunk_bomb_cli(stores, real_server):
     """``tdstore ls`` and ``tdstore rm`` of a store whose chunking would make 10**11 key names,
     in a process limited to 2 GiB of address space."""
     server = real_server
-    writer = _make(server)
+    writer = stores(server, "from_tensordict", _td())
     td_id = writer.td_id
     _entry("x", c=4, shape=[4, 10**11])(server.sync_client(), f"tensordict:{{{td_id}}}")
     kw = server.connection_kwargs()
@@ -382,13 +382,13 @@ def _writes():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_damaged_store_writes(server, case):
+def test_damaged_store_writes(stores, server, case):
     """N7: indexed writes into damaged entries leaked JSONDecodeError (a non-tensor's bytes) or
     tried an 8 TB allocation (a huge registered shape). Each write either works or raises one
     error naming the store, in bounded time and memory, and a refused write changes no key."""
     r = server.sync_client()
     for name, write in _writes().items():
-        writer = _make(server)
+        writer = stores(server, "from_tensordict", _td())
         td_id = writer.td_id
         CASES[case](r, f"tensordict:{{{td_id}}}")
         before = {k: r.dump(k) for k in sorted(r.scan_iter(match=f"*{td_id}*"))}

@@ -77,8 +77,9 @@ for kind, value in VALUES.items():
     EDITS[f"lv-{kind}"] = _meta_lv(value)
 
 
-def _make(server):
-    s = TensorDictStore.from_schema({"x": ([2], torch.float32)}, batch_size=[CAPACITY], **server.connection_kwargs())
+def _ring(stores, server):
+    """A ring of ``CAPACITY`` rows, ``APPENDED`` of them appended (made with ``stores``)."""
+    s = stores(server, "from_schema", {"x": ([2], torch.float32)}, batch_size=[CAPACITY])
     s.extend(TensorDict(x=torch.arange(2.0 * APPENDED).reshape(APPENDED, 2), batch_size=[APPENDED]))
     return s
 
@@ -139,8 +140,8 @@ CASES = sorted(EDITS)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_damaged_ring_keys(server, case):
-    writer = _make(server)
+def test_damaged_ring_keys(stores, server, case):
+    writer = _ring(stores, server)
     td_id = writer.td_id
     r = server.sync_client()
     EDITS[case](r, f"tensordict:{{{td_id}}}")
@@ -170,11 +171,11 @@ def test_damaged_ring_keys(server, case):
 
 
 @pytest.mark.parametrize("cursor", [2**62, 2**53 + 1, 2**52 + 1])
-def test_cursor_lua_cannot_hold_is_refused(server, cursor):
+def test_cursor_lua_cannot_hold_is_refused(stores, server, cursor):
     """A cursor past 2**52: two extend() calls both got rows [0, 1] (Lua doubles lost the low
     bits). Each is refused before any write, armed (one packet) or not."""
 
-    s = _make(server)
+    s = _ring(stores, server)
     r = server.sync_client()
     s.extend(TensorDict(x=torch.ones(1, 2), batch_size=[1]))  # arms the handle's connection
     r.set(f"tensordict:{{{s.td_id}}}:ring", str(cursor))

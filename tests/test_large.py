@@ -36,22 +36,6 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(_large, "WRITE_PIECE", 40)
 
 
-@pytest.fixture
-def stores():
-    """``stores(handle, **kwargs)`` creates a store on that server; all are removed at the end."""
-    created = []
-
-    def factory(handle, **kwargs):
-        store = TensorDictStore(**handle.connection_kwargs(), **kwargs)
-        created.append(store)
-        return store
-
-    yield factory
-    for store in created:
-        store.clear_redis()
-        store.close()
-
-
 def _count_calls(monkeypatch, module, name):
     calls = []
     real = getattr(module, name)

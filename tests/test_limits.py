@@ -29,7 +29,7 @@ BIG_BYTES = ROWS * BIG_FEATURES * 4
 
 
 @pytest.fixture(scope="module", params=["redis", "valkey", "redis6"])
-def limited(request):
+def limited_server(request):
     """A private server started with ``--proto-max-bulk-len 1mb``."""
     try:
         handle = start_server(request.param, config={"proto-max-bulk-len": "1mb"})
@@ -42,21 +42,11 @@ def limited(request):
 
 
 @pytest.fixture
-def make(limited):
-    created = []
-
-    def factory(method=None, *args, **kwargs):
-        conn = limited.connection_kwargs()
-        store = TensorDictStore(**conn, **kwargs) if method is None else getattr(TensorDictStore, method)(
-            *args, **conn, **kwargs
-        )
-        created.append(store)
-        return store
-
-    yield factory
-    for store in created:
-        store.close()
-    client = limited.sync_client()
+def limited(limited_server):
+    """The module's private server (``limited_server``), flushed after each test. Tests make
+    their stores on it with ``stores(limited, ...)`` (tests/fixtures.py)."""
+    yield limited_server
+    client = limited_server.sync_client()
     client.flushall()
     client.close()
 
@@ -81,13 +71,13 @@ def _assert_still_usable(store: TensorDictStore) -> None:
     del store["probe"]
 
 
-def test_limit_is_read_from_the_server(make, limited):
-    store = make(batch_size=[ROWS])
+def test_limit_is_read_from_the_server(stores, limited):
+    store = stores(limited, batch_size=[ROWS])
     store["a"] = torch.zeros(ROWS)
     assert store._conn.max_bulk == LIMIT
 
 
-def test_limit_read_once_per_connection(make, limited):
+def test_limit_read_once_per_connection(stores, limited):
     client = limited.sync_client()
 
     def config_calls() -> int:
@@ -95,14 +85,14 @@ def test_limit_read_once_per_connection(make, limited):
         return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_config"))
 
     before = config_calls()
-    store = make(batch_size=[ROWS])
+    store = stores(limited, batch_size=[ROWS])
     for i in range(5):
         store[f"e{i}"] = torch.zeros(ROWS)
         store[f"e{i}"]
     store.update({"u": torch.ones(ROWS)})
     # proto-max-bulk-len and client-query-buffer-limit, in one round trip
     assert config_calls() - before == 2
-    other = make(batch_size=[ROWS])  # another store, another connection: read once more
+    other = stores(limited, batch_size=[ROWS])  # another store, another connection: read once more
     other["a"] = torch.zeros(ROWS)
     assert config_calls() - before == 4
     client.close()
@@ -132,8 +122,8 @@ def test_without_the_check_the_server_drops_the_connection(limited):
         client.close()
 
 
-def test_whole_entry_set(make, limited, wire):
-    store = make(batch_size=[ROWS])
+def test_whole_entry_set(stores, limited, wire):
+    store = stores(limited, batch_size=[ROWS])
     store["small"] = torch.ones(ROWS)
     before = wire(limited)
     received = _bytes_received(limited)
@@ -147,8 +137,8 @@ def test_whole_entry_set(make, limited, wire):
     _assert_still_usable(store)
 
 
-def test_replacing_an_entry_with_a_larger_one(make, limited, wire):
-    store = make(batch_size=[ROWS])
+def test_replacing_an_entry_with_a_larger_one(stores, limited, wire):
+    store = stores(limited, batch_size=[ROWS])
     store["x"] = torch.ones(ROWS, 4)
     before = wire(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
@@ -158,8 +148,8 @@ def test_replacing_an_entry_with_a_larger_one(make, limited, wire):
     assert torch.equal(store["x"], torch.ones(ROWS, 4))
 
 
-def test_nested_entry(make, limited, wire):
-    store = make(batch_size=[ROWS])
+def test_nested_entry(stores, limited, wire):
+    store = stores(limited, batch_size=[ROWS])
     store["n", "a"] = torch.ones(ROWS)
     before = wire(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
@@ -168,8 +158,8 @@ def test_nested_entry(make, limited, wire):
     assert wire(limited) == before
 
 
-def test_non_tensor_entry(make, limited, wire):
-    store = make(batch_size=[ROWS])
+def test_non_tensor_entry(stores, limited, wire):
+    store = stores(limited, batch_size=[ROWS])
     before = wire(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
         store["text"] = NonTensorData("x" * (2 * LIMIT))
@@ -178,9 +168,9 @@ def test_non_tensor_entry(make, limited, wire):
     _assert_still_usable(store)
 
 
-def test_entry_exactly_at_the_limit_is_written(make, limited, wire):
+def test_entry_exactly_at_the_limit_is_written(stores, limited, wire):
     """The check is not off by one: an entry of exactly proto-max-bulk-len bytes goes through."""
-    store = make(batch_size=[ROWS])
+    store = stores(limited, batch_size=[ROWS])
     value = torch.arange(LIMIT // 4, dtype=torch.float32).reshape(ROWS, -1)
     store["edge"] = value
     assert torch.equal(store["edge"], value)
@@ -190,19 +180,19 @@ def test_entry_exactly_at_the_limit_is_written(make, limited, wire):
 
 
 @pytest.mark.parametrize("method", ["from_tensordict", "from_dict"])
-def test_from_tensordict_and_from_dict_leave_nothing(make, limited, wire, method):
+def test_from_tensordict_and_from_dict_leave_nothing(stores, limited, wire, method):
     before = wire(limited)
     data = {"ok": torch.ones(ROWS), "big": torch.zeros(ROWS, BIG_FEATURES)}
     source = TensorDict(data, [ROWS]) if method == "from_tensordict" else data
     kwargs = {} if method == "from_tensordict" else {"batch_size": [ROWS]}
     with pytest.raises(tdstore.EntryTooLargeError) as info:
-        make(method, source, **kwargs)
+        stores(limited, method, source, **kwargs)
     _check_message(info.value, "big", BIG_BYTES)
     assert wire(limited) == before == {}
 
 
-def test_update_applies_nothing(make, limited, wire):
-    store = make(batch_size=[ROWS])
+def test_update_applies_nothing(stores, limited, wire):
+    store = stores(limited, batch_size=[ROWS])
     store["keep"] = torch.ones(ROWS)
     before = wire(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
@@ -215,11 +205,11 @@ def test_update_applies_nothing(make, limited, wire):
     assert wire(limited) == before
 
 
-def test_indexed_write_that_creates_an_entry(make, limited, wire):
+def test_indexed_write_that_creates_an_entry(stores, limited, wire):
     """A new key written at an index is created zero-filled in full: its full size counts."""
     rows = 64
     features = LIMIT // (4 * rows) + 16  # the full entry is just over 1 MiB; one row is tiny
-    store = make(batch_size=[rows])
+    store = stores(limited, batch_size=[rows])
     store["a"] = torch.zeros(rows)
     before = wire(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
@@ -233,17 +223,17 @@ def test_indexed_write_that_creates_an_entry(make, limited, wire):
     assert store["fits"].sum().item() == 16
 
 
-def test_from_schema_and_extend(make, limited, wire):
+def test_from_schema_and_extend(stores, limited, wire):
     before = wire(limited)
     with pytest.raises(tdstore.EntryTooLargeError) as info:
-        make("from_schema", {"obs": ([BIG_FEATURES], torch.float32), "r": ([], torch.float32)}, batch_size=[ROWS])
+        stores(limited, "from_schema", {"obs": ([BIG_FEATURES], torch.float32), "r": ([], torch.float32)}, batch_size=[ROWS])
     assert "schema entry ('obs',)" in str(info.value)
     _check_message(info.value, ("obs",), BIG_BYTES)
     assert wire(limited) == before == {}
     # a buffer whose entries fit exactly: extend() writes rows into them, never past the limit
     capacity = 256
     features = LIMIT // (4 * capacity)
-    buf = make("from_schema", {"obs": ([features], torch.float32)}, batch_size=[capacity])
+    buf = stores(limited, "from_schema", {"obs": ([features], torch.float32)}, batch_size=[capacity])
     for step in range(3):
         rows = torch.full((200, features), float(step))
         buf.extend(TensorDict({"obs": rows}, [200]))

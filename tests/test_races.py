@@ -11,11 +11,11 @@ import os
 import random
 import signal
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import _race_workers as w
 import pytest
 import torch
+from fixtures import PoolSpec
 from tensordict import NonTensorStack, TensorDict
 
 from tdstore import TensorDictStore
@@ -27,26 +27,13 @@ NPROC = 4
 DURATION = 1.5
 
 
-@pytest.fixture(params=["redis", "valkey"])
-def race_server(request):
-    """The real servers the race tests run on: redis-server 7 and valkey-server 8 (and, for the
-    tests marked ``ALSO_ON_CLUSTER``, a local 3-master Redis Cluster: the workers reconnect with
-    ``cluster_nodes=``)."""
-    if request.param == "cluster":
-        return request.getfixturevalue("cluster_server")
-    return request.getfixturevalue(f"{request.param}_server")
-
-
+# The tests run on ``race_server`` (tests/fixtures.py): redis-server 7 and valkey-server 8, and,
+# for the tests marked ``ALSO_ON_CLUSTER``, a local 3-master Redis Cluster too (the workers
+# reconnect with ``cluster_nodes=``).
 ALSO_ON_CLUSTER = pytest.mark.parametrize("race_server", ["redis", "valkey", "cluster"], indirect=True)
 
-
-@pytest.fixture(scope="module")
-def pool():
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=NPROC + 1, mp_context=ctx) as executor:
-        # warm the workers up (imports) once for the whole module
-        list(executor.map(w.warm_up, [0.5] * (NPROC + 1)))
-        yield executor
+#: the module's ``pool`` (tests/fixtures.py), its workers warmed up (imports) once for the module
+POOL = PoolSpec(workers=NPROC + 1, warm_up=w.warm_up, warm_up_arg=0.5)
 
 
 @ALSO_ON_CLUSTER

@@ -24,24 +24,6 @@ from tdstore.server import start_server
 
 
 @pytest.fixture
-def make():
-    """Creates stores on a handle and closes them at the end."""
-    created = []
-
-    def factory(handle, method=None, *args, **kwargs):
-        conn = {**handle.connection_kwargs(), **kwargs.pop("conn", {})}
-        store = TensorDictStore(**conn, **kwargs) if method is None else getattr(TensorDictStore, method)(
-            *args, **conn, **kwargs
-        )
-        created.append(store)
-        return store
-
-    yield factory
-    for store in created:
-        store.close()
-
-
-@pytest.fixture
 def no_env_credentials(monkeypatch):
     for name in ("TDSTORE_PASSWORD", "TDSTORE_USERNAME", "TDSTORE_SSL_PASSWORD", "TDSTORE_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -76,9 +58,9 @@ def _snapshot_td() -> TensorDict:
 class TestConformance:
     """One pass over the main features, per secured transport."""
 
-    def test_create_read_write(self, make, secure_server, wire):
+    def test_create_read_write(self, stores, secure_server, wire):
         td = _snapshot_td()
-        store = make(secure_server, "from_tensordict", td)
+        store = stores(secure_server, "from_tensordict", td)
         _expect_transport(store, secure_server)
         assert (store.to_tensordict() == td).all()
         store["label"] = NonTensorData("hello")
@@ -88,9 +70,9 @@ class TestConformance:
         assert any(k.endswith(":reg") and store.td_id in k for k in keys)
         assert all(store.td_id in k for k in keys)
 
-    def test_indexed_read_and_write(self, make, secure_server):
+    def test_indexed_read_and_write(self, stores, secure_server):
         td = _snapshot_td()
-        store = make(secure_server, "from_tensordict", td)
+        store = stores(secure_server, "from_tensordict", td)
         idx = torch.tensor([6, 1, 3])
         assert (store[idx].to_tensordict() == td[idx]).all()
         rows = TensorDict({"obs": torch.ones(3, 3), "act": torch.full((3,), 4), "nested": {"x": torch.ones(3, 2)}}, [3])
@@ -101,17 +83,17 @@ class TestConformance:
         td[2:8:3] = rows[:2]
         assert (store[1:7].to_tensordict() == td[1:7]).all()
 
-    def test_update_and_from_store(self, make, secure_server):
-        store = make(secure_server, batch_size=[4])
+    def test_update_and_from_store(self, stores, secure_server):
+        store = stores(secure_server, batch_size=[4])
         store.update({"a": torch.arange(4), "n": {"b": torch.ones(4, 2)}})
-        other = make(secure_server, "from_store", td_id=store.td_id)
+        other = stores(secure_server, "from_store", td_id=store.td_id)
         _expect_transport(other, secure_server)
         assert torch.equal(other["a"], torch.arange(4)) and torch.equal(other["n", "b"], torch.ones(4, 2))
         other["a"] += 10
         assert torch.equal(store["a"], torch.arange(4) + 10)
 
-    def test_pickle_round_trip(self, make, secure_server, no_env_credentials):
-        store = make(secure_server, batch_size=[4])
+    def test_pickle_round_trip(self, stores, secure_server, no_env_credentials):
+        store = stores(secure_server, batch_size=[4])
         store["a"] = torch.arange(4.0)
         blob = pickle.dumps(store)
         if secure_server._password is not None:
@@ -125,15 +107,15 @@ class TestConformance:
         finally:
             again.close()
 
-    def test_ring_buffer_extend(self, make, secure_server):
-        buf = make(secure_server, "from_schema", {"obs": ([2], torch.float32)}, batch_size=[5])
+    def test_ring_buffer_extend(self, stores, secure_server):
+        buf = stores(secure_server, "from_schema", {"obs": ([2], torch.float32)}, batch_size=[5])
         buf.extend(TensorDict(obs=torch.ones(3, 2), batch_size=[3]))
         buf.extend(TensorDict(obs=torch.full((4, 2), 2.0), batch_size=[4]))
         assert buf["obs"][:, 0].tolist() == [2.0, 2.0, 1.0, 2.0, 2.0]
 
-    def test_clear_redis_leaves_nothing(self, make, secure_server, wire):
+    def test_clear_redis_leaves_nothing(self, stores, secure_server, wire):
         before = wire(secure_server)
-        store = make(secure_server, "from_tensordict", _snapshot_td())
+        store = stores(secure_server, "from_tensordict", _snapshot_td())
         assert wire(secure_server) != before
         store.clear_redis()
         assert wire(secure_server) == before
@@ -173,11 +155,11 @@ def test_missing_password_says_how_to_give_one(acl_server, no_env_credentials):
     assert "no password was given" in text and "TDSTORE_PASSWORD" in text and "password=" in text
 
 
-def test_password_from_the_environment(acl_server, no_env_credentials, make):
+def test_password_from_the_environment(acl_server, no_env_credentials, stores):
     kwargs = acl_server.connection_kwargs()
     kwargs.pop("password")
     no_env_credentials.setenv("TDSTORE_PASSWORD", ACL_PASSWORD)
-    store = make(acl_server, conn={"password": None}, batch_size=[2])
+    store = stores(acl_server, conn={"password": None}, batch_size=[2])
     store["a"] = torch.ones(2)
     assert store._conn._credentials_from == "TDSTORE_PASSWORD"
     # the URL's credentials apply to the server the URL names
@@ -192,8 +174,8 @@ def test_password_from_the_environment(acl_server, no_env_credentials, make):
         again.close()
 
 
-def test_pickle_carries_no_secret_by_default(make, acl_server, no_env_credentials):
-    store = make(acl_server, batch_size=[2])
+def test_pickle_carries_no_secret_by_default(stores, acl_server, no_env_credentials):
+    store = stores(acl_server, batch_size=[2])
     store["a"] = torch.arange(2)
     blob = pickle.dumps(store)
     assert ACL_PASSWORD.encode() not in blob and ACL_USER.encode() in blob
@@ -214,8 +196,8 @@ def test_pickle_carries_no_secret_by_default(make, acl_server, no_env_credential
     restored.close()
 
 
-def test_pickle_secrets_opt_in(make, acl_server, no_env_credentials):
-    store = make(acl_server, batch_size=[2], pickle_secrets=True)
+def test_pickle_secrets_opt_in(stores, acl_server, no_env_credentials):
+    store = stores(acl_server, batch_size=[2], pickle_secrets=True)
     store["a"] = torch.arange(2)
     blob = pickle.dumps(store)
     assert ACL_PASSWORD.encode() in blob
@@ -238,7 +220,7 @@ class FileCredentials(CredentialProvider):
             return self.username, fh.read().strip()
 
 
-def test_picklable_credential_provider_travels(make, acl_server, tmp_path, no_env_credentials):
+def test_picklable_credential_provider_travels(stores, acl_server, tmp_path, no_env_credentials):
     secret = tmp_path / "pw"
     secret.write_text(ACL_PASSWORD)
     conn = {"username": None, "password": None, "credential_provider": FileCredentials(ACL_USER, str(secret))}
@@ -325,8 +307,8 @@ def test_tls_wrong_ca_fails_clearly(tls_server, tls_files, wire):
     assert wire(tls_server) == before
 
 
-def test_tls_pickle_keeps_the_ca(make, tls_server):
-    store = make(tls_server, batch_size=[2])
+def test_tls_pickle_keeps_the_ca(stores, tls_server):
+    store = stores(tls_server, batch_size=[2])
     store["a"] = torch.arange(2)
     restored = pickle.loads(pickle.dumps(store))
     try:

@@ -11,14 +11,13 @@ reader that dies holding a lease delays layout changes by at most the lease's le
 
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import _starve_workers as w
 import pytest
 import torch
+from fixtures import PoolSpec
 from tensordict import LazyStackedTensorDict, TensorDict
 from test_threads import _run_threads
 
@@ -40,12 +39,8 @@ MAX_TRIES = getattr(_lease, "LEASE_AFTER", 4) + 2
 MAX_LATENCY_S = 5.0  # generous: a loaded 2-core machine; the typical worst case is far below
 
 
-@pytest.fixture(scope="module")
-def pool():
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as executor:
-        list(executor.map(w.warm_up, [0.0, 0.0]))
-        yield executor
+#: the module's ``pool`` (tests/fixtures.py)
+POOL = PoolSpec(workers=2, warm_up=w.warm_up, warm_up_arg=0.0)
 
 
 @pytest.fixture

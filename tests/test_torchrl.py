@@ -11,18 +11,17 @@ operations, and what the store holds is read back through a second handle.
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import re
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import _torchrl_workers as w
 import pytest
 import torch
+from fixtures import PoolSpec
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
@@ -230,12 +229,8 @@ def test_given_store_and_bad_arguments(server, rl, wire):
         lazy.extend(TensorDict(obs=torch.ones(2), text=["a", "b"], batch_size=[2]))
 
 
-@pytest.fixture(scope="module")
-def pool():
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=NPROC + 1, mp_context=ctx) as executor:
-        list(executor.map(w.warm_up, [0.5] * (NPROC + 1)))
-        yield executor
+#: the module's ``pool`` (tests/fixtures.py)
+POOL = PoolSpec(workers=NPROC + 1, warm_up=w.warm_up, warm_up_arg=0.5)
 
 
 @pytest.mark.torchrl

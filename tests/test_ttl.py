@@ -19,24 +19,6 @@ from tdstore.testing.counts import record
 
 
 @pytest.fixture
-def make(server):
-    created = []
-
-    def factory(method=None, *args, **kwargs):
-        conn = server.connection_kwargs()
-        if method is None:
-            store = TensorDictStore(**conn, **kwargs)
-        else:
-            store = getattr(TensorDictStore, method)(*args, **conn, **kwargs)
-        created.append(store)
-        return store
-
-    yield factory
-    for store in created:
-        store.close()
-
-
-@pytest.fixture
 def client(server):
     c = server.sync_client()
     yield c
