@@ -1,4 +1,6 @@
-"""Pickles made before the layer packages (tdstore at b479a68) still load and reconnect.
+"""Pickles made before the layer packages (tdstore at b479a68) and before the restructure of
+issue 25 (3097af4: before tdstore.base, ConnectSpec and the ring as a module) still load and
+reconnect.
 
 ``tests/data/legacy_handles.pickle`` names the old modules (``tdstore._store_api._unpickle``,
 ``tdstore._retry.RetryPolicy``, ``tdstore.store``, ``tdstore.lazy``); ``tdstore._core.moved`` answers
@@ -13,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
@@ -23,10 +26,17 @@ DATA = Path(__file__).parent / "data"
 SOCKET = "/tmp/tdstore-legacy-pickle.sock"  # where the pickled handles' server was
 
 
-def test_pickle_of_the_flat_layout_loads_and_reconnects() -> None:
-    raw = (DATA / "legacy_handles.pickle").read_bytes()
-    for old in (b"tdstore._store_api", b"tdstore._retry"):
-        assert old in raw  # the pickle really names the old modules
+@pytest.mark.parametrize(
+    ("name", "names"),
+    [
+        ("legacy_handles.pickle", (b"tdstore._store_api", b"tdstore._retry")),
+        ("handles_3097af4.pickle", (b"tdstore.store.api", b"tdstore.lazy.core", b"tdstore._backend.retry")),
+    ],
+)
+def test_pickle_of_an_earlier_layout_loads_and_reconnects(name: str, names: tuple[bytes, ...]) -> None:
+    raw = (DATA / name).read_bytes()
+    for old in names:
+        assert old in raw  # the pickle really names the modules of its time
     if os.path.exists(SOCKET):
         os.unlink(SOCKET)
     proc = subprocess.Popen(

@@ -1,4 +1,6 @@
-"""How ``legacy_handles.pickle`` was made: by tdstore at commit b479a68, before the layer packages.
+"""How ``legacy_handles.pickle`` was made: by tdstore at commit b479a68, before the layer packages;
+and ``handles_3097af4.pickle``, by tdstore at 3097af4, before the restructure of issue 25
+(``PYTHONPATH=<a checkout of 3097af4> python tests/data/make_legacy_pickle.py handles_3097af4.pickle``).
 
 Kept for the record; ``tests/test_pickle_compat.py`` loads the pickle and checks that its handles
 reconnect. Its stores sat on a redis-server at the unix socket ``SOCKET``; the test starts one there
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import subprocess
+import sys
 import time
 
 import torch
@@ -42,7 +45,8 @@ def main() -> None:
             td_id="legacy-lazy",
         )
         handles = {"dense": dense, "sub": dense["n"], "lazy": lazy, "retry": RetryPolicy()}
-        with open(os.path.join(os.path.dirname(__file__), "legacy_handles.pickle"), "wb") as f:
+        name = sys.argv[1] if len(sys.argv) > 1 else "legacy_handles.pickle"
+        with open(os.path.join(os.path.dirname(__file__), name), "wb") as f:
             f.write(pickle.dumps(handles))
     finally:
         proc.terminate()
