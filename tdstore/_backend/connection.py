@@ -28,6 +28,7 @@ from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend import row_writes as _row_writes
+from tdstore._backend import step as _step
 from tdstore._backend import translate as _translate
 from tdstore._backend import wire as _wire
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
@@ -519,6 +520,16 @@ class Connection:
         """
         result = self._direct_call(lambda client: direct(client, self._runner))  # type: ignore[arg-type]
         return self.run(fn) if result is _NOT_DIRECT else result  # type: ignore[return-value]
+
+    def read_step(self, build: Callable[[ScriptRunner], _step.ReadStep[T]]) -> T:
+        """Runs the read ``build(runner)`` (a :class:`~tdstore._backend.step.ReadStep`): on
+        :meth:`direct_client` from the calling thread (the blocking driver), else, or when that
+        try fails, on the IO loop (the asyncio driver, through :meth:`run`). Both send the same
+        commands; a read changes nothing, so sending it again is safe."""
+        result = self._direct_call(lambda client: _step.run_blocking(client, self._runner, build(self._runner)))  # type: ignore[arg-type]
+        if result is not _NOT_DIRECT:
+            return result  # type: ignore[return-value]
+        return self.run(lambda c: _step.run_async(c, self.keys, self.runner, build(self.runner)))
 
     def write_rows(self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str) -> None:
         """Writes large row runs: SETRANGEs in one MULTI, only if the layout is still version ``expected``.

@@ -11,26 +11,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tdstore._backend.blocking import exchange as _exchange
-from tdstore._backend.blocking import transaction
-from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
+from tdstore._backend.ops import _raise_first_error
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.step import ReadStep, run_async
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import parse_lv
 
-__all__ = ["read_runs", "read_runs_direct", "transaction", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
+__all__ = ["runs_step", "read_runs", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
 
 
-async def read_runs(
-    client: Any,
+def runs_step(
     keys: StoreKeys,
     runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
     gathers: Sequence[tuple[int, str] | None] | None = None,
     sizes: Sequence[int | None] | None = None,
-) -> tuple[int | None, list[list[bytes]]]:
-    """Reads byte runs ``(offset, length)`` of several entries in one snapshot.
+) -> ReadStep[tuple[int | None, list[list[bytes]]]]:
+    """The read of byte runs ``(offset, length)`` of several entries in one snapshot, as a
+    step for either driver (:mod:`tdstore._backend.step`; ``Connection.read_step``).
 
     ``sizes[i]``, when given and not None, is the byte size of plan ``i``'s entry in the
     caller's layout: the length of its string (of its last chunk, for a chunked entry) is
@@ -41,42 +40,52 @@ async def read_runs(
     runs are not used. The layout version comes back with the runs: the caller
     decodes them only if it is the version it planned with.
 
-    Returns:
-        (layout version, list of run bytes per entry).
+    The step's result: (layout version, list of run bytes per entry).
     """
     gathers = list(gathers) if gathers is not None else [None] * len(plans)
     checks = _size_checks(keys, plans, sizes)
     one = _single_run(keys, plans, gathers)
     if one is not None and len(checks) <= 1 and all(c[0] == one[0] and c[1] == one[1] for c in checks):
         which, data_key, offset, last, small = one
+
+        def parse_one(replies: list[Any]) -> tuple[int | None, list[list[bytes]]]:
+            if small:
+                lv, data, strlen = replies[0]
+            else:
+                _raise_first_error(replies)
+                data, strlen, lv = replies
+            lv = parse_lv(lv, keys.base)
+            _check_sizes(lv, checks, [strlen] * len(checks))
+            return lv, [[data] if i == which else [] for i in range(len(plans))]
+
         if small:
             # One run: one script call returns the version with the bytes (cheaper for the
             # client than a MULTI of two commands).
-            lv, data, strlen = await runner.call(client, "read_one", [keys.meta, data_key], [str(offset), str(last)])
-        else:
-            # Lua would copy the bytes (READ_ONE_MAX: all non-empty runs); the version is read
-            # after them instead, and it only grows, so if it is the planned one no layout
-            # change came before
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.getrange(data_key, offset, last)
-                pipe.strlen(data_key)
-                pipe.hget(keys.meta, "lv")
-                data, strlen, lv = await _exec(pipe)
-            _raise_first_error([data, strlen, lv])
-        lv = parse_lv(lv, keys.base)
-        _check_sizes(lv, checks, [strlen] * len(checks))
-        return lv, [[data] if i == which else [] for i in range(len(plans))]
-
+            return ReadStep("script", parse_one, script=("read_one", [keys.meta, data_key], [str(offset), str(last)]))
+        # Lua would copy the bytes (READ_ONE_MAX: all non-empty runs); the version is read
+        # after them instead, and it only grows, so if it is the planned one no layout
+        # change came before
+        commands = [("GETRANGE", data_key, offset, last), ("STRLEN", data_key), ("HGET", keys.meta, "lv")]
+        return ReadStep("packet", parse_one, commands)
     recipe = _read_recipe(keys, plans, gathers)
 
-    def build(pipe: Any) -> None:
-        _queue_runs(pipe, keys, runner, recipe)
-        for _, key, _ in checks:
-            pipe.strlen(key)
+    def parse(replies: list[Any]) -> tuple[int | None, list[list[bytes]]]:
+        _raise_first_error(replies)
+        return _split_checked(replies, recipe, checks, keys.base)
 
-    replies = await runner.run_pipeline(client, lambda: read_snapshot(client, keys, build))  # reads: nothing to undo
-    _raise_first_error(replies)
-    return _split_checked(replies, recipe, checks, keys.base)
+    return ReadStep("snapshot", parse, _run_commands(keys, runner, recipe) + [("STRLEN", key) for _, key, _ in checks])
+
+
+async def read_runs(
+    client: Any,
+    keys: StoreKeys,
+    runner: ScriptRunner,
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
+    gathers: Sequence[tuple[int, str] | None] | None = None,
+    sizes: Sequence[int | None] | None = None,
+) -> tuple[int | None, list[list[bytes]]]:
+    """:func:`runs_step` sent on the IO loop's client (for code that runs there already)."""
+    return await run_async(client, keys, runner, runs_step(keys, runner, plans, gathers, sizes))
 
 
 class SizeMismatch(Exception):
@@ -122,39 +131,6 @@ def _split_checked(
     if checks:
         _check_sizes(lv, checks, lengths)
     return lv, out
-
-
-def read_runs_direct(
-    client: Any,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
-    gathers: Sequence[tuple[int, str] | None],
-    sizes: Sequence[int | None] | None = None,
-) -> tuple[int | None, list[list[bytes]]]:
-    """:func:`read_runs` on a blocking ``redis.Redis`` (see ``Connection.read``): the same commands.
-
-    Anything unusual (a script the server forgot, a MULTI refused over maxmemory) raises,
-    and the caller reads again through :func:`read_runs`, which deals with it.
-    """
-    checks = _size_checks(keys, plans, sizes)
-    one = _single_run(keys, plans, gathers)
-    if one is not None and len(checks) <= 1 and all(c[0] == one[0] and c[1] == one[1] for c in checks):
-        which, data_key, offset, last, small = one
-        if small:
-            lv, data, strlen = client.evalsha(runner.sha("read_one"), 2, keys.meta, data_key, str(offset), str(last))
-        else:
-            data, strlen, lv = _exchange(
-                client, [("GETRANGE", data_key, offset, last), ("STRLEN", data_key), ("HGET", keys.meta, "lv")]
-            )
-            _raise_first_error([data, strlen, lv])
-        lv = parse_lv(lv, keys.base)
-        _check_sizes(lv, checks, [strlen] * len(checks))
-        return lv, [[data] if i == which else [] for i in range(len(plans))]
-    recipe = _read_recipe(keys, plans, gathers)
-    replies = transaction(client, _run_commands(keys, runner, recipe) + [("STRLEN", key) for _, key, _ in checks])
-    _raise_first_error(replies)
-    return _split_checked(replies, recipe, checks, keys.base)
 
 
 def _single_run(
@@ -244,11 +220,6 @@ def _read_recipe(
                 counts.append(n)
         out.append(("runs", commands, counts))
     return out
-
-
-def _queue_runs(pipe: Any, keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> None:
-    for command in _run_commands(keys, runner, recipe):
-        pipe.execute_command(*command)
 
 
 def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> list[tuple[Any, ...]]:

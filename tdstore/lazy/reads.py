@@ -82,9 +82,8 @@ class LazyReads(LazyBase):
             plans.append((path, runs))
             gathers.append(None)
             spans.append(runs)
-        lv, replies = conn.read(  # on the calling thread when the transport allows (see Connection.read)
-            lambda c, r: _run_reads.read_runs_direct(c, conn.keys, r, plans, gathers),
-            lambda c: _run_reads.read_runs(c, conn.keys, conn.runner, plans, gathers),
+        lv, replies = conn.read_step(  # on the calling thread when the transport allows (see Connection.read_step)
+            lambda r: _run_reads.runs_step(conn.keys, r, plans, gathers),
         )
         if lv is None:
             raise self._not_found()

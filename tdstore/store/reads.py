@@ -432,9 +432,8 @@ class StoreReads(DenseBase):
                     gathers.append(None)
             sizes = self._entry_sizes(layout, plan)
             try:
-                lv, parts = conn.read(
-                    lambda c, r: _run_reads.read_runs_direct(c, conn.keys, r, plans, gathers, sizes),
-                    lambda c: _run_reads.read_runs(c, conn.keys, conn.runner, plans, gathers, sizes),
+                lv, parts = conn.read_step(
+                    lambda r: _run_reads.runs_step(conn.keys, r, plans, gathers, sizes),
                 )
             except _run_reads.SizeMismatch as bad:
                 if bad.lv == layout.lv:

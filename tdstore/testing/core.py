@@ -297,7 +297,7 @@ class EntryTests:
 
         monkeypatch.setattr(_backend, "read_entries", no_read)
         monkeypatch.setattr(_run_reads, "read_runs", no_read)
-        monkeypatch.setattr(_run_reads, "read_runs_direct", no_read)
+        monkeypatch.setattr(_run_reads, "runs_step", no_read)
         store.update({"a": torch.ones(2), "b": torch.ones(2)})
         monkeypatch.undo()
         assert torch.equal(store["a"], torch.ones(2))

@@ -1,0 +1,79 @@
+"""A read as data, and the two drivers that send it.
+
+A :class:`ReadStep` is one server step of a read-only operation: the commands to send, how
+they go (one script call, one packet, or one consistent snapshot), and the parser of their
+replies. It does no I/O. Two drivers send any step: :func:`run_async`, on the asyncio client of
+the IO loop, and :func:`run_blocking`, on the blocking client from the calling thread
+(``Connection.read_step`` tries the second, then the first). Both send the same commands; the
+asyncio driver also deals with what the blocking one gives up on (a script the server forgot,
+a MULTI refused over maxmemory), so a failed blocking try is simply sent again the other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from tdstore._backend.blocking import exchange, transaction
+from tdstore._backend.ops import _exec, read_snapshot
+from tdstore._backend.scripts import ScriptRunner
+from tdstore._core.keys import StoreKeys
+
+__all__ = ["ReadStep", "run_async", "run_blocking"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ReadStep(Generic[T]):
+    """One server step of a read: ``how`` it goes, its ``commands`` and ``parse`` of their replies.
+
+    - ``"script"``: one EVALSHA of the script ``script`` = (name, keys, args); ``commands`` is
+      empty and ``parse`` gets ``[the script's reply]``.
+    - ``"packet"``: ``commands`` in one packet, no transaction (reads whose order is enough:
+      a version read after the data, which only grows).
+    - ``"snapshot"``: ``commands`` in one MULTI/EXEC (on a server over its maxmemory, which
+      refuses a MULTI, a pipeline bracketed by the store's versions: see ``read_snapshot``).
+
+    ``parse`` gets the replies with errors as values, in the order of ``commands``.
+    """
+
+    how: Literal["script", "packet", "snapshot"]
+    parse: Callable[[list[Any]], T]
+    commands: Sequence[tuple[Any, ...]] = ()
+    script: tuple[str, list[Any], list[Any]] | None = None
+
+
+async def run_async(client: Any, keys: StoreKeys, runner: ScriptRunner, step: ReadStep[T]) -> T:
+    """``step`` on an asyncio client: a script reloaded and called again after NOSCRIPT, a
+    snapshot's scripts too (``runner.run_pipeline``)."""
+    if step.how == "script":
+        assert step.script is not None
+        name, script_keys, args = step.script
+        return step.parse([await runner.call(client, name, script_keys, args)])
+    if step.how == "packet":
+        async with client.pipeline(transaction=False) as pipe:
+            for command in step.commands:
+                pipe.execute_command(*command)
+            return step.parse(await _exec(pipe))
+
+    def build(pipe: Any) -> None:
+        for command in step.commands:
+            pipe.execute_command(*command)
+
+    # reads: nothing to undo before a NOSCRIPT retry
+    return step.parse(await runner.run_pipeline(client, lambda: read_snapshot(client, keys, build)))
+
+
+def run_blocking(client: Any, runner: ScriptRunner, step: ReadStep[T]) -> T:
+    """``step`` on a blocking client, from the calling thread. Anything unusual (a script the
+    server forgot, a MULTI refused) raises: the caller then sends the step through
+    :func:`run_async`, which deals with it."""
+    if step.how == "script":
+        assert step.script is not None
+        name, script_keys, args = step.script
+        return step.parse([client.evalsha(runner.sha(name), len(script_keys), *script_keys, *args)])
+    if step.how == "packet":
+        return step.parse(exchange(client, list(step.commands)))
+    return step.parse(transaction(client, list(step.commands)))
