@@ -465,3 +465,18 @@ def test_mapper_without_a_thread_leaves_every_piece_to_the_reader(monkeypatch):
     mapper.stop()
     assert mapper.next == n and not any(event.is_set() for event in mapper.done)
     assert torch.equal(buf, torch.arange(n, dtype=torch.uint8).repeat_interleave(size))
+
+
+def test_both_drivers_of_a_large_read_follow_one_schedule(monkeypatch):
+    """``PieceRead.schedule``: the one order of sends and receives that the asyncio and the
+    blocking reads of large entries follow (a window in flight ahead of the one received)."""
+    from tdstore._backend import large as _large_mod
+
+    monkeypatch.setattr(_large_mod, "READ_WINDOW", 2)
+    read = _large_mod.PieceRead(keys=None, entries=[], wv=b"1", lv=b"1")  # type: ignore[arg-type]
+    commands = [("GETRANGE", "k", 0, 9), ("GETRANGE", "k", 10, 19), ("GETRANGE", "k", 20, 29), ("GET", "wv"), ("HGET", "m", "lv")]
+    got = [(what, arg if what != "send" else len(arg)) for what, arg in read.schedule(commands, 3)]
+    assert got == [
+        ("send", 2), ("send", 2), ("piece", 0), ("piece", 1), ("send", 1), ("piece", 2), ("version", None),
+        ("version", None),
+    ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +141,22 @@ class PieceRead:
         commands.append(("HGET", keys.meta, "lv"))
         return commands, targets
 
+    def schedule(self, commands: list[tuple[Any, ...]], pieces: int) -> Iterator[tuple[str, Any]]:
+        """The order in which either driver sends and receives: ``("send", window of
+        commands)``, then ``("piece", n)`` for the reply to piece ``n`` or ``("version", None)``
+        for the two versions after the last piece. A window of pieces is in flight ahead of the
+        one being received: the server never waits for the client, and never buffers more than
+        two windows of replies the client has not taken yet."""
+        windows = [commands[i : i + READ_WINDOW] for i in range(0, len(commands), READ_WINDOW)]
+        yield "send", windows[0]
+        n = 0
+        for w in range(len(windows)):
+            if w + 1 < len(windows):
+                yield "send", windows[w + 1]
+            for _ in windows[w]:
+                yield ("piece", n) if n < pieces else ("version", None)
+                n += 1
+
     def settled(self, complete: bool, versions: list[Any]) -> bool:
         """Whether every piece came back whole and both versions are still the snapshot's."""
         wv_now, lv_now = versions
@@ -161,33 +177,27 @@ async def read_pieces(client: Any, read: PieceRead) -> bool:
     conn = await pool.get_connection()
     clean = False
     try:
-        # a window of pieces in flight: the server never waits for the client, and never
-        # buffers more than two windows of replies the client has not taken yet
-        windows = [commands[i : i + READ_WINDOW] for i in range(0, len(commands), READ_WINDOW)]
-        await conn.send_packed_command(conn.pack_commands(windows[0]))
         complete = True
         error: BaseException | None = None
         replies: list[Any] = []
-        n = 0
-        for w in range(len(windows)):
-            if w + 1 < len(windows):
-                await conn.send_packed_command(conn.pack_commands(windows[w + 1]))
-            for _ in windows[w]:
-                try:
-                    reply = await conn.read_response()
-                except redis.exceptions.ResponseError as err:
-                    error = error or err  # read every reply before raising: the connection stays usable
-                    reply = None
-                if n >= len(targets):
-                    replies.append(reply)  # the versions, after the last piece
-                elif reply is not None and complete:
-                    buf, offset, end = targets[n]
-                    if len(reply) == end - offset:
-                        buf[offset:end] = torch.frombuffer(reply, dtype=torch.uint8)
-                    else:
-                        complete = False  # short: the entry changed or is gone
-                del reply
-                n += 1
+        for what, arg in read.schedule(commands, len(targets)):
+            if what == "send":
+                await conn.send_packed_command(conn.pack_commands(arg))
+                continue
+            try:
+                reply = await conn.read_response()
+            except redis.exceptions.ResponseError as err:
+                error = error or err  # read every reply before raising: the connection stays usable
+                reply = None
+            if what == "version":
+                replies.append(reply)
+            elif reply is not None and complete:
+                buf, offset, end = targets[arg]
+                if len(reply) == end - offset:
+                    buf[offset:end] = torch.frombuffer(reply, dtype=torch.uint8)
+                else:
+                    complete = False  # short: the entry changed or is gone
+            del reply
         clean = True
     finally:
         if not clean:
@@ -216,30 +226,27 @@ def read_pieces_direct(client: Any, read: PieceRead) -> bool:
         if _wire.socket_of(conn) is None:
             conn.connect()
         replies = _RawReplies(_wire.socket_of(conn))
-        windows = [commands[i : i + READ_WINDOW] for i in range(0, len(commands), READ_WINDOW)]
-        replies.send(conn.pack_commands(windows[0]))
-        ahead = _Mapper(targets)  # maps the buffers' pages beside the receive
         complete = True
         error: BaseException | None = None
         versions: list[Any] = []
-        n = 0
-        for w in range(len(windows)):
-            if w + 1 < len(windows):
-                replies.send(conn.pack_commands(windows[w + 1]))
-            for _ in windows[w]:
-                got: Any
-                if n >= len(targets):
-                    got = replies.bulk()  # the versions, after the last piece
-                    versions.append(got)
-                else:
-                    buf, offset, end = targets[n]
-                    if ahead is not None:
-                        ahead.ready(n)
-                    got = replies.bulk_into(views[id(buf)][offset:end] if complete else None)
-                    complete = complete and got is True  # short (or gone): the entry changed
-                if isinstance(got, BaseException):
-                    error = error or got  # read every reply before raising: the connection stays usable
-                n += 1
+        for what, arg in read.schedule(commands, len(targets)):
+            if what == "send":
+                replies.send(conn.pack_commands(arg))
+                if ahead is None:
+                    ahead = _Mapper(targets)  # maps the buffers' pages beside the receive
+                continue
+            got: Any
+            if what == "version":
+                got = replies.bulk()
+                versions.append(got)
+            else:
+                buf, offset, end = targets[arg]
+                assert ahead is not None  # (made at the first send)
+                ahead.ready(arg)
+                got = replies.bulk_into(views[id(buf)][offset:end] if complete else None)
+                complete = complete and got is True  # short (or gone): the entry changed
+            if isinstance(got, BaseException):
+                error = error or got  # read every reply before raising: the connection stays usable
         clean = True
     except TimeoutError:
         raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
