@@ -25,8 +25,9 @@ from tdstore._backend import large as _large
 from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
-from tdstore._backend.blocking import transaction
+from tdstore._backend import step as _step
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.step import _exec, read_snapshot
 from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, decode_path, encode_path
@@ -66,46 +67,6 @@ FORMAT_VERSION = "1"
 
 #: Seconds a tmp key lives if its MULTI never reaches the commit script.
 TMP_TTL_MS = 600_000
-
-
-async def _exec(pipe: Any) -> list[Any]:
-    try:
-        return await pipe.execute(raise_on_error=False)
-    except redis.exceptions.ResponseError as err:
-        exc = translate(err)
-        if exc is err:
-            raise
-        raise exc from err
-
-
-async def read_snapshot(client: Any, keys: StoreKeys, build: Any) -> list[Any]:
-    """Runs the read commands that ``build(pipe)`` queues as one consistent snapshot.
-
-    Normally one MULTI/EXEC. A server over its ``maxmemory`` refuses to queue any command
-    in a MULTI (Redis 7 and Valkey do, reads included); the reads then run as a plain
-    pipeline bracketed by the store's write and layout versions, and are retried until
-    both are the same before and after, so no write came in between.
-    """
-    from tdstore.errors import StaleLayoutError
-
-    try:
-        async with client.pipeline(transaction=True) as pipe:
-            build(pipe)
-            return await _exec(pipe)
-    except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):
-        # the refused transaction can leave its EXEC reply unread: start from fresh connections
-        await client.connection_pool.disconnect()
-    for _ in range(50):
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.get(keys.wv)
-            pipe.hget(keys.meta, "lv")
-            build(pipe)
-            pipe.get(keys.wv)
-            pipe.hget(keys.meta, "lv")
-            replies = await pipe.execute(raise_on_error=False)
-        if replies[:2] == replies[-2:]:
-            return replies[2:-2]
-    raise StaleLayoutError(f"the store at {keys.base} kept changing during a read")
 
 
 async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
@@ -235,7 +196,7 @@ def read_entries_direct(
 
     under = options.get("under")
     attempt = _EntriesTry(keys, paths, with_layout, big, device, _chunking_of(keys, paths, under), under)
-    got = attempt.parse(transaction(client, attempt.commands()))
+    got = _step.run_blocking(client, None, attempt.step())
     if isinstance(got, _Pieces):
         if not _large.read_pieces_direct(client, got.read):
             return None
@@ -284,6 +245,10 @@ class _EntriesTry:
 
     def __post_init__(self) -> None:
         self.entry_keys = [self.keys.entry_keys(p, self.chunking[p]) for p in self.paths]
+
+    def step(self) -> Any:
+        """The snapshot as a :class:`~tdstore._backend.step.ReadStep` for either driver."""
+        return _step.ReadStep("snapshot", self.parse, self.commands())
 
     def build(self, pipe: Any) -> None:
         """Queues the snapshot's commands (:meth:`commands`) on a pipeline."""
@@ -397,7 +362,7 @@ async def _read_entries_once(
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
     """One try of :func:`read_entries`: None when a large entry changed meanwhile; the
     chunking read from the server when it differs."""
-    got = attempt.parse(await read_snapshot(client, attempt.keys, attempt.build))
+    got = await _step.run_async(client, attempt.keys, None, attempt.step())
     if isinstance(got, _Pieces):
         if not await _large.read_pieces(client, got.read):
             return None

@@ -15,12 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
+import redis.exceptions
+
 from tdstore._backend.blocking import exchange, transaction
-from tdstore._backend.ops import _exec, read_snapshot
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.translate import translate
 from tdstore._core.keys import StoreKeys
 
-__all__ = ["ReadStep", "run_async", "run_blocking"]
+__all__ = ["ReadStep", "run_async", "run_blocking", "read_snapshot"]
 
 T = TypeVar("T")
 
@@ -45,11 +47,52 @@ class ReadStep(Generic[T]):
     script: tuple[str, list[Any], list[Any]] | None = None
 
 
-async def run_async(client: Any, keys: StoreKeys, runner: ScriptRunner, step: ReadStep[T]) -> T:
+async def _exec(pipe: Any) -> list[Any]:
+    try:
+        return await pipe.execute(raise_on_error=False)
+    except redis.exceptions.ResponseError as err:
+        exc = translate(err)
+        if exc is err:
+            raise
+        raise exc from err
+
+
+async def read_snapshot(client: Any, keys: StoreKeys, build: Any) -> list[Any]:
+    """Runs the read commands that ``build(pipe)`` queues as one consistent snapshot.
+
+    Normally one MULTI/EXEC. A server over its ``maxmemory`` refuses to queue any command
+    in a MULTI (Redis 7 and Valkey do, reads included); the reads then run as a plain
+    pipeline bracketed by the store's write and layout versions, and are retried until
+    both are the same before and after, so no write came in between.
+    """
+    from tdstore.errors import StaleLayoutError
+
+    try:
+        async with client.pipeline(transaction=True) as pipe:
+            build(pipe)
+            return await _exec(pipe)
+    except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):
+        # the refused transaction can leave its EXEC reply unread: start from fresh connections
+        await client.connection_pool.disconnect()
+    for _ in range(50):
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.get(keys.wv)
+            pipe.hget(keys.meta, "lv")
+            build(pipe)
+            pipe.get(keys.wv)
+            pipe.hget(keys.meta, "lv")
+            replies = await pipe.execute(raise_on_error=False)
+        if replies[:2] == replies[-2:]:
+            return replies[2:-2]
+    raise StaleLayoutError(f"the store at {keys.base} kept changing during a read")
+
+
+async def run_async(client: Any, keys: StoreKeys, runner: ScriptRunner | None, step: ReadStep[T]) -> T:
     """``step`` on an asyncio client: a script reloaded and called again after NOSCRIPT, a
-    snapshot's scripts too (``runner.run_pipeline``)."""
+    snapshot's scripts too (``runner.run_pipeline``; ``runner`` None for a snapshot that calls
+    no script)."""
     if step.how == "script":
-        assert step.script is not None
+        assert step.script is not None and runner is not None
         name, script_keys, args = step.script
         return step.parse([await runner.call(client, name, script_keys, args)])
     if step.how == "packet":
@@ -62,16 +105,18 @@ async def run_async(client: Any, keys: StoreKeys, runner: ScriptRunner, step: Re
         for command in step.commands:
             pipe.execute_command(*command)
 
+    if runner is None:
+        return step.parse(await read_snapshot(client, keys, build))
     # reads: nothing to undo before a NOSCRIPT retry
     return step.parse(await runner.run_pipeline(client, lambda: read_snapshot(client, keys, build)))
 
 
-def run_blocking(client: Any, runner: ScriptRunner, step: ReadStep[T]) -> T:
+def run_blocking(client: Any, runner: ScriptRunner | None, step: ReadStep[T]) -> T:
     """``step`` on a blocking client, from the calling thread. Anything unusual (a script the
     server forgot, a MULTI refused) raises: the caller then sends the step through
     :func:`run_async`, which deals with it."""
     if step.how == "script":
-        assert step.script is not None
+        assert step.script is not None and runner is not None
         name, script_keys, args = step.script
         return step.parse([client.evalsha(runner.sha(name), len(script_keys), *script_keys, *args)])
     if step.how == "packet":
