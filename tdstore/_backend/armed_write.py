@@ -38,6 +38,7 @@ import redis.asyncio
 import redis.exceptions
 
 from tdstore._backend.blocking import discard
+from tdstore._backend.protocols import AsyncClient, SyncClient
 from tdstore._backend.row_writes import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
@@ -139,7 +140,7 @@ class ArmedSlot:
             discard(armed.client, armed.connection)
 
 
-async def _discard(client: Any, connection: Any) -> None:
+async def _discard(client: AsyncClient, connection: redis.asyncio.connection.AbstractConnection) -> None:
     try:
         await connection.disconnect()
     finally:
@@ -152,7 +153,7 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _can_park(client: Any) -> bool:
+def _can_park(client: SyncClient | AsyncClient) -> bool:
     pool = client.connection_pool
     if isinstance(pool, redis.ConnectionPool):
         return type(pool) is redis.ConnectionPool  # the direct client's own (unbounded) pool
@@ -295,7 +296,7 @@ class _ArmedWrite:
 
 
 async def write_runs_armed(
-    client: Any, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str
+    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str
 ) -> None:
     """Writes ``(path, runs, payload)`` groups with SETRANGEs in one MULTI, guarded as ``write_runs_watched``.
 
@@ -345,7 +346,7 @@ async def write_runs_armed(
 # --------------------------------------------------------------------------- #
 
 
-def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
+def write_runs_direct(client: SyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
     """:func:`write_runs_armed` on a blocking client, from the calling thread.
 
     Returns False, having written nothing, when the write is to go the plain way

@@ -52,11 +52,11 @@ _COPIED = (
 _MAX_REDIRECTS = 100
 
 
-def is_cluster_client(client: Any) -> bool:
+def is_cluster_client(client: object) -> bool:
     return isinstance(client, redis.asyncio.cluster.RedisCluster)
 
 
-def cluster_settings(client: Any) -> tuple[list[tuple[str, int]], dict[str, Any], type]:
+def cluster_settings(client: redis.asyncio.cluster.RedisCluster) -> tuple[list[tuple[str, int]], dict[str, Any], type]:
     """The startup nodes, node connection kwargs and connection class of a RedisCluster client.
 
     tdstore does not use the given client object itself (it belongs to the caller's event

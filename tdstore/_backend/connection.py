@@ -30,6 +30,7 @@ from tdstore._backend import row_writes as _row_writes
 from tdstore._backend import translate as _translate
 from tdstore._backend import wire as _wire
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.retry import (
     OutcomeUnknownError,
     RetryPolicy,
@@ -169,7 +170,7 @@ class Connection:
         port: int,
         db: int,
         unix_socket_path: str | None,
-        client: Any,
+        client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None,
         prefix: str,
         td_id: str,
         timeout: float,
@@ -615,7 +616,7 @@ class Connection:
         assert self._runner is not None, "runner is set up by run()"
         return self._runner
 
-    async def _setup(self, client: Any) -> None:
+    async def _setup(self, client: AsyncClient) -> None:
         try:
             shebang = await probe_shebang(client)  # the first command: it authenticates
         except redis.exceptions.ConnectionError as err:
@@ -704,7 +705,7 @@ def open_connection(
     port: int = 6379,
     db: int = 0,
     unix_socket_path: str | None = None,
-    client: Any = None,
+    client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None = None,
     prefix: str = "tensordict",
     timeout: float = _io.DEFAULT_TIMEOUT,
     allow_pickle: bool | None = None,

@@ -31,9 +31,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import redis.asyncio.connection
 import redis.exceptions
 
 from tdstore._backend import wire as _wire
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._core.keys import StoreKeys
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
@@ -59,7 +61,7 @@ WRITE_MIN = 1024 * 1024
 WRITE_PIECE = 4 * 1024 * 1024
 
 
-def streams(client: Any) -> bool:
+def streams(client: object) -> bool:
     """Whether the client talks to a socket through redis-py's own connection classes."""
     pool = getattr(client, "connection_pool", None)
     cls = getattr(pool, "connection_class", None)
@@ -80,7 +82,7 @@ def empty_buffer(nbytes: int, device: torch.device | None) -> torch.Tensor:
 
 
 @contextlib.asynccontextmanager
-async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
+async def streamed(pipe: AsyncPipeline, nbytes: int) -> AsyncIterator[None]:
     """While active, ``pipe`` sends its large memoryview arguments in slices (see module doc).
 
     ``nbytes``: the payload the pipeline carries; below :data:`WRITE_MIN` nothing changes.
@@ -89,10 +91,12 @@ async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
     if nbytes < WRITE_MIN or not streams(pipe):
         yield
         return
-    conn = pipe.connection
+    conn: redis.asyncio.connection.AbstractConnection | None = pipe.connection
     if conn is None:
         conn = await pipe.connection_pool.get_connection()
-        pipe.connection = conn  # the pipeline's reset() gives it back to the pool
+        # (redis-py types Pipeline.connection as its Connection class, though the pool's
+        # connection_class may be any AbstractConnection, e.g. UnixDomainSocketConnection)
+        pipe.connection = conn  # type: ignore[assignment]  # the pipeline's reset() gives it back to the pool
     if not _wire.streamed_sends(conn, WRITE_MIN, WRITE_PIECE):
         yield
         return
@@ -147,7 +151,7 @@ class PieceRead:
         return complete and wv_now == self.wv and lv_now is not None and _same(lv_now, self.lv)
 
 
-async def read_pieces(client: Any, read: PieceRead) -> bool:
+async def read_pieces(client: AsyncClient, read: PieceRead) -> bool:
     """Reads each entry of ``read`` into its buffer, in GETRANGE pieces.
 
     Returns True when the versions are unchanged after the last piece (the buffers then
@@ -198,7 +202,7 @@ async def read_pieces(client: Any, read: PieceRead) -> bool:
     return read.settled(complete, replies)
 
 
-def read_pieces_direct(client: Any, read: PieceRead) -> bool:
+def read_pieces_direct(client: SyncClient, read: PieceRead) -> bool:
     """:func:`read_pieces` on a blocking ``redis.Redis``, from the calling thread, with no copy.
 
     The same commands, windows and check; but the replies are parsed here, from the

@@ -36,6 +36,7 @@ from typing import Any
 
 import redis.exceptions
 
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.keys import StoreKeys
 from tdstore.errors import ServerPermissionError, StaleLayoutError, StoreNotFoundError
@@ -142,7 +143,7 @@ def busy_ms(exc: BaseException) -> int | None:
 
 
 async def call_commit(
-    client: Any,
+    client: AsyncClient,
     runner: ScriptRunner,
     key_list: list[str],
     args: list[str],
@@ -184,7 +185,7 @@ async def call_commit(
         busy = None
 
 
-async def leased(client: Any, keys: StoreKeys) -> int | None:
+async def leased(client: AsyncClient, keys: StoreKeys) -> int | None:
     """The ms left on the longest live lease of the store (None when none is), read on
     ``client`` (a WATCHing pipeline in immediate mode, or a client)."""
     leases = await client.hgetall(keys.rl)

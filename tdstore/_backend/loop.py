@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from tdstore._backend.protocols import AsyncClient
 from tdstore.errors import EventLoopError
 
 __all__ = ["get_loop", "sync", "loop_generation", "backoff", "MAX_RETRIES", "DEFAULT_TIMEOUT"]
@@ -67,7 +68,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def track(client: Any) -> Any:
+def track(client: AsyncClient) -> Any:
     """Registers an asyncio client built by tdstore, to disconnect it at interpreter exit; returns it.
 
     A client collected unclosed has its pool disconnected on the IO loop (see :data:`_PENDING`).
@@ -83,7 +84,7 @@ def exiting() -> bool:
     return _exiting
 
 
-async def aclose(client: Any) -> None:
+async def aclose(client: AsyncClient) -> None:
     """Closes a tracked client and disconnects its pool (on the IO loop, the one that owns it).
 
     ``Redis.aclose()`` leaves alone a pool passed in as ``connection_pool=``, which tdstore's

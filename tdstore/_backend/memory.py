@@ -33,6 +33,7 @@ from typing import Any
 
 import redis.exceptions
 
+from tdstore._backend.protocols import AsyncClient
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import ZeroBytes, byte_view
@@ -105,7 +106,7 @@ def _is_zero(payload: Any) -> bool:
     return isinstance(payload, ZeroBytes)
 
 
-def note_setup(client: Any, info_reply: Any) -> None:
+def note_setup(client: AsyncClient, info_reply: Any) -> None:
     """Records what ``INFO memory`` answered when ``client`` set its connection up."""
     if isinstance(info_reply, Exception) or not isinstance(info_reply, dict):
         _NO_INFO.add(client)
@@ -124,7 +125,7 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1024 * 1024):.1f} MiB"
 
 
-def _server(client: Any) -> str:
+def _server(client: AsyncClient) -> str:
     try:
         kw = client.connection_pool.connection_kwargs
     except AttributeError:  # pragma: no cover - every redis.asyncio client has a pool
@@ -135,7 +136,7 @@ def _server(client: Any) -> str:
 
 
 async def check(
-    client: Any, keys: StoreKeys, written: int, needed: int, what: str = "this write", *, via: Any = None
+    client: AsyncClient, keys: StoreKeys, written: int, needed: int, what: str = "this write", *, via: Any = None
 ) -> None:
     """Raises :class:`~tdstore.errors.WouldExceedMaxmemoryError` when ``needed`` more bytes
     would take the server past its ``maxmemory``; reads ``INFO memory`` only when ``written``
@@ -181,7 +182,7 @@ async def check(
 
 
 async def check_ops(
-    client: Any, keys: StoreKeys, ops: Sequence[Any], *, staged: bool = False, what: str = "this write", via: Any = None
+    client: AsyncClient, keys: StoreKeys, ops: Sequence[Any], *, staged: bool = False, what: str = "this write", via: Any = None
 ) -> None:
     """:func:`check` for committing ``ops`` (see :func:`estimate`); the message names their entries."""
     written, needed = estimate(ops, staged=staged)

@@ -26,6 +26,7 @@ from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend.blocking import transaction
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
@@ -68,7 +69,7 @@ FORMAT_VERSION = "1"
 TMP_TTL_MS = 600_000
 
 
-async def _exec(pipe: Any) -> list[Any]:
+async def _exec(pipe: AsyncPipeline) -> list[Any]:
     try:
         return await pipe.execute(raise_on_error=False)
     except redis.exceptions.ResponseError as err:
@@ -78,7 +79,7 @@ async def _exec(pipe: Any) -> list[Any]:
         raise exc from err
 
 
-async def read_snapshot(client: Any, keys: StoreKeys, build: Any) -> list[Any]:
+async def read_snapshot(client: AsyncClient, keys: StoreKeys, build: Any) -> list[Any]:
     """Runs the read commands that ``build(pipe)`` queues as one consistent snapshot.
 
     Normally one MULTI/EXEC. A server over its ``maxmemory`` refuses to queue any command
@@ -108,10 +109,10 @@ async def read_snapshot(client: Any, keys: StoreKeys, build: Any) -> list[Any]:
     raise StaleLayoutError(f"the store at {keys.base} kept changing during a read")
 
 
-async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
+async def fetch_layout(client: AsyncClient, keys: StoreKeys) -> Layout | None:
     """The store's metadata and registry in one snapshot; None if there is no store."""
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         pipe.hgetall(keys.meta)
         pipe.hgetall(keys.reg)
 
@@ -119,16 +120,16 @@ async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
     return parse_layout(meta_raw, reg_raw, keys.base)
 
 
-async def read_layout_version(client: Any, keys: StoreKeys) -> int | None:
+async def read_layout_version(client: AsyncClient, keys: StoreKeys) -> int | None:
     return parse_lv(await client.hget(keys.meta, "lv"), keys.base)
 
 
-async def ttl_ms(client: Any, keys: StoreKeys) -> int:
+async def ttl_ms(client: AsyncClient, keys: StoreKeys) -> int:
     """The store's remaining lifetime in ms (``PTTL`` of its meta hash): -1 none, -2 no store."""
     return int(await client.pttl(keys.meta))
 
 
-async def set_ring_total(client: Any, keys: StoreKeys, runner: ScriptRunner, total: int, capacity: int) -> bool:
+async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, total: int, capacity: int) -> bool:
     """Sets the ring cursor (rows ever appended) to ``total``, in one step (``lua/ring_total.lua``);
     False, with nothing written, when there is no store.
 
@@ -171,7 +172,7 @@ def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tupl
 
 
 async def read_entries(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False, **options: Unpack[ReadOptions]
+    client: AsyncClient, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None]:
     """Reads entries whole, with their metadata, in one snapshot.
 
@@ -222,7 +223,7 @@ async def read_entries(
 
 
 def read_entries_direct(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = True, **options: Unpack[ReadOptions]
+    client: SyncClient, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = True, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
     """One try of :func:`read_entries` on a blocking ``redis.Redis`` (see ``Connection.read``):
     the same MULTI, without the hop to the IO loop, and large entries received straight into
@@ -285,7 +286,7 @@ class _EntriesTry:
     def __post_init__(self) -> None:
         self.entry_keys = [self.keys.entry_keys(p, self.chunking[p]) for p in self.paths]
 
-    def build(self, pipe: Any) -> None:
+    def build(self, pipe: AsyncPipeline) -> None:
         """Queues the snapshot's commands (:meth:`commands`) on a pipeline."""
         for command in self.commands():
             pipe.execute_command(*command)
@@ -393,7 +394,7 @@ def _hash(reply: Any) -> Any:
 
 
 async def _read_entries_once(
-    client: Any, attempt: _EntriesTry
+    client: AsyncClient, attempt: _EntriesTry
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
     """One try of :func:`read_entries`: None when a large entry changed meanwhile; the
     chunking read from the server when it differs."""
@@ -413,7 +414,7 @@ READ_ALL_MAX_BYTES = 64 * 2**20
 
 
 async def read_all(
-    client: Any, keys: StoreKeys, runner: ScriptRunner, max_bytes: int | None = None
+    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, max_bytes: int | None = None
 ) -> tuple[Layout | None, dict[tuple[str, ...], Any] | None]:
     """The layout and the bytes of every entry kept as one string, in one step (the
     ``read_all`` script): what a whole-store read falls back to when writers keep changing
@@ -585,7 +586,7 @@ def commit_args(
 
 
 async def commit(
-    client: Any, keys: StoreKeys, runner: ScriptRunner, ops: Sequence[Op], **options: Unpack[CommitOptions]
+    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> int:
     """Applies ``ops`` in one atomic step; returns the new layout version.
 

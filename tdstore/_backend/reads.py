@@ -14,6 +14,7 @@ from typing import Any
 from tdstore._backend.blocking import exchange as _exchange
 from tdstore._backend.blocking import transaction
 from tdstore._backend.ops import _exec, _raise_first_error, read_snapshot
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
@@ -23,7 +24,7 @@ __all__ = ["read_runs", "read_runs_direct", "transaction", "choose_read", "choos
 
 
 async def read_runs(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
@@ -69,7 +70,7 @@ async def read_runs(
 
     recipe = _read_recipe(keys, plans, gathers)
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         _queue_runs(pipe, keys, runner, recipe)
         for _, key, _ in checks:
             pipe.strlen(key)
@@ -125,7 +126,7 @@ def _split_checked(
 
 
 def read_runs_direct(
-    client: Any,
+    client: SyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
@@ -246,7 +247,7 @@ def _read_recipe(
     return out
 
 
-def _queue_runs(pipe: Any, keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> None:
+def _queue_runs(pipe: AsyncPipeline, keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> None:
     for command in _run_commands(keys, runner, recipe):
         pipe.execute_command(*command)
 

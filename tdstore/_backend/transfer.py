@@ -28,6 +28,7 @@ from tdstore._backend import lease as _lease
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend.ops import Layout, Op, ZeroBytes, byte_view, parse_layout
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core import progress as _progress
@@ -92,7 +93,7 @@ def leaf_sizes(leaves: Sequence[tuple[tuple[str, ...], Entry]]) -> list[int | No
 
 
 async def commit(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     ops: Sequence[Op],
@@ -145,7 +146,7 @@ class _Silent:
         pass
 
 
-async def grow_zeros(client: Any, tmp: str, n: int, on_step: Any) -> None:
+async def grow_zeros(client: AsyncClient, tmp: str, n: int, on_step: Any) -> None:
     """Creates the tmp key ``tmp`` holding ``n`` zero bytes, :data:`ZERO_CHUNK` bytes per
     server step; ``on_step(nbytes)`` after each step."""
     await client.set(tmp, b"", px=_backend.TMP_TTL_MS)
@@ -158,7 +159,7 @@ async def grow_zeros(client: Any, tmp: str, n: int, on_step: Any) -> None:
 
 
 async def commit_staged(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     ops: Sequence[Op],
@@ -240,7 +241,7 @@ def _raise_first(replies: list[Any]) -> None:
 
 
 async def read_staged(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     expected_lv: int,
     paths: Sequence[tuple[str, ...]],
@@ -258,7 +259,7 @@ async def read_staged(
         between.
     """
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         pipe.hgetall(keys.meta)
         pipe.hgetall(keys.reg)
         pipe.get(keys.wv)
@@ -342,7 +343,7 @@ async def read_staged(
     if not await flush():
         return STALE
 
-    def check(pipe: Any) -> None:
+    def check(pipe: AsyncPipeline) -> None:
         pipe.get(keys.wv)
         pipe.hget(keys.meta, "lv")
 
