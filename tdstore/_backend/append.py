@@ -63,6 +63,7 @@ from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.wire import alive, exchange_sync
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
+from tdstore._core.layout import Command
 from tdstore.errors import (
     CorruptMetadataError,
     DataLostError,
@@ -150,7 +151,7 @@ class AppendPlan:
         reservation.n, reservation.capacity = n, capacity
 
     # -- step 1 ------------------------------------------------------------------------
-    def watch_command(self) -> tuple[Any, ...]:
+    def watch_command(self) -> Command:
         return ("WATCH", self.keys.meta, self.keys.fence)
 
     def reserve_keys_args(self, mode: str) -> tuple[list[str], list[str]]:
@@ -191,13 +192,13 @@ class AppendPlan:
             groups.append((path, runs, payload))
         return row0, first, groups
 
-    def write_commands(self, start: int, exp: str, *, armed: bool = False) -> list[tuple[Any, ...]]:
+    def write_commands(self, start: int, exp: str, *, armed: bool = False) -> list[Command]:
         """The commands between MULTI and EXEC: the rows' SETRANGEs, their flags (``armed``:
         and the cursor's INCRBY, there being no reservation), the write version's INCR and
         the append counter's HINCRBY."""
         keys, n = self.keys, self.n
         row0, first, groups = self._runs(start)
-        out: list[tuple[Any, ...]] = [
+        out: list[Command] = [
             ("SETRANGE", key, offset, data) for key, offset, data in setrange_commands(keys, groups)
         ]
         self._setranges = len(out)
@@ -232,13 +233,13 @@ class AppendPlan:
             out.append((0, n - first - 1))
         return out
 
-    def arm_commands(self, after: int) -> list[tuple[Any, ...]]:
+    def arm_commands(self, after: int) -> list[Command]:
         """WATCH and the reads that arm a connection for the next append (sent after an
         EXEC that left the cursor at ``after``): the layout version, the expiry, the cursor
         and the flags of the next ``max(n, ARM_ROWS)`` rows where the ring came round to
         them (all set: no append is in flight there)."""
         keys = self.keys
-        out: list[tuple[Any, ...]] = [
+        out: list[Command] = [
             ("WATCH", keys.meta, keys.ring), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.ring),
         ]
         out += [("GETRANGE", keys.flags, lo, hi) for lo, hi in self._reused(after, self._armed_rows())]
@@ -438,7 +439,7 @@ def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, sl
     try:
         while True:
             keys, args = plan.reserve_keys_args(plan.mode())
-            first_commands: list[tuple[Any, ...]] = [("UNWATCH",)] if unwatch else []
+            first_commands: list[Command] = [("UNWATCH",)] if unwatch else []
             first_commands += [plan.watch_command(), ("EVALSHA", sha, len(keys), *keys, *args)]
             got_replies = exchange_sync(connection, first_commands)
             unwatch = False

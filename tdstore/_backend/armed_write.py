@@ -45,7 +45,7 @@ from tdstore._backend.translate import translate
 from tdstore._backend.wire import connected, exchange, exchange_sync
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import counter_damage, data_key_commands, data_key_damage
+from tdstore._core.layout import Command, counter_damage, data_key_commands, data_key_damage
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]
@@ -175,7 +175,7 @@ class _ArmedWrite:
             armed is not None and connected and armed.lv == self.expected and armed.data_keys.issuperset(self.data_keys)
         )
 
-    def arm_commands(self) -> list[tuple[Any, ...]]:
+    def arm_commands(self) -> list[Command]:
         keys, data_keys = self.keys, self.data_keys
         # (the write version is read to be checked: the MULTI's INCR of a damaged one would fail
         # after the SETRANGEs, which a server does not roll back)
@@ -210,10 +210,10 @@ class _ArmedWrite:
         # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
         return DataLostError(f"an entry written at {self.keys.base} is registered but its bytes are gone from the server")
 
-    def commands(self, exp: str) -> list[tuple[Any, ...]]:
+    def commands(self, exp: str) -> list[Command]:
         """MULTI, the write version's INCR, the SETRANGEs, EXEC; then the re-arming reads when parking."""
         keys = self.keys
-        commands: list[tuple[Any, ...]] = [("MULTI",), ("INCR", keys.wv)]
+        commands: list[Command] = [("MULTI",), ("INCR", keys.wv)]
         for key, offset, data in setrange_commands(keys, self.groups):
             commands.append(("SETRANGE", key, offset, data))
         if exp:

@@ -7,12 +7,14 @@ in one packet, replies read as values; a MULTI/EXEC of them). The asyncio driver
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import redis.exceptions
 
 from tdstore._backend.protocols import SyncClient
 from tdstore._backend.wire import alive, exchange_sync
+from tdstore._core.layout import Command
 
 __all__ = ["discard", "take_spare", "keep_spare", "exchange", "transaction"]
 
@@ -50,7 +52,7 @@ def keep_spare(client: SyncClient, connection: redis.connection.Connection) -> N
         client.connection_pool.release(connection)
 
 
-def exchange(client: SyncClient, commands: list[tuple[Any, ...]]) -> list[Any]:
+def exchange(client: SyncClient, commands: Sequence[Command]) -> list[Any]:
     """Sends ``commands`` in one packet on a connection of a blocking client and returns their
     replies, errors as values (armed_write's exchange): what ``pipeline(transaction=False)
     .execute(raise_on_error=False)`` does for commands whose replies need no parsing callback
@@ -66,7 +68,7 @@ def exchange(client: SyncClient, commands: list[tuple[Any, ...]]) -> list[Any]:
     return replies
 
 
-def transaction(client: SyncClient, commands: list[tuple[Any, ...]]) -> list[Any]:
+def transaction(client: SyncClient, commands: Sequence[Command]) -> list[Any]:
     """MULTI, ``commands`` and EXEC sent in one packet on a blocking client (:func:`exchange`):
     EXEC's replies, errors as values, as ``pipeline(transaction=True).execute(raise_on_error=
     False)`` gives them for commands whose replies need no parsing callback, without redis-py's

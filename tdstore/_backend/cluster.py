@@ -26,6 +26,7 @@ import redis.asyncio.cluster
 import redis.exceptions
 from redis.crc import key_slot
 
+from tdstore._backend.protocols import AsyncClient
 from tdstore.errors import ClientConfigError
 
 __all__ = ["ClusterRoute", "cluster_settings", "is_cluster_client", "REDIRECTS"]
@@ -132,7 +133,7 @@ class ClusterRoute:
         problems = []
         for host, port in list(self.nodes):
             pool = redis.asyncio.ConnectionPool(connection_class=connection_class, host=host, port=port, **conn_kwargs)
-            client = redis.asyncio.Redis(connection_pool=pool)
+            client: AsyncClient = redis.asyncio.Redis(connection_pool=pool)
             try:
                 reply = await client.execute_command("CLUSTER SLOTS")
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:

@@ -511,7 +511,8 @@ class Connection:
         Both must send the same read; a read changes nothing on the server, so running it
         again through :meth:`run` after a failed direct try is safe (see :meth:`_direct_call`).
         """
-        result = self._direct_call(lambda client: direct(client, self._runner))  # type: ignore[arg-type]
+        result = self._direct_call(lambda client: direct(client, self._runner))
+        # (``is _NOT_DIRECT`` does not narrow ``T | object`` to T)
         return self.run(fn) if result is _NOT_DIRECT else result  # type: ignore[return-value]
 
     def write_rows(self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str) -> None:

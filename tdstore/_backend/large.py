@@ -37,6 +37,7 @@ import redis.exceptions
 from tdstore._backend import wire as _wire
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import Command
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
     import torch
@@ -125,10 +126,10 @@ class PieceRead:
     wv: Any
     lv: Any
 
-    def commands(self) -> tuple[list[tuple[Any, ...]], list[tuple[torch.Tensor, int, int]]]:
+    def commands(self) -> tuple[list[Command], list[tuple[torch.Tensor, int, int]]]:
         """The GETRANGE of every piece, then the two versions; and where each piece goes."""
         keys = self.keys
-        commands: list[tuple[Any, ...]] = []
+        commands: list[Command] = []
         targets: list[tuple[torch.Tensor, int, int]] = []
         for path, buf, chunking in self.entries:
             size = buf.numel()

@@ -76,7 +76,7 @@ _POLL_DOUBLINGS = 10
 def poll_delay(polls: int, left_ms: int) -> float:
     """A writer's wait (seconds) before its try number ``polls + 1``: doubling from 1 ms, at
     most :data:`_POLL_MAX`, and no longer than the ``left_ms`` of the lease that refused it."""
-    return min(0.001 * 2 ** min(max(polls, 0), _POLL_DOUBLINGS), _POLL_MAX, max(left_ms, 0) / 1000 + 0.001)
+    return min(0.001 * 2.0 ** min(max(polls, 0), _POLL_DOUBLINGS), _POLL_MAX, max(left_ms, 0) / 1000 + 0.001)
 
 _BUSY_RE = re.compile(r"TDS_BUSY\b.*? for (\d+) ms")
 

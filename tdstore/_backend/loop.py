@@ -152,7 +152,7 @@ def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) 
         if task.cancelled():
             future.cancel()
         elif task.exception() is not None:
-            future.set_exception(task.exception())  # type: ignore[arg-type]
+            future.set_exception(task.exception())
         else:
             future.set_result(task.result())
 

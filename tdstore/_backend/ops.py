@@ -33,6 +33,7 @@ from tdstore._core import chunks as _chunks
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, decode_path, encode_path
 from tdstore._core.layout import (
     SCRIPT_META_FIELDS,
+    Command,
     Layout,
     Op,
     ZeroBytes,
@@ -198,7 +199,7 @@ async def read_entries(
     # the bytes if that differs (the entry was re-created meanwhile)
     chunking = _chunking_of(keys, paths, under)
 
-    async def once(big: Mapping[tuple[str, ...], int]) -> Any:
+    async def once(big: Mapping[tuple[str, ...], int]) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
         nonlocal chunking
         for attempt in range(1, _CHUNK_TRIES + 1):
             got = await _read_entries_once(client, _EntriesTry(keys, paths, with_layout, big, device, chunking, under))
@@ -291,12 +292,12 @@ class _EntriesTry:
         for command in self.commands():
             pipe.execute_command(*command)
 
-    def commands(self) -> list[tuple[Any, ...]]:
+    def commands(self) -> list[Command]:
         """The snapshot's commands: the metadata, one MGET of the strings read whole (one
         command costs the server a fifth to a third less than a GET per string), a STRLEN
         per string read in pieces."""
         keys, paths, with_layout, big, entry_keys = self.keys, self.paths, self.with_layout, self.big, self.entry_keys
-        out: list[tuple[Any, ...]] = []
+        out: list[Command] = []
         if with_layout:
             out += [("HGETALL", keys.meta), ("HGETALL", keys.reg), ("GET", keys.wv)]
         else:

@@ -18,7 +18,7 @@ from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import parse_lv
+from tdstore._core.layout import Command, parse_lv
 
 __all__ = ["read_runs", "read_runs_direct", "transaction", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
 
@@ -252,9 +252,9 @@ def _queue_runs(pipe: AsyncPipeline, keys: StoreKeys, runner: ScriptRunner, reci
         pipe.execute_command(*command)
 
 
-def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> list[tuple[Any, ...]]:
+def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> list[Command]:
     """The snapshot's commands: the layout version, then the runs' GETRANGEs and gathers."""
-    out: list[tuple[Any, ...]] = [("HGET", keys.meta, "lv")]
+    out: list[Command] = [("HGET", keys.meta, "lv")]
     for _, commands, _ in recipe:
         for command in commands:
             if command[0] == "gather":

@@ -27,6 +27,7 @@ import functools
 import select
 import socket
 import types
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -35,6 +36,7 @@ import redis.connection
 import redis.exceptions
 
 from tdstore._backend.protocols import AsyncConnection, SyncConnection
+from tdstore._core.layout import Command
 
 _HiredisParser: Any
 NOT_ENOUGH_DATA: Any
@@ -107,7 +109,7 @@ def socket_of(connection: object) -> Any:
 # --------------------------------------------------------------------------- #
 
 
-async def exchange(connection: AsyncConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
+async def exchange(connection: AsyncConnection, commands: Sequence[Command]) -> list[Any]:
     """Sends ``commands`` in one packet and reads their replies; an error reply is returned in
     place. Any other failure (a timeout, a broken connection) disconnects the connection, so
     that no reply of this packet is read as another command's."""
@@ -141,15 +143,17 @@ def _bulk_str(arg: str) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-def packed(commands: list[tuple[Any, ...]]) -> list[Any]:
+def packed(commands: Sequence[Command]) -> list[bytes | memoryview]:
     """The RESP encoding of ``commands``: ``bytes`` pieces, with every large buffer argument
     in between as itself, to be sent from its own memory.
 
     (redis-py's blocking connections, with hiredis installed, copy a ``memoryview`` argument
     into ``bytes`` and then into the packed command: two copies of the payload.)
     """
-    out: list[Any] = []
+    out: list[bytes | memoryview] = []
     head = bytearray()
+    # (an Arg, told apart by its exact type below, which mypy does not follow from ``kind``)
+    arg: Any
     for command in commands:
         head += b"*%d\r\n" % len(command)
         for arg in command:
@@ -185,7 +189,7 @@ _IOV_BATCH = 512
 _GATHER = hasattr(socket.socket, "sendmsg")
 
 
-def _send_gathered(sock: Any, pieces: list[Any]) -> None:
+def _send_gathered(sock: Any, pieces: Sequence[bytes | memoryview]) -> None:
     """``sendall`` of ``pieces`` back to back, with one ``sendmsg`` system call per batch of
     buffers instead of one call each: the server then finds a packet's commands together
     (one read, not one wake-up per piece), and the client makes fewer system calls."""
@@ -204,7 +208,7 @@ def _send_gathered(sock: Any, pieces: list[Any]) -> None:
             break
 
 
-def send_sync(connection: SyncConnection, pieces: list[Any]) -> None:
+def send_sync(connection: SyncConnection, pieces: Sequence[bytes | memoryview]) -> None:
     """Writes ``pieces`` to the connection's socket, never reconnecting.
 
     (redis-py's ``send_packed_command`` reconnects a connection found disconnected, e.g. by
@@ -227,7 +231,7 @@ def send_sync(connection: SyncConnection, pieces: list[Any]) -> None:
         raise redis.exceptions.ConnectionError(f"error while writing to socket: {err}") from err
 
 
-def exchange_sync(connection: SyncConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
+def exchange_sync(connection: SyncConnection, commands: Sequence[Command]) -> list[Any]:
     """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place."""
     send_sync(connection, packed(commands))
     reader = _hiredis_reader(connection)
