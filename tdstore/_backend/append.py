@@ -110,8 +110,8 @@ ARM_ROWS = 64
 class ArmedRing:
     """A direct connection left WATCHing a ring's meta hash and cursor after an append."""
 
-    client: Any  #: the client whose pool lent ``connection``
-    connection: Any
+    client: SyncClient  #: the client whose pool lent ``connection``
+    connection: redis.connection.Connection
     lv: str  #: the layout version read after the WATCH
     exp: str  #: the store's expiry ("" for none)
     cursor: int  #: the ring cursor read after the WATCH: the next append's rows start there
@@ -390,7 +390,7 @@ def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, sl
         before that (nothing was written; a reservation may have been made, whose rows
         stay unflagged).
     """
-    connection: Any = None
+    connection: redis.connection.Connection | None = None
     armed: ArmedRing | None = None
     unwatch = False
     if slot is not None:

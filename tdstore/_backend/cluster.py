@@ -192,7 +192,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def call_routed(conn: Any, fn: Callable[[Any], Awaitable[T]], limit: float) -> T:
+async def call_routed(conn: Any, fn: Callable[[AsyncClient], Awaitable[T]], limit: float) -> T:
     """Runs ``fn(client)`` on the master of ``conn``'s slot, following MOVED/ASK/TRYAGAIN.
 
     Every reply in :data:`REDIRECTS` comes before the command runs (inside a MULTI, the

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 import redis.asyncio
@@ -50,6 +50,9 @@ from tdstore.errors import (
     clause,
 )
 
+if TYPE_CHECKING:
+    from tdstore._core.codec import PicklePolicy
+
 __all__ = ["Connection", "DEFAULT_MAX_BULK", "open_connection"]
 
 T = TypeVar("T")
@@ -75,7 +78,7 @@ def _config_int(reply: Any, name: str, default: int) -> int:
     except (TypeError, ValueError):
         return default
 
-_INHERITED_CLIENTS: list[Any] = []
+_INHERITED_CLIENTS: list[object] = []
 
 #: Held while a direct client is made: threads sharing a handle must get the same one (two
 #: made at once left a connection of the loser's pool armed and out of every pool).
@@ -175,8 +178,8 @@ class Connection:
         td_id: str,
         timeout: float,
         redis_kwargs: dict[str, Any],
-        pickle_policy: Any = None,
-        retry: Any = None,
+        pickle_policy: PicklePolicy | None = None,
+        retry: RetryPolicy | int | bool | None = None,
     ) -> None:
         from tdstore._core.codec import default_pickle_policy
 
@@ -190,7 +193,7 @@ class Connection:
         self._client: Any = None
         self._generation = -1
         self._runner: ScriptRunner | None = None
-        self._direct: Any = None  # see direct_client()
+        self._direct: redis.Redis | None = None  # see direct_client()
         self._direct_generation = -1
         self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
         self.direct_slot = ArmedSlot()  # ... and the direct client's
@@ -205,7 +208,7 @@ class Connection:
         # Redis Cluster (see tdstore/_backend/cluster.py): one plain client to the master of the store's slot
         self.cluster_route: _cluster.ClusterRoute | None = None
         self._client_node: tuple[str, int] | None = None
-        self._retired: list[tuple[int, Any]] = []  # (loop generation, client) replaced by node_client()
+        self._retired: list[tuple[int, AsyncClient]] = []  # (loop generation, client) replaced by node_client()
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
         if cluster_nodes is not None or _cluster.is_cluster_client(client):
             _check_decode(redis_kwargs, "redis_kwargs")
@@ -355,7 +358,7 @@ class Connection:
         return sibling
 
     # -- running -----------------------------------------------------------------------
-    def _build_client(self, node: tuple[str, int] | None = None) -> Any:
+    def _build_client(self, node: tuple[str, int] | None = None) -> AsyncClient:
         # tdstore retries by its own policy (run()); redis-py's default Retry would re-send a
         # command whose connection broke mid-flight, and re-sending extend() double-applies it
         kwargs = {**self._conn_kwargs, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0), "retry_on_error": []}
@@ -433,7 +436,7 @@ class Connection:
                     ) from err
 
     # -- direct reads -----------------------------------------------------------------
-    def direct_client(self) -> Any:
+    def direct_client(self) -> redis.Redis | None:
         """A synchronous client for reads sent from the calling thread, or None.
 
         A one-command read costs more in the hop to the IO loop and back (two thread
@@ -450,7 +453,7 @@ class Connection:
         with _DIRECT_LOCK:
             return self._make_direct(generation)
 
-    def _make_direct(self, generation: int) -> Any:
+    def _make_direct(self, generation: int) -> redis.Redis | None:
         """:meth:`direct_client`'s slow path, under ``_DIRECT_LOCK``."""
         direct = self._direct
         if direct is not None and self._direct_generation == generation:
@@ -711,7 +714,7 @@ def open_connection(
     timeout: float = _io.DEFAULT_TIMEOUT,
     allow_pickle: bool | None = None,
     pickle_key: bytes | str | None = None,
-    retry: Any = None,
+    retry: RetryPolicy | int | bool | None = None,
     progress: bool | None = None,
     **redis_kwargs: Any,
 ) -> Connection:
@@ -731,7 +734,7 @@ def open_connection(
     return conn
 
 
-def _pickle_policy(allow: bool | None, key: bytes | str | None) -> Any:
+def _pickle_policy(allow: bool | None, key: bytes | str | None) -> PicklePolicy:
     """The store's pickle policy: the arguments where given, else the process-wide default."""
     from tdstore._core import codec as _codec
 

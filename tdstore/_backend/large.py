@@ -40,6 +40,8 @@ from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import Command
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
+    import socket
+
     import torch
 
 __all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "PieceRead", "read_pieces", "read_pieces_direct", "empty_buffer"]
@@ -338,7 +340,7 @@ class _RawReplies:
     """The RESP replies of one blocking connection, read from its socket (bulk strings,
     nulls and errors: what GETRANGE, GET and HGET answer)."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
         self.pos = 0

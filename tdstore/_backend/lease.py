@@ -32,7 +32,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis.exceptions
 
@@ -40,6 +40,9 @@ from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.keys import StoreKeys
 from tdstore.errors import ServerPermissionError, StaleLayoutError, StoreNotFoundError
+
+if TYPE_CHECKING:
+    from tdstore._backend.connection import Connection
 
 __all__ = [
     "LEASE_AFTER",
@@ -96,7 +99,7 @@ class ReadLease:
 
     __slots__ = ("conn", "nbytes", "nonce", "held", "usable")
 
-    def __init__(self, conn: Any, nbytes: Callable[[], int] | None = None) -> None:
+    def __init__(self, conn: Connection, nbytes: Callable[[], int] | None = None) -> None:
         self.conn = conn
         self.nbytes = nbytes
         self.nonce = uuid.uuid4().hex

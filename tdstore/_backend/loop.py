@@ -34,7 +34,7 @@ _thread: threading.Thread | None = None
 _generation = 0
 #: The asyncio clients tdstore built on this process's loop (not the ones a user passed in):
 #: disconnected at exit, so that no "unclosed Connection/transport" ResourceWarning is printed
-_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+_CLIENTS: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
 #: Pools of tracked clients that were garbage collected unclosed (a store dropped without
 #: close()): held until their disconnect, scheduled on the IO loop, is done. A connection
 #: left to the garbage collector would close its transport from whatever thread collects
@@ -68,7 +68,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def track(client: AsyncClient) -> Any:
+def track(client: AsyncClient) -> AsyncClient:
     """Registers an asyncio client built by tdstore, to disconnect it at interpreter exit; returns it.
 
     A client collected unclosed has its pool disconnected on the IO loop (see :data:`_PENDING`).

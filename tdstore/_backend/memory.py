@@ -33,7 +33,7 @@ from typing import Any
 
 import redis.exceptions
 
-from tdstore._backend.protocols import AsyncClient
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import ZeroBytes, byte_view
@@ -136,7 +136,7 @@ def _server(client: AsyncClient) -> str:
 
 
 async def check(
-    client: AsyncClient, keys: StoreKeys, written: int, needed: int, what: str = "this write", *, via: Any = None
+    client: AsyncClient, keys: StoreKeys, written: int, needed: int, what: str = "this write", *, via: AsyncPipeline | None = None
 ) -> None:
     """Raises :class:`~tdstore.errors.WouldExceedMaxmemoryError` when ``needed`` more bytes
     would take the server past its ``maxmemory``; reads ``INFO memory`` only when ``written``
@@ -182,7 +182,7 @@ async def check(
 
 
 async def check_ops(
-    client: AsyncClient, keys: StoreKeys, ops: Sequence[Any], *, staged: bool = False, what: str = "this write", via: Any = None
+    client: AsyncClient, keys: StoreKeys, ops: Sequence[Any], *, staged: bool = False, what: str = "this write", via: AsyncPipeline | None = None
 ) -> None:
     """:func:`check` for committing ``ops`` (see :func:`estimate`); the message names their entries."""
     written, needed = estimate(ops, staged=staged)

@@ -30,7 +30,7 @@ import redis.exceptions
 
 from tdstore._backend import credentials as _credentials
 from tdstore._backend import loop as _io
-from tdstore._backend.protocols import AsyncClient
+from tdstore._backend.protocols import AsyncClient, SyncClient
 from tdstore.errors import (
     LUA_ERRORS,
     CorruptMetadataError,
@@ -53,7 +53,7 @@ __all__ = ["Rule", "RetryRule", "RULES", "RETRY_RULES", "translate", "retry_clas
 class Context:
     """What a message needs: the store's connection, the client the call ran on, the call's timeout."""
 
-    conn: Any
+    conn: Any  # (the rules that read it apply only where it is given)
     client: Any = None
     limit: float | None = None
 
@@ -94,7 +94,7 @@ def _out_of_memory(err: BaseException, ctx: Context) -> BaseException:
     )
 
 
-def _maxmemory(conn: Any) -> str:
+def _maxmemory(conn: Connection) -> str:
     async def read(client: AsyncClient) -> Any:
         return await client.config_get("maxmemory")
 
@@ -265,7 +265,7 @@ def rule_for(err: BaseException, ctx: Context | None = None, *, stage: str = "ru
 
 
 def translate(
-    err: BaseException, conn: Connection | None = None, *, client: AsyncClient | None = None, limit: float | None = None, stage: str = "run"
+    err: BaseException, conn: Connection | None = None, *, client: AsyncClient | SyncClient | None = None, limit: float | None = None, stage: str = "run"
 ) -> BaseException:
     """The exception to raise for ``err``: ``err`` itself when no row of :data:`RULES` applies.
 
