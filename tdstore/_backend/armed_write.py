@@ -59,7 +59,7 @@ COOL_WRITES = 32
 
 #: Armed connections inherited through fork(): never touched nor collected (closing one
 #: would unregister the parent's socket from the epoll instance both processes share).
-_INHERITED: list[Any] = []
+_INHERITED: list[_Armed] = []
 
 Groups = Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]]
 

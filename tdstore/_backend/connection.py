@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
@@ -104,7 +104,7 @@ _DIRECT_CLASSES = {
 }
 
 
-def _check_decode(kwargs: dict[str, Any], where: str) -> None:
+def _check_decode(kwargs: Mapping[str, object], where: str) -> None:
     if kwargs.get("decode_responses"):
         raise ClientConfigError(
             f"{where} has decode_responses=True: tdstore reads raw bytes from the server, "

@@ -43,7 +43,7 @@ _CLIENTS: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
 _PENDING: set[Any] = set()
 #: Pools of clients made before a fork(), collected in the child: their sockets are the
 #: parent's, never closed here (not even by garbage collection).
-_INHERITED_POOLS: list[Any] = []
+_INHERITED_POOLS: list[object] = []  # (kept referenced only)
 #: Set once the IO loop was stopped at interpreter exit: nothing is scheduled on a loop after.
 _exiting = False
 
@@ -175,7 +175,7 @@ def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) 
 
 #: Loops inherited through fork(). Never closed nor collected: their epoll instance is
 #: shared with the parent, and closing the loop would unregister the parent's sockets.
-_INHERITED_LOOPS: list[Any] = []
+_INHERITED_LOOPS: list[object] = []  # (kept referenced only)
 
 
 def backoff(attempt: int) -> None:

@@ -36,7 +36,7 @@ import redis.exceptions
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import ZeroBytes, byte_view
+from tdstore._core.layout import Op, ZeroBytes, byte_view
 from tdstore.errors import WouldExceedMaxmemoryError
 
 __all__ = ["GUARD_MIN", "GROWTH_SLACK", "alloc_size", "estimate", "note_setup", "check", "check_ops"]
@@ -71,7 +71,7 @@ def _payload_nbytes(payload: Any) -> int:
     return byte_view(payload).nbytes
 
 
-def estimate(ops: Sequence[Any], *, staged: bool = False, step: int = 16 * 1024 * 1024) -> tuple[int, int]:
+def estimate(ops: Sequence[Op], *, staged: bool = False, step: int = 16 * 1024 * 1024) -> tuple[int, int]:
     """``(bytes written, bytes the server may need at its peak)`` for committing ``ops``.
 
     Every string a "put" or "zero" op creates is counted at its allocator size with
@@ -182,7 +182,7 @@ async def check(
 
 
 async def check_ops(
-    client: AsyncClient, keys: StoreKeys, ops: Sequence[Any], *, staged: bool = False, what: str = "this write", via: AsyncPipeline | None = None
+    client: AsyncClient, keys: StoreKeys, ops: Sequence[Op], *, staged: bool = False, what: str = "this write", via: AsyncPipeline | None = None
 ) -> None:
     """:func:`check` for committing ``ops`` (see :func:`estimate`); the message names their entries."""
     written, needed = estimate(ops, staged=staged)

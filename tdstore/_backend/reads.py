@@ -160,7 +160,7 @@ def read_runs_direct(
 
 def _single_run(
     keys: StoreKeys,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]], gathers: Sequence[Any]
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]], gathers: Sequence[tuple[int, str] | None]
 ) -> tuple[int, str, int, int, bool] | None:
     """``(plan index, data key, first byte, last byte, small)`` when the plans read one run, else None."""
     which = -1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -29,6 +29,7 @@ import redis.exceptions
 
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._backend.translate import translate
+from tdstore._core.layout import Arg
 
 __all__ = ["Script", "ScriptHeader", "get_script", "script_names", "ScriptRunner", "parse_header"]
 
@@ -146,7 +147,7 @@ class ScriptRunner:
         for name in script_names():
             await client.script_load(get_script(name).text(self.shebang))
 
-    async def call(self, client: AsyncClient, name: str, keys: list[Any], args: list[Any]) -> Any:
+    async def call(self, client: AsyncClient, name: str, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         """EVALSHA ``name``; loads the script and retries once on NOSCRIPT.
 
         Raises:
@@ -166,7 +167,7 @@ class ScriptRunner:
                 raise
             raise exc from err
 
-    def queue(self, pipe: AsyncPipeline, name: str, keys: list[Any], args: list[Any]) -> None:
+    def queue(self, pipe: AsyncPipeline, name: str, keys: Sequence[str], args: Sequence[Arg]) -> None:
         """Adds an EVALSHA of ``name`` to a pipeline or transaction.
 
         Send it with :meth:`run_pipeline`, or call :meth:`ensure_loaded` first: a server that
