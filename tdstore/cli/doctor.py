@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from tdstore.cli.commands import ConnOptions
@@ -51,11 +51,11 @@ def _mb(n: int | None) -> str:
     return f"{n} bytes"
 
 
-def _item(name: str, status: str, value: Any, detail: str, fix: str | None = None) -> dict[str, Any]:
+def _item(name: str, status: str, value: object, detail: str, fix: str | None = None) -> dict[str, Any]:
     return {"name": name, "status": status, "value": value, "detail": detail, "fix": fix}
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     try:
         return int(str(value))
     except (TypeError, ValueError):
@@ -247,7 +247,7 @@ def format_doctor(items: list[dict[str, Any]], server: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_doctor(opts: ConnOptions, args: argparse.Namespace, out: Any) -> int:
+def run_doctor(opts: ConnOptions, args: argparse.Namespace, out: TextIO) -> int:
     """Runs ``tdstore doctor``; 1 when an item fails, else 0."""
     import json
 

@@ -75,7 +75,7 @@ def _shape(dims: Any) -> str:
 
 
 # --------------------------------------------------------------------------- reading
-def _text(value: Any) -> str | None:
+def _text(value: object) -> str | None:
     if value is None:
         return None
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -319,7 +319,7 @@ def _kind_text(info: dict[str, Any]) -> str:
     return "TensorDictStore"
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     return "-" if value is None else str(value)
 
 
