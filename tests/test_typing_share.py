@@ -20,13 +20,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "tdstore"
 _ANY = re.compile(r"\bAny\b")
 
-# package -> (annotations using Any, at most); "" is the top-level modules
+# package -> annotations using Any, at most (before the typing work: _backend 335 of 1083,
+# _core 89/443, cli 92/254, server 24/235, testing 15/87, top level 54/176); "" is the
+# top-level modules (tdstore/torchrl.py among them). store, base and lazy have no ceiling yet.
 CEILINGS: dict[str, int] = {
-    "_backend": 335,
-    "_core": 89,
-    "cli": 92,
+    "_backend": 173,
+    "_core": 76,
+    "cli": 69,
     "server": 24,
-    "testing": 15,
+    "testing": 13,
     "": 54,
 }
 # the whole package before the typing work: 1048 of 3552

@@ -482,7 +482,7 @@ class Connection:
         self._direct, self._direct_generation = direct, generation
         return direct
 
-    def _direct_call(self, call: Callable[[Any], T]) -> T | object:
+    def _direct_call(self, call: Callable[[redis.Redis], T]) -> T | object:
         """``call(client)`` on :meth:`direct_client` from the calling thread, or :data:`_NOT_DIRECT`.
 
         :data:`_NOT_DIRECT` when there is no direct client, on the IO loop's own thread
@@ -539,7 +539,7 @@ class Connection:
         else:
             self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
 
-    def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
+    def _run_once(self, fn: Callable[[AsyncClient], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
         if self.closed:
             raise self.closed_error()
         generation = _io.loop_generation()
@@ -554,7 +554,7 @@ class Connection:
             self._runner = None
         client = self._client
 
-        async def tracked(c: Any) -> T:
+        async def tracked(c: AsyncClient) -> T:
             sent[0] = True
             return await fn(c)
 

@@ -156,17 +156,20 @@ async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRun
 
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import TypedDict, Unpack
+
+    from tdstore._core.chunks import Chunking
 
     class ReadOptions(TypedDict, total=False):
         """The keyword arguments of :func:`read_entries` and :func:`read_entries_direct`."""
 
         large: Mapping[tuple[str, ...], int] | None  # the byte size the caller expects of some entries
-        device: Any  # the store's device (pinned buffers for CUDA)
+        device: torch.device | None  # the store's device (pinned buffers for CUDA)
         under: Layout | None  # read at this layout: its version, not the registry, comes with the bytes
 
 
-def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tuple[dict[tuple[str, ...], int], Any]:
+def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tuple[dict[tuple[str, ...], int], torch.device | None]:
     """The entries among ``paths`` to read in pieces, with their expected sizes; and the device."""
     large = options.get("large") or {}
     return {p: n for p, n in large.items() if n >= _large.READ_MIN and p in paths}, options.get("device")
@@ -245,7 +248,7 @@ def read_entries_direct(
     return None if isinstance(got, dict) else got
 
 
-def _chunking_of(keys: StoreKeys, paths: Sequence[tuple[str, ...]], under: Layout | None) -> dict[tuple[str, ...], Any]:
+def _chunking_of(keys: StoreKeys, paths: Sequence[tuple[str, ...]], under: Layout | None) -> dict[tuple[str, ...], Chunking | None]:
     """The chunking each entry is read with: ``under``'s when given (its version is the one
     checked), else the handle's cached layout's (``keys.chunks``)."""
     if under is not None:
@@ -278,8 +281,8 @@ class _EntriesTry:
     paths: Sequence[tuple[str, ...]]
     with_layout: bool
     big: Mapping[tuple[str, ...], int]
-    device: Any
-    chunking: dict[tuple[str, ...], Any]
+    device: torch.device | None
+    chunking: dict[tuple[str, ...], Chunking | None]
     #: read at this layout (see read_entries): the registry is not read
     under: Layout | None = None
     entry_keys: list[list[str]] = field(init=False)

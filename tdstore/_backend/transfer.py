@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tdstore._backend import lease as _lease
 from tdstore._backend import memory as _memory
@@ -52,12 +52,19 @@ STAGED_TRIES = 3
 STALE = object()
 
 
-def _choice(store: Any) -> bool | None:
+class _Handle(Protocol):
+    """A store handle as the bars read it: its connection, whose ``progress`` is ``progress=``."""
+
+    @property
+    def _conn(self) -> object: ...
+
+
+def _choice(store: _Handle) -> bool | None:
     """The store's ``progress=`` (None when not given), shared by its nested handles."""
     return getattr(store._conn, "progress", None)
 
 
-def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> Progress | None:
+def upload_bar(store: _Handle, ops: Sequence[Op], progress: bool | None = None) -> Progress | None:
     """The bar of a commit of ``ops`` (None: this one shows none); ``progress``: the call's choice."""
     choice = _progress.enabled(progress, _choice(store))
     if choice is False:
@@ -77,7 +84,7 @@ def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> P
 
 
 def download_bar(
-    store: Any, leaves: Sequence[tuple[tuple[str, ...], Entry]], progress: bool | None = None
+    store: _Handle, leaves: Sequence[tuple[tuple[str, ...], Entry]], progress: bool | None = None
 ) -> tuple[Progress | None, list[int | None]]:
     """The bar of a read of ``leaves`` (path, metadata), and each leaf's byte size where known."""
     choice = _progress.enabled(progress, _choice(store))
