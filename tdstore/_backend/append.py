@@ -58,10 +58,12 @@ import redis.exceptions
 from tdstore._backend.armed_write import ArmedSlot, _s
 from tdstore._backend.blocking import discard
 from tdstore._backend.ops import read_snapshot
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.wire import alive, exchange_sync
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
+from tdstore._core.layout import Command
 from tdstore.errors import (
     CorruptMetadataError,
     DataLostError,
@@ -108,8 +110,8 @@ ARM_ROWS = 64
 class ArmedRing:
     """A direct connection left WATCHing a ring's meta hash and cursor after an append."""
 
-    client: Any  #: the client whose pool lent ``connection``
-    connection: Any
+    client: SyncClient  #: the client whose pool lent ``connection``
+    connection: redis.connection.Connection
     lv: str  #: the layout version read after the WATCH
     exp: str  #: the store's expiry ("" for none)
     cursor: int  #: the ring cursor read after the WATCH: the next append's rows start there
@@ -149,7 +151,7 @@ class AppendPlan:
         reservation.n, reservation.capacity = n, capacity
 
     # -- step 1 ------------------------------------------------------------------------
-    def watch_command(self) -> tuple[Any, ...]:
+    def watch_command(self) -> Command:
         return ("WATCH", self.keys.meta, self.keys.fence)
 
     def reserve_keys_args(self, mode: str) -> tuple[list[str], list[str]]:
@@ -190,13 +192,13 @@ class AppendPlan:
             groups.append((path, runs, payload))
         return row0, first, groups
 
-    def write_commands(self, start: int, exp: str, *, armed: bool = False) -> list[tuple[Any, ...]]:
+    def write_commands(self, start: int, exp: str, *, armed: bool = False) -> list[Command]:
         """The commands between MULTI and EXEC: the rows' SETRANGEs, their flags (``armed``:
         and the cursor's INCRBY, there being no reservation), the write version's INCR and
         the append counter's HINCRBY."""
         keys, n = self.keys, self.n
         row0, first, groups = self._runs(start)
-        out: list[tuple[Any, ...]] = [
+        out: list[Command] = [
             ("SETRANGE", key, offset, data) for key, offset, data in setrange_commands(keys, groups)
         ]
         self._setranges = len(out)
@@ -231,19 +233,19 @@ class AppendPlan:
             out.append((0, n - first - 1))
         return out
 
-    def arm_commands(self, after: int) -> list[tuple[Any, ...]]:
+    def arm_commands(self, after: int) -> list[Command]:
         """WATCH and the reads that arm a connection for the next append (sent after an
         EXEC that left the cursor at ``after``): the layout version, the expiry, the cursor
         and the flags of the next ``max(n, ARM_ROWS)`` rows where the ring came round to
         them (all set: no append is in flight there)."""
         keys = self.keys
-        out: list[tuple[Any, ...]] = [
+        out: list[Command] = [
             ("WATCH", keys.meta, keys.ring), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.ring),
         ]
         out += [("GETRANGE", keys.flags, lo, hi) for lo, hi in self._reused(after, self._armed_rows())]
         return out
 
-    def armed_state(self, client: Any, connection: Any, replies: Sequence[Any], after: int) -> ArmedRing | None:
+    def armed_state(self, client: SyncClient, connection: redis.connection.Connection, replies: Sequence[Any], after: int) -> ArmedRing | None:
         """What the replies of :meth:`arm_commands` leave the connection armed with; None when
         it cannot append in one packet (another client appended meanwhile, an append is in
         flight on the next rows, the store is gone...)."""
@@ -328,7 +330,7 @@ def _connection_broke(plan: AppendPlan, err: BaseException) -> OutcomeUnknownErr
     )
 
 
-def _unwatch(client: Any, connection: Any) -> None:
+def _unwatch(client: SyncClient, connection: redis.connection.Connection) -> None:
     """Gives ``connection`` back to the pool without its WATCH; never raises (it runs after
     an append was applied: an error here must not make the caller send it again)."""
     try:
@@ -343,14 +345,14 @@ def _unwatch(client: Any, connection: Any) -> None:
     client.connection_pool.release(connection)
 
 
-def _kept(client: Any, connection: Any, *, watching: bool) -> ArmedRing:
+def _kept(client: SyncClient, connection: redis.connection.Connection, *, watching: bool) -> ArmedRing:
     """A connection kept in the slot for the next append's two steps, not armed (no layout
     version: :meth:`AppendPlan.usable` refuses it); ``watching``: its WATCH is still on."""
     return ArmedRing(client, connection, "", "", 0, 0, watching=watching)
 
 
 def _park(
-    slot: ArmedSlot, client: Any, connection: Any, plan: AppendPlan, replies: Sequence[Any], after: int
+    slot: ArmedSlot, client: SyncClient, connection: redis.connection.Connection, plan: AppendPlan, replies: Sequence[Any], after: int
 ) -> None:
     """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it.
 
@@ -374,7 +376,7 @@ def _park(
             pass
 
 
-def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: ArmedSlot | None = None) -> int:
+def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, slot: ArmedSlot | None = None) -> int:
     """One append try on a blocking client, from the calling thread: one packet on an armed
     connection of ``slot``, else two.
 
@@ -388,7 +390,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
         before that (nothing was written; a reservation may have been made, whose rows
         stay unflagged).
     """
-    connection: Any = None
+    connection: redis.connection.Connection | None = None
     armed: ArmedRing | None = None
     unwatch = False
     if slot is not None:
@@ -437,7 +439,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
     try:
         while True:
             keys, args = plan.reserve_keys_args(plan.mode())
-            first_commands: list[tuple[Any, ...]] = [("UNWATCH",)] if unwatch else []
+            first_commands: list[Command] = [("UNWATCH",)] if unwatch else []
             first_commands += [plan.watch_command(), ("EVALSHA", sha, len(keys), *keys, *args)]
             got_replies = exchange_sync(connection, first_commands)
             unwatch = False
@@ -482,7 +484,7 @@ def append_direct(client: Any, runner: ScriptRunner, plan: AppendPlan, slot: Arm
 # --------------------------------------------------------------------------- #
 
 
-async def append_watched(client: Any, runner: ScriptRunner, plan: AppendPlan) -> int:
+async def append_watched(client: AsyncClient, runner: ScriptRunner, plan: AppendPlan) -> int:
     """:func:`append_direct` on an asyncio client: a pipeline in WATCH mode (three round trips)."""
     async with client.pipeline(transaction=True) as pipe:
         await pipe.watch(plan.keys.meta, plan.keys.fence)
@@ -520,10 +522,10 @@ def stale() -> StaleLayoutError:
 # --------------------------------------------------------------------------- #
 
 
-async def ring_counts(client: Any, keys: StoreKeys) -> tuple[Any, Any, int, int]:
+async def ring_counts(client: AsyncClient, keys: StoreKeys) -> tuple[Any, Any, int, int]:
     """The cursor, the layout version, the flagged rows (BITCOUNT) and whether the flags exist, in one snapshot."""
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         pipe.get(keys.ring)
         pipe.hget(keys.meta, "lv")
         pipe.bitcount(keys.flags)
@@ -542,11 +544,11 @@ def _check_flags_reply(keys: StoreKeys, reply: Any) -> None:
         raise CorruptMetadataError(f"the row flags {keys.flags} of the store {keys.base} are not a string: {reply}")
 
 
-async def ring_flags(client: Any, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any]:
+async def ring_flags(client: AsyncClient, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any]:
     """The cursor, the layout version, whether the flags exist, and the flags of the ring's
     ``capacity`` rows (``whole``) or their count (BITCOUNT), in one snapshot."""
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         pipe.get(keys.ring)
         pipe.hget(keys.meta, "lv")
         pipe.exists(keys.flags)
@@ -560,7 +562,7 @@ async def ring_flags(client: Any, keys: StoreKeys, capacity: int, whole: bool) -
     return cursor, lv, int(exists or 0), flags
 
 
-async def flag_bytes(client: Any, keys: StoreKeys, rows: Sequence[int]) -> list[int]:
+async def flag_bytes(client: AsyncClient, keys: StoreKeys, rows: Sequence[int]) -> list[int]:
     """The flag byte of each of ``rows`` (one BITFIELD)."""
     args: list[Any] = []
     for r in rows:
@@ -568,10 +570,10 @@ async def flag_bytes(client: Any, keys: StoreKeys, rows: Sequence[int]) -> list[
     return list(await client.execute_command("BITFIELD", keys.flags, *args))
 
 
-async def append_counters(client: Any, keys: StoreKeys) -> tuple[dict[Any, Any], Any]:
+async def append_counters(client: AsyncClient, keys: StoreKeys) -> tuple[dict[Any, Any], Any]:
     """The append counters and the write version, in one snapshot (for a compare-and-set)."""
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         pipe.hgetall(keys.appends)
         pipe.get(keys.wv)
 

@@ -38,13 +38,14 @@ import redis.asyncio
 import redis.exceptions
 
 from tdstore._backend.blocking import discard
+from tdstore._backend.protocols import AsyncClient, SyncClient
 from tdstore._backend.row_writes import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._backend.wire import connected, exchange, exchange_sync
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import counter_damage, data_key_commands, data_key_damage
+from tdstore._core.layout import Command, counter_damage, data_key_commands, data_key_damage
 from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError
 
 __all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]
@@ -58,7 +59,7 @@ COOL_WRITES = 32
 
 #: Armed connections inherited through fork(): never touched nor collected (closing one
 #: would unregister the parent's socket from the epoll instance both processes share).
-_INHERITED: list[Any] = []
+_INHERITED: list[_Armed] = []
 
 Groups = Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]]
 
@@ -139,7 +140,7 @@ class ArmedSlot:
             discard(armed.client, armed.connection)
 
 
-async def _discard(client: Any, connection: Any) -> None:
+async def _discard(client: AsyncClient, connection: redis.asyncio.connection.AbstractConnection) -> None:
     try:
         await connection.disconnect()
     finally:
@@ -152,7 +153,7 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _can_park(client: Any) -> bool:
+def _can_park(client: SyncClient | AsyncClient) -> bool:
     pool = client.connection_pool
     if isinstance(pool, redis.ConnectionPool):
         return type(pool) is redis.ConnectionPool  # the direct client's own (unbounded) pool
@@ -174,7 +175,7 @@ class _ArmedWrite:
             armed is not None and connected and armed.lv == self.expected and armed.data_keys.issuperset(self.data_keys)
         )
 
-    def arm_commands(self) -> list[tuple[Any, ...]]:
+    def arm_commands(self) -> list[Command]:
         keys, data_keys = self.keys, self.data_keys
         # (the write version is read to be checked: the MULTI's INCR of a damaged one would fail
         # after the SETRANGEs, which a server does not roll back)
@@ -209,10 +210,10 @@ class _ArmedWrite:
         # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
         return DataLostError(f"an entry written at {self.keys.base} is registered but its bytes are gone from the server")
 
-    def commands(self, exp: str) -> list[tuple[Any, ...]]:
+    def commands(self, exp: str) -> list[Command]:
         """MULTI, the write version's INCR, the SETRANGEs, EXEC; then the re-arming reads when parking."""
         keys = self.keys
-        commands: list[tuple[Any, ...]] = [("MULTI",), ("INCR", keys.wv)]
+        commands: list[Command] = [("MULTI",), ("INCR", keys.wv)]
         for key, offset, data in setrange_commands(keys, self.groups):
             commands.append(("SETRANGE", key, offset, data))
         if exp:
@@ -295,7 +296,7 @@ class _ArmedWrite:
 
 
 async def write_runs_armed(
-    client: Any, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str
+    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str
 ) -> None:
     """Writes ``(path, runs, payload)`` groups with SETRANGEs in one MULTI, guarded as ``write_runs_watched``.
 
@@ -345,7 +346,7 @@ async def write_runs_armed(
 # --------------------------------------------------------------------------- #
 
 
-def write_runs_direct(client: Any, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
+def write_runs_direct(client: SyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
     """:func:`write_runs_armed` on a blocking client, from the calling thread.
 
     Returns False, having written nothing, when the write is to go the plain way

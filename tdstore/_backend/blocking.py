@@ -7,16 +7,19 @@ in one packet, replies read as values; a MULTI/EXEC of them). The asyncio driver
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import redis.exceptions
 
+from tdstore._backend.protocols import SyncClient
 from tdstore._backend.wire import alive, exchange_sync
+from tdstore._core.layout import Command
 
 __all__ = ["discard", "take_spare", "keep_spare", "exchange", "transaction"]
 
 
-def discard(client: Any, connection: Any) -> None:
+def discard(client: SyncClient, connection: redis.connection.Connection) -> None:
     try:
         connection.disconnect()
     finally:
@@ -28,7 +31,7 @@ def discard(client: Any, connection: Any) -> None:
 _SPARE = "_tdstore_spare"
 
 
-def take_spare(client: Any) -> Any:
+def take_spare(client: SyncClient) -> Any:
     """A connection of ``client``'s pool for one exchange: the one kept after the last (no
     checkout), else one from the pool. Thread-safe: ``dict.pop`` hands it to one thread."""
     held = client.__dict__.pop(_SPARE, None)
@@ -41,7 +44,7 @@ def take_spare(client: Any) -> Any:
     return client.connection_pool.get_connection()
 
 
-def keep_spare(client: Any, connection: Any) -> None:
+def keep_spare(client: SyncClient, connection: redis.connection.Connection) -> None:
     """Keeps ``connection`` (idle, nothing to read on it) for the next exchange of
     ``client``; back to the pool when another thread's is kept already."""
     held = (os.getpid(), connection)
@@ -49,7 +52,7 @@ def keep_spare(client: Any, connection: Any) -> None:
         client.connection_pool.release(connection)
 
 
-def exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+def exchange(client: SyncClient, commands: Sequence[Command]) -> list[Any]:
     """Sends ``commands`` in one packet on a connection of a blocking client and returns their
     replies, errors as values (armed_write's exchange): what ``pipeline(transaction=False)
     .execute(raise_on_error=False)`` does for commands whose replies need no parsing callback
@@ -65,7 +68,7 @@ def exchange(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     return replies
 
 
-def transaction(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+def transaction(client: SyncClient, commands: Sequence[Command]) -> list[Any]:
     """MULTI, ``commands`` and EXEC sent in one packet on a blocking client (:func:`exchange`):
     EXEC's replies, errors as values, as ``pipeline(transaction=True).execute(raise_on_error=
     False)`` gives them for commands whose replies need no parsing callback, without redis-py's

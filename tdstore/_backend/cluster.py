@@ -26,6 +26,7 @@ import redis.asyncio.cluster
 import redis.exceptions
 from redis.crc import key_slot
 
+from tdstore._backend.protocols import AsyncClient
 from tdstore.errors import ClientConfigError
 
 __all__ = ["ClusterRoute", "cluster_settings", "is_cluster_client", "REDIRECTS"]
@@ -52,11 +53,11 @@ _COPIED = (
 _MAX_REDIRECTS = 100
 
 
-def is_cluster_client(client: Any) -> bool:
+def is_cluster_client(client: object) -> bool:
     return isinstance(client, redis.asyncio.cluster.RedisCluster)
 
 
-def cluster_settings(client: Any) -> tuple[list[tuple[str, int]], dict[str, Any], type]:
+def cluster_settings(client: redis.asyncio.cluster.RedisCluster) -> tuple[list[tuple[str, int]], dict[str, Any], type]:
     """The startup nodes, node connection kwargs and connection class of a RedisCluster client.
 
     tdstore does not use the given client object itself (it belongs to the caller's event
@@ -132,7 +133,7 @@ class ClusterRoute:
         problems = []
         for host, port in list(self.nodes):
             pool = redis.asyncio.ConnectionPool(connection_class=connection_class, host=host, port=port, **conn_kwargs)
-            client = redis.asyncio.Redis(connection_pool=pool)
+            client: AsyncClient = redis.asyncio.Redis(connection_pool=pool)
             try:
                 reply = await client.execute_command("CLUSTER SLOTS")
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
@@ -191,7 +192,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def call_routed(conn: Any, fn: Callable[[Any], Awaitable[T]], limit: float) -> T:
+async def call_routed(conn: Any, fn: Callable[[AsyncClient], Awaitable[T]], limit: float) -> T:
     """Runs ``fn(client)`` on the master of ``conn``'s slot, following MOVED/ASK/TRYAGAIN.
 
     Every reply in :data:`REDIRECTS` comes before the command runs (inside a MULTI, the

@@ -61,7 +61,7 @@ class ConnectSpec:
             return dataclasses.replace(handed, **found) if found else handed
         return cls(**given, **found)
 
-    def with_redis_kwargs(self, extra: Mapping[str, Any]) -> ConnectSpec:
+    def with_redis_kwargs(self, extra: Mapping[str, object]) -> ConnectSpec:
         """This spec with ``extra`` added to the keywords passed on to the redis-py client."""
         return dataclasses.replace(self, redis_kwargs={**self.redis_kwargs, **extra}) if extra else self
 

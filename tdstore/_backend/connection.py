@@ -11,8 +11,8 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 import redis.asyncio
@@ -32,6 +32,7 @@ from tdstore._backend import step as _step
 from tdstore._backend import translate as _translate
 from tdstore._backend import wire as _wire
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.retry import (
     OutcomeUnknownError,
     RetryPolicy,
@@ -50,6 +51,9 @@ from tdstore.errors import (
     TDStoreError,
     clause,
 )
+
+if TYPE_CHECKING:
+    from tdstore._core.codec import PicklePolicy
 
 __all__ = ["Connection", "DEFAULT_MAX_BULK", "open_connection"]
 
@@ -76,7 +80,7 @@ def _config_int(reply: Any, name: str, default: int) -> int:
     except (TypeError, ValueError):
         return default
 
-_INHERITED_CLIENTS: list[Any] = []
+_INHERITED_CLIENTS: list[object] = []
 
 #: Held while a direct client is made: threads sharing a handle must get the same one (two
 #: made at once left a connection of the loser's pool armed and out of every pool).
@@ -102,7 +106,7 @@ _DIRECT_CLASSES = {
 }
 
 
-def _check_decode(kwargs: dict[str, Any], where: str) -> None:
+def _check_decode(kwargs: Mapping[str, object], where: str) -> None:
     if kwargs.get("decode_responses"):
         raise ClientConfigError(
             f"{where} has decode_responses=True: tdstore reads raw bytes from the server, "
@@ -171,13 +175,13 @@ class Connection:
         port: int,
         db: int,
         unix_socket_path: str | None,
-        client: Any,
+        client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None,
         prefix: str,
         td_id: str,
         timeout: float,
         redis_kwargs: dict[str, Any],
-        pickle_policy: Any = None,
-        retry: Any = None,
+        pickle_policy: PicklePolicy | None = None,
+        retry: RetryPolicy | int | bool | None = None,
     ) -> None:
         from tdstore._core.codec import default_pickle_policy
 
@@ -191,7 +195,7 @@ class Connection:
         self._client: Any = None
         self._generation = -1
         self._runner: ScriptRunner | None = None
-        self._direct: Any = None  # see direct_client()
+        self._direct: redis.Redis | None = None  # see direct_client()
         self._direct_generation = -1
         self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
         self.direct_slot = ArmedSlot()  # ... and the direct client's
@@ -206,7 +210,7 @@ class Connection:
         # Redis Cluster (see tdstore/_backend/cluster.py): one plain client to the master of the store's slot
         self.cluster_route: _cluster.ClusterRoute | None = None
         self._client_node: tuple[str, int] | None = None
-        self._retired: list[tuple[int, Any]] = []  # (loop generation, client) replaced by node_client()
+        self._retired: list[tuple[int, AsyncClient]] = []  # (loop generation, client) replaced by node_client()
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
         if cluster_nodes is not None or _cluster.is_cluster_client(client):
             _check_decode(redis_kwargs, "redis_kwargs")
@@ -362,7 +366,7 @@ class Connection:
         return sibling
 
     # -- running -----------------------------------------------------------------------
-    def _build_client(self, node: tuple[str, int] | None = None) -> Any:
+    def _build_client(self, node: tuple[str, int] | None = None) -> AsyncClient:
         # tdstore retries by its own policy (run()); redis-py's default Retry would re-send a
         # command whose connection broke mid-flight, and re-sending extend() double-applies it
         kwargs = {**self._conn_kwargs, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0), "retry_on_error": []}
@@ -440,7 +444,7 @@ class Connection:
                     ) from err
 
     # -- direct reads -----------------------------------------------------------------
-    def direct_client(self) -> Any:
+    def direct_client(self) -> redis.Redis | None:
         """A synchronous client for reads sent from the calling thread, or None.
 
         A one-command read costs more in the hop to the IO loop and back (two thread
@@ -457,7 +461,7 @@ class Connection:
         with _DIRECT_LOCK:
             return self._make_direct(generation)
 
-    def _make_direct(self, generation: int) -> Any:
+    def _make_direct(self, generation: int) -> redis.Redis | None:
         """:meth:`direct_client`'s slow path, under ``_DIRECT_LOCK``."""
         direct = self._direct
         if direct is not None and self._direct_generation == generation:
@@ -486,7 +490,7 @@ class Connection:
         self._direct, self._direct_generation = direct, generation
         return direct
 
-    def _direct_call(self, call: Callable[[Any], T]) -> T | object:
+    def _direct_call(self, call: Callable[[redis.Redis], T]) -> T | object:
         """``call(client)`` on :meth:`direct_client` from the calling thread, or :data:`_NOT_DIRECT`.
 
         :data:`_NOT_DIRECT` when there is no direct client, on the IO loop's own thread
@@ -518,7 +522,8 @@ class Connection:
         Both must send the same read; a read changes nothing on the server, so running it
         again through :meth:`run` after a failed direct try is safe (see :meth:`_direct_call`).
         """
-        result = self._direct_call(lambda client: direct(client, self._runner))  # type: ignore[arg-type]
+        result = self._direct_call(lambda client: direct(client, self._runner))
+        # (``is _NOT_DIRECT`` does not narrow ``T | object`` to T)
         return self.run(fn) if result is _NOT_DIRECT else result  # type: ignore[return-value]
 
     def read_step(self, build: Callable[[ScriptRunner], _step.ReadStep[T]]) -> T:
@@ -562,7 +567,7 @@ class Connection:
             return done
         return int(self.run(lambda c: _append.append_watched(c, self.runner, plan), idempotent=False))
 
-    def _run_once(self, fn: Callable[[Any], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
+    def _run_once(self, fn: Callable[[AsyncClient], Awaitable[T]], timeout: float | None, sent: list[bool]) -> T:
         if self.closed:
             raise self.closed_error()
         generation = _io.loop_generation()
@@ -577,7 +582,7 @@ class Connection:
             self._runner = None
         client = self._client
 
-        async def tracked(c: Any) -> T:
+        async def tracked(c: AsyncClient) -> T:
             sent[0] = True
             return await fn(c)
 
@@ -643,7 +648,7 @@ class Connection:
         assert self._runner is not None, "runner is set up by run()"
         return self._runner
 
-    async def _setup(self, client: Any) -> None:
+    async def _setup(self, client: AsyncClient) -> None:
         try:
             shebang = await probe_shebang(client)  # the first command: it authenticates
         except redis.exceptions.ConnectionError as err:
@@ -732,12 +737,12 @@ def open_connection(
     port: int = 6379,
     db: int = 0,
     unix_socket_path: str | None = None,
-    client: Any = None,
+    client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None = None,
     prefix: str = "tensordict",
     timeout: float = _io.DEFAULT_TIMEOUT,
     allow_pickle: bool | None = None,
     pickle_key: bytes | str | None = None,
-    retry: Any = None,
+    retry: RetryPolicy | int | bool | None = None,
     progress: bool | None = None,
     **redis_kwargs: Any,
 ) -> Connection:
@@ -757,7 +762,7 @@ def open_connection(
     return conn
 
 
-def _pickle_policy(allow: bool | None, key: bytes | str | None) -> Any:
+def _pickle_policy(allow: bool | None, key: bytes | str | None) -> PicklePolicy:
     """The store's pickle policy: the arguments where given, else the process-wide default."""
     from tdstore._core import codec as _codec
 

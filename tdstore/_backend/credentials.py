@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import ParseResult, parse_qs, unquote, urlparse
 
 from redis.credentials import UsernamePasswordCredentialProvider
 
@@ -35,7 +35,7 @@ ENV_USERNAME = "TDSTORE_USERNAME"
 ENV_SSL_PASSWORD = "TDSTORE_SSL_PASSWORD"
 
 
-def strip_secrets(kwargs: dict[str, Any]) -> list[str]:
+def strip_secrets(kwargs: dict[str, object]) -> list[str]:
     """Removes the secrets from client ``kwargs`` (in place); returns the names removed."""
     dropped = [name for name in SECRET_KWARGS if kwargs.pop(name, None) is not None]
     provider = kwargs.get("credential_provider")
@@ -60,7 +60,7 @@ def strip_secrets(kwargs: dict[str, Any]) -> list[str]:
 _URL_TLS_ARGS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
 
-def _env_url(kwargs: dict[str, Any]) -> Any:
+def _env_url(kwargs: dict[str, Any]) -> ParseResult | None:
     """``TDSTORE_URL`` parsed, when it names the server of ``kwargs``; else ``None``."""
     url = os.environ.get("TDSTORE_URL")
     if not url:
@@ -73,7 +73,7 @@ def _env_url(kwargs: dict[str, Any]) -> Any:
     return parsed if same else None
 
 
-def tls_from_url(kwargs: dict[str, Any]) -> bool:
+def tls_from_url(kwargs: dict[str, object]) -> bool:
     """Whether ``TDSTORE_URL`` is a ``rediss://`` URL naming this server; fills its ``ssl_*`` arguments.
 
     ``TDSTORE_URL=rediss://host:6380/0?ssl_ca_certs=/etc/tds/ca.pem`` makes stores created with
@@ -88,7 +88,7 @@ def tls_from_url(kwargs: dict[str, Any]) -> bool:
     return True
 
 
-def _url_credentials(kwargs: dict[str, Any]) -> tuple[str | None, str | None]:
+def _url_credentials(kwargs: dict[str, object]) -> tuple[str | None, str | None]:
     """User and password of ``TDSTORE_URL`` when it names the server of ``kwargs``."""
     parsed = _env_url(kwargs)
     if parsed is None or (parsed.password is None and parsed.username is None):
@@ -98,7 +98,7 @@ def _url_credentials(kwargs: dict[str, Any]) -> tuple[str | None, str | None]:
     return user, password
 
 
-def fill_from_env(kwargs: dict[str, Any]) -> str | None:
+def fill_from_env(kwargs: dict[str, object]) -> str | None:
     """Fills missing credentials of client ``kwargs`` from the environment (in place).
 
     Returns where they came from (for error messages), or ``None`` when nothing was found.
@@ -128,7 +128,7 @@ def fill_from_env(kwargs: dict[str, Any]) -> str | None:
     return source
 
 
-def who(kwargs: dict[str, Any]) -> str:
+def who(kwargs: dict[str, object]) -> str:
     """The user a connection authenticates as, for messages (never the password)."""
     if kwargs.get("credential_provider") is not None:
         return f"the user given by credential_provider {type(kwargs['credential_provider']).__name__}"

@@ -12,6 +12,7 @@ from typing import Any
 
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner, probe_shebang
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import CURSOR_MAX, StoreKeys
@@ -54,7 +55,7 @@ def _data_damage(names: list[str], replies: list[Any]) -> CorruptMetadataError |
     return None
 
 
-async def is_sealed(client: Any, keys: StoreKeys) -> bool:
+async def is_sealed(client: AsyncClient, keys: StoreKeys) -> bool:
     """Whether the store is sealed by a clear that has not deleted it yet (see :data:`SEALED`)."""
     return _is_sealed_meta(await client.hgetall(keys.meta) if await client.type(keys.meta) in (b"hash", "hash") else None)
 
@@ -76,7 +77,7 @@ class StoreReading:
     sealed: bool = False  # a clear sealed it and has not deleted it yet (``damage`` says so)
 
 
-async def scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]:
+async def scan_stores(client: AsyncClient, prefix: str | None) -> list[tuple[str, str]]:
     """(prefix, td_id) of every store under ``prefix``, or under every prefix when None."""
     if prefix is not None:
         return [(prefix, td_id) for td_id in await _lifecycle.list_stores(client, prefix)]
@@ -88,7 +89,7 @@ async def scan_stores(client: Any, prefix: str | None) -> list[tuple[str, str]]:
     return sorted(found)
 
 
-async def read_stores(client: Any, candidates: list[tuple[str, str]]) -> list[StoreReading]:
+async def read_stores(client: AsyncClient, candidates: list[tuple[str, str]]) -> list[StoreReading]:
     """Layouts, lifetimes and data sizes of ``candidates`` in two pipelines; stores deleted
     meanwhile and keys that only look like a store's meta are left out."""
     keys = []
@@ -157,7 +158,7 @@ async def read_stores(client: Any, candidates: list[tuple[str, str]]) -> list[St
     return readings
 
 
-async def read_details(client: Any, keys: StoreKeys, *extra_keys: str) -> tuple[Any, ...]:
+async def read_details(client: AsyncClient, keys: StoreKeys, *extra_keys: str) -> tuple[Any, ...]:
     """(layout, write version, ring counter, PTTL, data bytes per entry in creation order, then
     the values of ``extra_keys``) of one store; all None and [] when there is no store.
 
@@ -195,7 +196,7 @@ async def read_details(client: Any, keys: StoreKeys, *extra_keys: str) -> tuple[
     return layout, wv, ring, pttl, lengths, extra
 
 
-async def wipe_store(client: Any, keys: StoreKeys) -> int:
+async def wipe_store(client: AsyncClient, keys: StoreKeys) -> int:
     """Deletes a store whatever its metadata says (:func:`tdstore._backend.lifecycle.wipe`), on a
     client that has not run tdstore's setup (the command line's)."""
     return await _lifecycle.wipe(client, keys, ScriptRunner(await probe_shebang(client)))

@@ -31,12 +31,17 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import redis.asyncio.connection
 import redis.exceptions
 
 from tdstore._backend import wire as _wire
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import Command
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tdstore ls` and `info` run without it
+    import socket
+
     import torch
 
 __all__ = ["READ_MIN", "READ_PIECE", "READ_WINDOW", "WRITE_MIN", "WRITE_PIECE", "streams", "streamed", "PieceRead", "read_pieces", "read_pieces_direct", "empty_buffer"]
@@ -59,7 +64,7 @@ WRITE_MIN = 1024 * 1024
 WRITE_PIECE = 4 * 1024 * 1024
 
 
-def streams(client: Any) -> bool:
+def streams(client: object) -> bool:
     """Whether the client talks to a socket through redis-py's own connection classes."""
     pool = getattr(client, "connection_pool", None)
     cls = getattr(pool, "connection_class", None)
@@ -80,7 +85,7 @@ def empty_buffer(nbytes: int, device: torch.device | None) -> torch.Tensor:
 
 
 @contextlib.asynccontextmanager
-async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
+async def streamed(pipe: AsyncPipeline, nbytes: int) -> AsyncIterator[None]:
     """While active, ``pipe`` sends its large memoryview arguments in slices (see module doc).
 
     ``nbytes``: the payload the pipeline carries; below :data:`WRITE_MIN` nothing changes.
@@ -89,10 +94,12 @@ async def streamed(pipe: Any, nbytes: int) -> AsyncIterator[None]:
     if nbytes < WRITE_MIN or not streams(pipe):
         yield
         return
-    conn = pipe.connection
+    conn: redis.asyncio.connection.AbstractConnection | None = pipe.connection
     if conn is None:
         conn = await pipe.connection_pool.get_connection()
-        pipe.connection = conn  # the pipeline's reset() gives it back to the pool
+        # (redis-py types Pipeline.connection as its Connection class, though the pool's
+        # connection_class may be any AbstractConnection, e.g. UnixDomainSocketConnection)
+        pipe.connection = conn  # type: ignore[assignment]  # the pipeline's reset() gives it back to the pool
     if not _wire.streamed_sends(conn, WRITE_MIN, WRITE_PIECE):
         yield
         return
@@ -121,10 +128,10 @@ class PieceRead:
     wv: Any
     lv: Any
 
-    def commands(self) -> tuple[list[tuple[Any, ...]], list[tuple[torch.Tensor, int, int]]]:
+    def commands(self) -> tuple[list[Command], list[tuple[torch.Tensor, int, int]]]:
         """The GETRANGE of every piece, then the two versions; and where each piece goes."""
         keys = self.keys
-        commands: list[tuple[Any, ...]] = []
+        commands: list[Command] = []
         targets: list[tuple[torch.Tensor, int, int]] = []
         for path, buf, chunking in self.entries:
             size = buf.numel()
@@ -163,7 +170,7 @@ class PieceRead:
         return complete and wv_now == self.wv and lv_now is not None and _same(lv_now, self.lv)
 
 
-async def read_pieces(client: Any, read: PieceRead) -> bool:
+async def read_pieces(client: AsyncClient, read: PieceRead) -> bool:
     """Reads each entry of ``read`` into its buffer, in GETRANGE pieces.
 
     Returns True when the versions are unchanged after the last piece (the buffers then
@@ -208,7 +215,7 @@ async def read_pieces(client: Any, read: PieceRead) -> bool:
     return read.settled(complete, replies)
 
 
-def read_pieces_direct(client: Any, read: PieceRead) -> bool:
+def read_pieces_direct(client: SyncClient, read: PieceRead) -> bool:
     """:func:`read_pieces` on a blocking ``redis.Redis``, from the calling thread, with no copy.
 
     The same commands, windows and check; but the replies are parsed here, from the
@@ -340,7 +347,7 @@ class _RawReplies:
     """The RESP replies of one blocking connection, read from its socket (bulk strings,
     nulls and errors: what GETRANGE, GET and HGET answer)."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
         self.pos = 0

@@ -32,13 +32,17 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis.exceptions
 
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.keys import StoreKeys
 from tdstore.errors import ServerPermissionError, StaleLayoutError, StoreNotFoundError
+
+if TYPE_CHECKING:
+    from tdstore._backend.connection import Connection
 
 __all__ = [
     "LEASE_AFTER",
@@ -75,7 +79,7 @@ _POLL_DOUBLINGS = 10
 def poll_delay(polls: int, left_ms: int) -> float:
     """A writer's wait (seconds) before its try number ``polls + 1``: doubling from 1 ms, at
     most :data:`_POLL_MAX`, and no longer than the ``left_ms`` of the lease that refused it."""
-    return min(0.001 * 2 ** min(max(polls, 0), _POLL_DOUBLINGS), _POLL_MAX, max(left_ms, 0) / 1000 + 0.001)
+    return min(0.001 * 2.0 ** min(max(polls, 0), _POLL_DOUBLINGS), _POLL_MAX, max(left_ms, 0) / 1000 + 0.001)
 
 _BUSY_RE = re.compile(r"TDS_BUSY\b.*? for (\d+) ms")
 
@@ -95,7 +99,7 @@ class ReadLease:
 
     __slots__ = ("conn", "nbytes", "nonce", "held", "usable")
 
-    def __init__(self, conn: Any, nbytes: Callable[[], int] | None = None) -> None:
+    def __init__(self, conn: Connection, nbytes: Callable[[], int] | None = None) -> None:
         self.conn = conn
         self.nbytes = nbytes
         self.nonce = uuid.uuid4().hex
@@ -142,7 +146,7 @@ def busy_ms(exc: BaseException) -> int | None:
 
 
 async def call_commit(
-    client: Any,
+    client: AsyncClient,
     runner: ScriptRunner,
     key_list: list[str],
     args: list[str],
@@ -184,7 +188,7 @@ async def call_commit(
         busy = None
 
 
-async def leased(client: Any, keys: StoreKeys) -> int | None:
+async def leased(client: AsyncClient, keys: StoreKeys) -> int | None:
     """The ms left on the longest live lease of the store (None when none is), read on
     ``client`` (a WATCHing pipeline in immediate mode, or a client)."""
     leases = await client.hgetall(keys.rl)

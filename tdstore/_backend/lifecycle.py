@@ -7,12 +7,11 @@ the store keys under a prefix.
 
 from __future__ import annotations
 
-from typing import Any
-
 import redis.exceptions
 from redis.crc import key_slot
 
 from tdstore._backend.ops import Layout, _s
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
@@ -37,7 +36,7 @@ def _layout_data_keys(keys: StoreKeys, layout: Layout) -> list[str]:
 CLEAR_GRACE_MS = 60_000
 
 
-async def _registry_data_keys(client: Any, keys: StoreKeys) -> list[str]:
+async def _registry_data_keys(client: AsyncClient, keys: StoreKeys) -> list[str]:
     """The data keys that the (sealed, so frozen) registry names; none where it is damaged
     (the listing finds those keys all the same)."""
     try:
@@ -53,7 +52,7 @@ async def _registry_data_keys(client: Any, keys: StoreKeys) -> list[str]:
 SLOT_LIST_MAX = 100_000
 
 
-async def _listed_keys(client: Any, keys: StoreKeys, cluster_node: bool) -> list[str]:
+async def _listed_keys(client: AsyncClient, keys: StoreKeys, cluster_node: bool) -> list[str]:
     """Every key of the store: on a cluster node, the keys of the store's one slot (its hash
     tag's) with the store's name; else (in a slot of more than :data:`SLOT_LIST_MAX` keys,
     or where the server refuses the CLUSTER commands: an ACL, a managed service) a SCAN of
@@ -72,7 +71,7 @@ async def _listed_keys(client: Any, keys: StoreKeys, cluster_node: bool) -> list
     return [_s(key) or "" async for key in client.scan_iter(match=keys.pattern(), count=1000)]
 
 
-async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_node: bool = False) -> int:
+async def wipe(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, *, cluster_node: bool = False) -> int:
     """Deletes every key of the store whatever its bookkeeping says, in two script steps.
 
     1. The seal (the clear script's "seal" mode) moves the meta field ``lv`` to
@@ -117,7 +116,7 @@ async def wipe(client: Any, keys: StoreKeys, runner: ScriptRunner, *, cluster_no
     return deleted
 
 
-async def expire(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Layout, ttl_ms: int | None) -> int:
+async def expire(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, layout: Layout, ttl_ms: int | None) -> int:
     """Sets (``ttl_ms``) or removes (None) the expiry of every key of the store at ``layout.lv``.
 
     Returns:
@@ -134,7 +133,7 @@ async def expire(client: Any, keys: StoreKeys, runner: ScriptRunner, layout: Lay
     )
 
 
-async def list_stores(client: Any, prefix: str, count: int = 1000) -> list[str]:
+async def list_stores(client: AsyncClient, prefix: str, count: int = 1000) -> list[str]:
     """The td_ids of every store under ``prefix`` (SCAN; no blocking KEYS)."""
     out = []
     async for key in client.scan_iter(match=StoreKeys.meta_pattern(prefix), count=count):

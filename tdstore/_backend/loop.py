@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from tdstore._backend.protocols import AsyncClient
 from tdstore.errors import EventLoopError
 
 __all__ = ["get_loop", "sync", "loop_generation", "backoff", "MAX_RETRIES", "DEFAULT_TIMEOUT"]
@@ -33,7 +34,7 @@ _thread: threading.Thread | None = None
 _generation = 0
 #: The asyncio clients tdstore built on this process's loop (not the ones a user passed in):
 #: disconnected at exit, so that no "unclosed Connection/transport" ResourceWarning is printed
-_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+_CLIENTS: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
 #: Pools of tracked clients that were garbage collected unclosed (a store dropped without
 #: close()): held until their disconnect, scheduled on the IO loop, is done. A connection
 #: left to the garbage collector would close its transport from whatever thread collects
@@ -42,7 +43,7 @@ _CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
 _PENDING: set[Any] = set()
 #: Pools of clients made before a fork(), collected in the child: their sockets are the
 #: parent's, never closed here (not even by garbage collection).
-_INHERITED_POOLS: list[Any] = []
+_INHERITED_POOLS: list[object] = []  # (kept referenced only)
 #: Set once the IO loop was stopped at interpreter exit: nothing is scheduled on a loop after.
 _exiting = False
 
@@ -67,7 +68,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def track(client: Any) -> Any:
+def track(client: AsyncClient) -> AsyncClient:
     """Registers an asyncio client built by tdstore, to disconnect it at interpreter exit; returns it.
 
     A client collected unclosed has its pool disconnected on the IO loop (see :data:`_PENDING`).
@@ -83,7 +84,7 @@ def exiting() -> bool:
     return _exiting
 
 
-async def aclose(client: Any) -> None:
+async def aclose(client: AsyncClient) -> None:
     """Closes a tracked client and disconnects its pool (on the IO loop, the one that owns it).
 
     ``Redis.aclose()`` leaves alone a pool passed in as ``connection_pool=``, which tdstore's
@@ -151,7 +152,7 @@ def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) 
         if task.cancelled():
             future.cancel()
         elif task.exception() is not None:
-            future.set_exception(task.exception())  # type: ignore[arg-type]
+            future.set_exception(task.exception())
         else:
             future.set_result(task.result())
 
@@ -174,7 +175,7 @@ def sync(coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) 
 
 #: Loops inherited through fork(). Never closed nor collected: their epoll instance is
 #: shared with the parent, and closing the loop would unregister the parent's sockets.
-_INHERITED_LOOPS: list[Any] = []
+_INHERITED_LOOPS: list[object] = []  # (kept referenced only)
 
 
 def backoff(attempt: int) -> None:

@@ -33,9 +33,10 @@ from typing import Any
 
 import redis.exceptions
 
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import ZeroBytes, byte_view
+from tdstore._core.layout import Op, ZeroBytes, byte_view
 from tdstore.errors import WouldExceedMaxmemoryError
 
 __all__ = ["GUARD_MIN", "GROWTH_SLACK", "alloc_size", "estimate", "note_setup", "check", "check_ops"]
@@ -70,7 +71,7 @@ def _payload_nbytes(payload: Any) -> int:
     return byte_view(payload).nbytes
 
 
-def estimate(ops: Sequence[Any], *, staged: bool = False, step: int = 16 * 1024 * 1024) -> tuple[int, int]:
+def estimate(ops: Sequence[Op], *, staged: bool = False, step: int = 16 * 1024 * 1024) -> tuple[int, int]:
     """``(bytes written, bytes the server may need at its peak)`` for committing ``ops``.
 
     Every string a "put" or "zero" op creates is counted at its allocator size with
@@ -105,7 +106,7 @@ def _is_zero(payload: Any) -> bool:
     return isinstance(payload, ZeroBytes)
 
 
-def note_setup(client: Any, info_reply: Any) -> None:
+def note_setup(client: AsyncClient, info_reply: Any) -> None:
     """Records what ``INFO memory`` answered when ``client`` set its connection up."""
     if isinstance(info_reply, Exception) or not isinstance(info_reply, dict):
         _NO_INFO.add(client)
@@ -124,7 +125,7 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1024 * 1024):.1f} MiB"
 
 
-def _server(client: Any) -> str:
+def _server(client: AsyncClient) -> str:
     try:
         kw = client.connection_pool.connection_kwargs
     except AttributeError:  # pragma: no cover - every redis.asyncio client has a pool
@@ -135,7 +136,7 @@ def _server(client: Any) -> str:
 
 
 async def check(
-    client: Any, keys: StoreKeys, written: int, needed: int, what: str = "this write", *, via: Any = None
+    client: AsyncClient, keys: StoreKeys, written: int, needed: int, what: str = "this write", *, via: AsyncPipeline | None = None
 ) -> None:
     """Raises :class:`~tdstore.errors.WouldExceedMaxmemoryError` when ``needed`` more bytes
     would take the server past its ``maxmemory``; reads ``INFO memory`` only when ``written``
@@ -181,7 +182,7 @@ async def check(
 
 
 async def check_ops(
-    client: Any, keys: StoreKeys, ops: Sequence[Any], *, staged: bool = False, what: str = "this write", via: Any = None
+    client: AsyncClient, keys: StoreKeys, ops: Sequence[Op], *, staged: bool = False, what: str = "this write", via: AsyncPipeline | None = None
 ) -> None:
     """:func:`check` for committing ``ops`` (see :func:`estimate`); the message names their entries."""
     written, needed = estimate(ops, staged=staged)

@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import redis.exceptions
 
@@ -26,6 +26,7 @@ from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend import step as _step
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.step import _exec, read_snapshot
 from tdstore._backend.translate import translate
@@ -33,6 +34,7 @@ from tdstore._core import chunks as _chunks
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, decode_path, encode_path
 from tdstore._core.layout import (
     SCRIPT_META_FIELDS,
+    Command,
     Layout,
     Op,
     ZeroBytes,
@@ -69,10 +71,10 @@ FORMAT_VERSION = "1"
 TMP_TTL_MS = 600_000
 
 
-async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
+async def fetch_layout(client: AsyncClient, keys: StoreKeys) -> Layout | None:
     """The store's metadata and registry in one snapshot; None if there is no store."""
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         pipe.hgetall(keys.meta)
         pipe.hgetall(keys.reg)
 
@@ -80,16 +82,16 @@ async def fetch_layout(client: Any, keys: StoreKeys) -> Layout | None:
     return parse_layout(meta_raw, reg_raw, keys.base)
 
 
-async def read_layout_version(client: Any, keys: StoreKeys) -> int | None:
+async def read_layout_version(client: AsyncClient, keys: StoreKeys) -> int | None:
     return parse_lv(await client.hget(keys.meta, "lv"), keys.base)
 
 
-async def ttl_ms(client: Any, keys: StoreKeys) -> int:
+async def ttl_ms(client: AsyncClient, keys: StoreKeys) -> int:
     """The store's remaining lifetime in ms (``PTTL`` of its meta hash): -1 none, -2 no store."""
     return int(await client.pttl(keys.meta))
 
 
-async def set_ring_total(client: Any, keys: StoreKeys, runner: ScriptRunner, total: int, capacity: int) -> bool:
+async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, total: int, capacity: int) -> bool:
     """Sets the ring cursor (rows ever appended) to ``total``, in one step (``lua/ring_total.lua``);
     False, with nothing written, when there is no store.
 
@@ -115,24 +117,27 @@ async def set_ring_total(client: Any, keys: StoreKeys, runner: ScriptRunner, tot
 
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import TypedDict, Unpack
+
+    from tdstore._core.chunks import Chunking
 
     class ReadOptions(TypedDict, total=False):
         """The keyword arguments of :func:`read_entries` and :func:`read_entries_direct`."""
 
         large: Mapping[tuple[str, ...], int] | None  # the byte size the caller expects of some entries
-        device: Any  # the store's device (pinned buffers for CUDA)
+        device: torch.device | None  # the store's device (pinned buffers for CUDA)
         under: Layout | None  # read at this layout: its version, not the registry, comes with the bytes
 
 
-def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tuple[dict[tuple[str, ...], int], Any]:
+def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tuple[dict[tuple[str, ...], int], torch.device | None]:
     """The entries among ``paths`` to read in pieces, with their expected sizes; and the device."""
     large = options.get("large") or {}
     return {p: n for p, n in large.items() if n >= _large.READ_MIN and p in paths}, options.get("device")
 
 
 async def read_entries(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False, **options: Unpack[ReadOptions]
+    client: AsyncClient, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None]:
     """Reads entries whole, with their metadata, in one snapshot.
 
@@ -158,7 +163,7 @@ async def read_entries(
     # the bytes if that differs (the entry was re-created meanwhile)
     chunking = _chunking_of(keys, paths, under)
 
-    async def once(big: Mapping[tuple[str, ...], int]) -> Any:
+    async def once(big: Mapping[tuple[str, ...], int]) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
         nonlocal chunking
         for attempt in range(1, _CHUNK_TRIES + 1):
             got = await _read_entries_once(client, _EntriesTry(keys, paths, with_layout, big, device, chunking, under))
@@ -183,7 +188,7 @@ async def read_entries(
 
 
 def read_entries_direct(
-    client: Any, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = True, **options: Unpack[ReadOptions]
+    client: SyncClient, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = True, **options: Unpack[ReadOptions]
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
     """One try of :func:`read_entries` on a blocking ``redis.Redis`` (see ``Connection.read``):
     the same MULTI, without the hop to the IO loop, and large entries received straight into
@@ -204,7 +209,7 @@ def read_entries_direct(
     return None if isinstance(got, dict) else got
 
 
-def _chunking_of(keys: StoreKeys, paths: Sequence[tuple[str, ...]], under: Layout | None) -> dict[tuple[str, ...], Any]:
+def _chunking_of(keys: StoreKeys, paths: Sequence[tuple[str, ...]], under: Layout | None) -> dict[tuple[str, ...], Chunking | None]:
     """The chunking each entry is read with: ``under``'s when given (its version is the one
     checked), else the handle's cached layout's (``keys.chunks``)."""
     if under is not None:
@@ -227,6 +232,10 @@ class _Pieces:
     result: tuple[int | None, list[Any], list[Any], Layout | None]
 
 
+#: What one try of :func:`read_entries` gives (see :meth:`_EntriesTry.parse`).
+_EntriesResult: TypeAlias = "tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None"
+
+
 @dataclass
 class _EntriesTry:
     """One try of :func:`read_entries`, with each entry's chunking given: its snapshot
@@ -237,8 +246,8 @@ class _EntriesTry:
     paths: Sequence[tuple[str, ...]]
     with_layout: bool
     big: Mapping[tuple[str, ...], int]
-    device: Any
-    chunking: dict[tuple[str, ...], Any]
+    device: torch.device | None
+    chunking: dict[tuple[str, ...], Chunking | None]
     #: read at this layout (see read_entries): the registry is not read
     under: Layout | None = None
     entry_keys: list[list[str]] = field(init=False)
@@ -246,21 +255,21 @@ class _EntriesTry:
     def __post_init__(self) -> None:
         self.entry_keys = [self.keys.entry_keys(p, self.chunking[p]) for p in self.paths]
 
-    def step(self) -> Any:
+    def step(self) -> _step.ReadStep[_EntriesResult]:
         """The snapshot as a :class:`~tdstore._backend.step.ReadStep` for either driver."""
         return _step.ReadStep("snapshot", self.parse, self.commands())
 
-    def build(self, pipe: Any) -> None:
+    def build(self, pipe: AsyncPipeline) -> None:
         """Queues the snapshot's commands (:meth:`commands`) on a pipeline."""
         for command in self.commands():
             pipe.execute_command(*command)
 
-    def commands(self) -> list[tuple[Any, ...]]:
+    def commands(self) -> list[Command]:
         """The snapshot's commands: the metadata, one MGET of the strings read whole (one
         command costs the server a fifth to a third less than a GET per string), a STRLEN
         per string read in pieces."""
         keys, paths, with_layout, big, entry_keys = self.keys, self.paths, self.with_layout, self.big, self.entry_keys
-        out: list[tuple[Any, ...]] = []
+        out: list[Command] = []
         if with_layout:
             out += [("HGETALL", keys.meta), ("HGETALL", keys.reg), ("GET", keys.wv)]
         else:
@@ -290,7 +299,7 @@ class _EntriesTry:
         ]
 
 
-    def parse(self, replies: list[Any]) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None:
+    def parse(self, replies: list[Any]) -> _EntriesResult:
         """The result from the snapshot's replies: a :class:`_Pieces` when large entries are
         still to be read, the chunking read from the server when it differs, None when a large
         entry is not the one expected."""
@@ -358,7 +367,7 @@ def _hash(reply: Any) -> Any:
 
 
 async def _read_entries_once(
-    client: Any, attempt: _EntriesTry
+    client: AsyncClient, attempt: _EntriesTry
 ) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
     """One try of :func:`read_entries`: None when a large entry changed meanwhile; the
     chunking read from the server when it differs."""
@@ -378,7 +387,7 @@ READ_ALL_MAX_BYTES = 64 * 2**20
 
 
 async def read_all(
-    client: Any, keys: StoreKeys, runner: ScriptRunner, max_bytes: int | None = None
+    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, max_bytes: int | None = None
 ) -> tuple[Layout | None, dict[tuple[str, ...], Any] | None]:
     """The layout and the bytes of every entry kept as one string, in one step (the
     ``read_all`` script): what a whole-store read falls back to when writers keep changing
@@ -550,7 +559,7 @@ def commit_args(
 
 
 async def commit(
-    client: Any, keys: StoreKeys, runner: ScriptRunner, ops: Sequence[Op], **options: Unpack[CommitOptions]
+    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, ops: Sequence[Op], **options: Unpack[CommitOptions]
 ) -> int:
     """Applies ``ops`` in one atomic step; returns the new layout version.
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tdstore._backend.protocols import SyncClient
+
 __all__ = ["ServerFacts", "probe_server", "DOCTOR_CONFIG"]
 
 #: the CONFIG GET names tdstore doctor judges
@@ -61,7 +63,7 @@ def probe_server(
         client.close()
 
 
-def _probe(client: Any, pings: int, config: Sequence[str]) -> ServerFacts:
+def _probe(client: SyncClient, pings: int, config: Sequence[str]) -> ServerFacts:
     import redis.exceptions
 
     facts = ServerFacts()
@@ -88,7 +90,7 @@ def _probe(client: Any, pings: int, config: Sequence[str]) -> ServerFacts:
     return facts
 
 
-def _config(client: Any, name: str) -> str | None:
+def _config(client: SyncClient, name: str) -> str | None:
     """``CONFIG GET name``, or None when the server refuses CONFIG or does not know ``name``."""
     import redis.exceptions
 

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from tdstore._backend.ops import _raise_first_error
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.step import ReadStep, run_async
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import parse_lv
+from tdstore._core.layout import Command, parse_lv
 
 __all__ = ["runs_step", "read_runs", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
 
@@ -65,7 +66,7 @@ def runs_step(
         # Lua would copy the bytes (READ_ONE_MAX: all non-empty runs); the version is read
         # after them instead, and it only grows, so if it is the planned one no layout
         # change came before
-        commands = [("GETRANGE", data_key, offset, last), ("STRLEN", data_key), ("HGET", keys.meta, "lv")]
+        commands: list[Command] = [("GETRANGE", data_key, offset, last), ("STRLEN", data_key), ("HGET", keys.meta, "lv")]
         return ReadStep("packet", parse_one, commands)
     recipe = _read_recipe(keys, plans, gathers)
 
@@ -77,7 +78,7 @@ def runs_step(
 
 
 async def read_runs(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
@@ -135,7 +136,7 @@ def _split_checked(
 
 def _single_run(
     keys: StoreKeys,
-    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]], gathers: Sequence[Any]
+    plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]], gathers: Sequence[tuple[int, str] | None]
 ) -> tuple[int, str, int, int, bool] | None:
     """``(plan index, data key, first byte, last byte, small)`` when the plans read one run, else None."""
     which = -1
@@ -222,9 +223,9 @@ def _read_recipe(
     return out
 
 
-def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> list[tuple[Any, ...]]:
+def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> list[Command]:
     """The snapshot's commands: the layout version, then the runs' GETRANGEs and gathers."""
-    out: list[tuple[Any, ...]] = [("HGET", keys.meta, "lv")]
+    out: list[Command] = [("HGET", keys.meta, "lv")]
     for _, commands, _ in recipe:
         for command in commands:
             if command[0] == "gather":

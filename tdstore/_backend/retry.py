@@ -116,7 +116,7 @@ DEFAULT_RETRY = RetryPolicy()
 NO_RETRY = RetryPolicy(attempts=1)
 
 
-def resolve_policy(retry: Any) -> RetryPolicy:
+def resolve_policy(retry: RetryPolicy | int | bool | None) -> RetryPolicy:
     """``retry=`` of a store: a RetryPolicy, an int (attempts), False/0 (no retry) or None (default)."""
     if retry is None:
         return RetryPolicy.from_env()

@@ -10,7 +10,7 @@ guarded MULTI is :mod:`tdstore._backend.armed_write`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import redis.exceptions
 
@@ -19,19 +19,22 @@ from tdstore._backend import lease as _lease
 from tdstore._backend import memory as _memory
 from tdstore._backend import wire as _wire
 from tdstore._backend.ops import _nbytes, _raise_first_error
+from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, encode_path
 from tdstore._core.layout import _s, counter_damage, data_key_commands, data_key_damage, parse_entry
 
 if TYPE_CHECKING:
+    from redis.asyncio.connection import AbstractConnection
+
     from tdstore._backend.ops import Op
 
 __all__ = ["MULTI_MIN_RUN", "choose_write", "write_runs", "write_runs_watched"]
 
 
 async def write_runs(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]],
@@ -79,7 +82,7 @@ def _large_runs(runs: Sequence[tuple[int, int]]) -> bool:
 
 
 async def write_runs_watched(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]],
@@ -127,7 +130,8 @@ async def write_runs_watched(
         # (or write_runs' check) of a damaged write version, or a SETRANGE into a key of
         # another type, would be refused after writes a server does not roll back
         meta, wv_raw, *checks = await _wire.exchange(
-            pipe.connection, [("HMGET", keys.meta, "lv", "lock", "exp", "ne"), ("GET", keys.wv), *data_key_commands(data_keys)]
+            cast("AbstractConnection", pipe.connection),  # (watch() took one; the pipeline holds it)
+            [("HMGET", keys.meta, "lv", "lock", "exp", "ne"), ("GET", keys.wv), *data_key_commands(data_keys)]
         )
         if isinstance(meta, Exception):
             raise meta

@@ -20,14 +20,16 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 import redis.exceptions
 
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._backend.translate import translate
+from tdstore._core.layout import Arg
 
 __all__ = ["Script", "ScriptHeader", "get_script", "script_names", "ScriptRunner", "parse_header"]
 
@@ -122,7 +124,7 @@ def get_script(name: str) -> Script:
     return script
 
 
-async def probe_shebang(client: Any) -> bool:
+async def probe_shebang(client: AsyncClient) -> bool:
     """Whether the server accepts a ``#!lua`` first line (script flags: Redis 7+, Valkey)."""
     # EVAL, not SCRIPT LOAD: fakeredis stores any text at LOAD and fails only when it runs
     try:
@@ -140,12 +142,12 @@ class ScriptRunner:
     def sha(self, name: str) -> str:
         return get_script(name).sha(self.shebang)
 
-    async def load_all(self, client: Any) -> None:
+    async def load_all(self, client: AsyncClient) -> None:
         """Loads every script, so that EVALSHA inside a MULTI finds them."""
         for name in script_names():
             await client.script_load(get_script(name).text(self.shebang))
 
-    async def call(self, client: Any, name: str, keys: list[Any], args: list[Any]) -> Any:
+    async def call(self, client: AsyncClient, name: str, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         """EVALSHA ``name``; loads the script and retries once on NOSCRIPT.
 
         Raises:
@@ -165,7 +167,7 @@ class ScriptRunner:
                 raise
             raise exc from err
 
-    def queue(self, pipe: Any, name: str, keys: list[Any], args: list[Any]) -> None:
+    def queue(self, pipe: AsyncPipeline, name: str, keys: Sequence[str], args: Sequence[Arg]) -> None:
         """Adds an EVALSHA of ``name`` to a pipeline or transaction.
 
         Send it with :meth:`run_pipeline`, or call :meth:`ensure_loaded` first: a server that
@@ -173,7 +175,7 @@ class ScriptRunner:
         """
         pipe.evalsha(self.sha(name), len(keys), *keys, *args)
 
-    async def ensure_loaded(self, client: Any, *names: str) -> None:
+    async def ensure_loaded(self, client: AsyncClient, *names: str) -> None:
         """Loads the scripts ``names`` the server does not hold (SCRIPT EXISTS, then SCRIPT LOAD).
 
         For a MULTI that must not fail with NOSCRIPT at EXEC (its other commands would have
@@ -187,7 +189,7 @@ class ScriptRunner:
 
     async def run_pipeline(
         self,
-        client: Any,
+        client: AsyncClient,
         send: Callable[[], Awaitable[list[Any]]],
         undo: Callable[[list[Any]], Awaitable[Any]] | None = None,
     ) -> list[Any]:

@@ -18,9 +18,11 @@ from typing import Any, Generic, Literal, TypeVar
 import redis.exceptions
 
 from tdstore._backend.blocking import exchange, transaction
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import Arg, Command
 
 __all__ = ["ReadStep", "run_async", "run_blocking", "read_snapshot"]
 
@@ -43,11 +45,11 @@ class ReadStep(Generic[T]):
 
     how: Literal["script", "packet", "snapshot"]
     parse: Callable[[list[Any]], T]
-    commands: Sequence[tuple[Any, ...]] = ()
-    script: tuple[str, list[Any], list[Any]] | None = None
+    commands: Sequence[Command] = ()
+    script: tuple[str, list[str], list[Arg]] | None = None
 
 
-async def _exec(pipe: Any) -> list[Any]:
+async def _exec(pipe: AsyncPipeline) -> list[Any]:
     try:
         return await pipe.execute(raise_on_error=False)
     except redis.exceptions.ResponseError as err:
@@ -57,7 +59,7 @@ async def _exec(pipe: Any) -> list[Any]:
         raise exc from err
 
 
-async def read_snapshot(client: Any, keys: StoreKeys, build: Any) -> list[Any]:
+async def read_snapshot(client: AsyncClient, keys: StoreKeys, build: Callable[[AsyncPipeline], None]) -> list[Any]:
     """Runs the read commands that ``build(pipe)`` queues as one consistent snapshot.
 
     Normally one MULTI/EXEC. A server over its ``maxmemory`` refuses to queue any command
@@ -87,7 +89,7 @@ async def read_snapshot(client: Any, keys: StoreKeys, build: Any) -> list[Any]:
     raise StaleLayoutError(f"the store at {keys.base} kept changing during a read")
 
 
-async def run_async(client: Any, keys: StoreKeys, runner: ScriptRunner | None, step: ReadStep[T]) -> T:
+async def run_async(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner | None, step: ReadStep[T]) -> T:
     """``step`` on an asyncio client: a script reloaded and called again after NOSCRIPT, a
     snapshot's scripts too (``runner.run_pipeline``; ``runner`` None for a snapshot that calls
     no script)."""
@@ -101,7 +103,7 @@ async def run_async(client: Any, keys: StoreKeys, runner: ScriptRunner | None, s
                 pipe.execute_command(*command)
             return step.parse(await _exec(pipe))
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         for command in step.commands:
             pipe.execute_command(*command)
 
@@ -111,7 +113,7 @@ async def run_async(client: Any, keys: StoreKeys, runner: ScriptRunner | None, s
     return step.parse(await runner.run_pipeline(client, lambda: read_snapshot(client, keys, build)))
 
 
-def run_blocking(client: Any, runner: ScriptRunner | None, step: ReadStep[T]) -> T:
+def run_blocking(client: SyncClient, runner: ScriptRunner | None, step: ReadStep[T]) -> T:
     """``step`` on a blocking client, from the calling thread. Anything unusual (a script the
     server forgot, a MULTI refused) raises: the caller then sends the step through
     :func:`run_async`, which deals with it."""

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tdstore._backend import lease as _lease
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend.ops import Layout, Op, ZeroBytes, byte_view, parse_layout
+from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core import progress as _progress
@@ -51,12 +52,19 @@ STAGED_TRIES = 3
 STALE = object()
 
 
-def _choice(store: Any) -> bool | None:
+class _Handle(Protocol):
+    """A store handle as the bars read it: its connection, whose ``progress`` is ``progress=``."""
+
+    @property
+    def _conn(self) -> object: ...
+
+
+def _choice(store: _Handle) -> bool | None:
     """The store's ``progress=`` (None when not given), shared by its nested handles."""
     return getattr(store._conn, "progress", None)
 
 
-def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> Progress | None:
+def upload_bar(store: _Handle, ops: Sequence[Op], progress: bool | None = None) -> Progress | None:
     """The bar of a commit of ``ops`` (None: this one shows none); ``progress``: the call's choice."""
     choice = _progress.enabled(progress, _choice(store))
     if choice is False:
@@ -76,7 +84,7 @@ def upload_bar(store: Any, ops: Sequence[Op], progress: bool | None = None) -> P
 
 
 def download_bar(
-    store: Any, leaves: Sequence[tuple[tuple[str, ...], Entry]], progress: bool | None = None
+    store: _Handle, leaves: Sequence[tuple[tuple[str, ...], Entry]], progress: bool | None = None
 ) -> tuple[Progress | None, list[int | None]]:
     """The bar of a read of ``leaves`` (path, metadata), and each leaf's byte size where known."""
     choice = _progress.enabled(progress, _choice(store))
@@ -92,7 +100,7 @@ def leaf_sizes(leaves: Sequence[tuple[tuple[str, ...], Entry]]) -> list[int | No
 
 
 async def commit(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     ops: Sequence[Op],
@@ -145,7 +153,7 @@ class _Silent:
         pass
 
 
-async def grow_zeros(client: Any, tmp: str, n: int, on_step: Any) -> None:
+async def grow_zeros(client: AsyncClient, tmp: str, n: int, on_step: Any) -> None:
     """Creates the tmp key ``tmp`` holding ``n`` zero bytes, :data:`ZERO_CHUNK` bytes per
     server step; ``on_step(nbytes)`` after each step."""
     await client.set(tmp, b"", px=_backend.TMP_TTL_MS)
@@ -158,7 +166,7 @@ async def grow_zeros(client: Any, tmp: str, n: int, on_step: Any) -> None:
 
 
 async def commit_staged(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     runner: ScriptRunner,
     ops: Sequence[Op],
@@ -240,7 +248,7 @@ def _raise_first(replies: list[Any]) -> None:
 
 
 async def read_staged(
-    client: Any,
+    client: AsyncClient,
     keys: StoreKeys,
     expected_lv: int,
     paths: Sequence[tuple[str, ...]],
@@ -258,7 +266,7 @@ async def read_staged(
         between.
     """
 
-    def build(pipe: Any) -> None:
+    def build(pipe: AsyncPipeline) -> None:
         pipe.hgetall(keys.meta)
         pipe.hgetall(keys.reg)
         pipe.get(keys.wv)
@@ -342,7 +350,7 @@ async def read_staged(
     if not await flush():
         return STALE
 
-    def check(pipe: Any) -> None:
+    def check(pipe: AsyncPipeline) -> None:
         pipe.get(keys.wv)
         pipe.hget(keys.meta, "lv")
 

@@ -24,12 +24,13 @@ import re
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
 
 from tdstore._backend import credentials as _credentials
 from tdstore._backend import loop as _io
+from tdstore._backend.protocols import AsyncClient, SyncClient
 from tdstore.errors import (
     LUA_ERRORS,
     CorruptMetadataError,
@@ -42,6 +43,9 @@ from tdstore.errors import (
     translate_response_error,
 )
 
+if TYPE_CHECKING:
+    from tdstore._backend.connection import Connection
+
 __all__ = ["Rule", "RetryRule", "RULES", "RETRY_RULES", "translate", "retry_class", "rule_for", "is_tls_failure"]
 
 
@@ -49,7 +53,7 @@ __all__ = ["Rule", "RetryRule", "RULES", "RETRY_RULES", "translate", "retry_clas
 class Context:
     """What a message needs: the store's connection, the client the call ran on, the call's timeout."""
 
-    conn: Any
+    conn: Any  # (the rules that read it apply only where it is given)
     client: Any = None
     limit: float | None = None
 
@@ -90,8 +94,8 @@ def _out_of_memory(err: BaseException, ctx: Context) -> BaseException:
     )
 
 
-def _maxmemory(conn: Any) -> str:
-    async def read(client: Any) -> Any:
+def _maxmemory(conn: Connection) -> str:
+    async def read(client: AsyncClient) -> Any:
         return await client.config_get("maxmemory")
 
     try:
@@ -105,7 +109,7 @@ def _maxmemory(conn: Any) -> str:
 def _over_maxmemory(err: BaseException, ctx: Context) -> bool:
     """Whether the server is at its maxmemory (why it refused to queue a MULTI's commands)."""
 
-    async def read(c: Any) -> Any:
+    async def read(c: AsyncClient) -> Any:
         return await c.info("memory")
 
     try:
@@ -261,7 +265,7 @@ def rule_for(err: BaseException, ctx: Context | None = None, *, stage: str = "ru
 
 
 def translate(
-    err: BaseException, conn: Any = None, *, client: Any = None, limit: float | None = None, stage: str = "run"
+    err: BaseException, conn: Connection | None = None, *, client: AsyncClient | SyncClient | None = None, limit: float | None = None, stage: str = "run"
 ) -> BaseException:
     """The exception to raise for ``err``: ``err`` itself when no row of :data:`RULES` applies.
 

@@ -27,12 +27,16 @@ import functools
 import select
 import socket
 import types
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
 import redis.asyncio.connection
 import redis.connection
 import redis.exceptions
+
+from tdstore._backend.protocols import AsyncConnection, SyncConnection
+from tdstore._core.layout import Command
 
 _HiredisParser: Any
 NOT_ENOUGH_DATA: Any
@@ -95,7 +99,7 @@ def streamable() -> bool:
     return not any(part in ASYNC_PARTS for part in MISSING)
 
 
-def socket_of(connection: Any) -> Any:
+def socket_of(connection: object) -> Any:
     """The socket of a blocking connection of redis-py's, or None (not connected)."""
     return getattr(connection, "_sock", None)
 
@@ -105,7 +109,7 @@ def socket_of(connection: Any) -> Any:
 # --------------------------------------------------------------------------- #
 
 
-async def exchange(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+async def exchange(connection: AsyncConnection, commands: Sequence[Command]) -> list[Any]:
     """Sends ``commands`` in one packet and reads their replies; an error reply is returned in
     place. Any other failure (a timeout, a broken connection) disconnects the connection, so
     that no reply of this packet is read as another command's."""
@@ -139,15 +143,17 @@ def _bulk_str(arg: str) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-def packed(commands: list[tuple[Any, ...]]) -> list[Any]:
+def packed(commands: Sequence[Command]) -> list[bytes | memoryview]:
     """The RESP encoding of ``commands``: ``bytes`` pieces, with every large buffer argument
     in between as itself, to be sent from its own memory.
 
     (redis-py's blocking connections, with hiredis installed, copy a ``memoryview`` argument
     into ``bytes`` and then into the packed command: two copies of the payload.)
     """
-    out: list[Any] = []
+    out: list[bytes | memoryview] = []
     head = bytearray()
+    # (an Arg, told apart by its exact type below, which mypy does not follow from ``kind``)
+    arg: Any
     for command in commands:
         head += b"*%d\r\n" % len(command)
         for arg in command:
@@ -183,7 +189,7 @@ _IOV_BATCH = 512
 _GATHER = hasattr(socket.socket, "sendmsg")
 
 
-def _send_gathered(sock: Any, pieces: list[Any]) -> None:
+def _send_gathered(sock: Any, pieces: Sequence[bytes | memoryview]) -> None:
     """``sendall`` of ``pieces`` back to back, with one ``sendmsg`` system call per batch of
     buffers instead of one call each: the server then finds a packet's commands together
     (one read, not one wake-up per piece), and the client makes fewer system calls."""
@@ -202,7 +208,7 @@ def _send_gathered(sock: Any, pieces: list[Any]) -> None:
             break
 
 
-def send_sync(connection: Any, pieces: list[Any]) -> None:
+def send_sync(connection: SyncConnection, pieces: Sequence[bytes | memoryview]) -> None:
     """Writes ``pieces`` to the connection's socket, never reconnecting.
 
     (redis-py's ``send_packed_command`` reconnects a connection found disconnected, e.g. by
@@ -225,7 +231,7 @@ def send_sync(connection: Any, pieces: list[Any]) -> None:
         raise redis.exceptions.ConnectionError(f"error while writing to socket: {err}") from err
 
 
-def exchange_sync(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+def exchange_sync(connection: SyncConnection, commands: Sequence[Command]) -> list[Any]:
     """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place."""
     send_sync(connection, packed(commands))
     reader = _hiredis_reader(connection)
@@ -240,7 +246,7 @@ def exchange_sync(connection: Any, commands: list[tuple[Any, ...]]) -> list[Any]
     return out
 
 
-def _hiredis_reader(connection: Any) -> Any:
+def _hiredis_reader(connection: object) -> Any:
     """The hiredis reader of a connection of redis-py's (None for another parser: replies are
     then read one by one through ``read_response``)."""
     parser = getattr(connection, "_parser", None)
@@ -274,7 +280,7 @@ def _read_replies(parser: Any, reader: Any, count: int) -> list[Any]:
     return out
 
 
-def alive(connection: Any) -> bool:
+def alive(connection: object) -> bool:
     """A parked connection still usable: connected, with nothing to read (a server that
     closed it, on restart or idle timeout, leaves it readable at end of file)."""
     sock = socket_of(connection)
@@ -287,7 +293,7 @@ def alive(connection: Any) -> bool:
     return not readable
 
 
-def connected(connection: Any) -> bool:
+def connected(connection: object) -> bool:
     """Whether a blocking connection has its socket (redis-py 6 has no ``is_connected``)."""
     return socket_of(connection) is not None
 
@@ -344,7 +350,7 @@ async def _send_streamed(self: Any, command: Any, check_health: bool = True, *, 
         raise
 
 
-def streamed_sends(conn: Any, min_bytes: int, piece: int) -> bool:
+def streamed_sends(conn: AsyncConnection, min_bytes: int, piece: int) -> bool:
     """Makes the asyncio connection ``conn`` send every memoryview argument of at least
     ``min_bytes`` in slices of ``piece`` bytes (until :func:`unstreamed`); False, changing
     nothing, when it cannot (redis-py lacks the parts, or ``conn`` is not one of its own
@@ -352,10 +358,10 @@ def streamed_sends(conn: Any, min_bytes: int, piece: int) -> bool:
     if not streamable() or not hasattr(conn, "_writer") or "send_packed_command" in vars(conn):
         return False
     send = functools.partial(_send_streamed, min_bytes=min_bytes, piece=piece)
-    conn.send_packed_command = types.MethodType(send, conn)
+    conn.send_packed_command = types.MethodType(send, conn)  # type: ignore[method-assign]  # (this instance only)
     return True
 
 
-def unstreamed(conn: Any) -> None:
+def unstreamed(conn: object) -> None:
     """Undoes :func:`streamed_sends`."""
     vars(conn).pop("send_packed_command", None)

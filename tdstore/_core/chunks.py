@@ -151,7 +151,7 @@ def pieces(chunking: Chunking, offset: int, length: int) -> Iterator[tuple[int, 
 # ``path`` and their bytes back to back. These map them onto the entry's keys.
 
 
-def _chunking(keys: StoreKeys, path: tuple[str, ...], extra: Mapping[tuple[str, ...], Any] | None) -> Any:
+def _chunking(keys: StoreKeys, path: tuple[str, ...], extra: Mapping[tuple[str, ...], Chunking | None] | None) -> Chunking | None:
     """The chunking of the entry at ``path``: from ``extra`` (entries created in the same
     step) or from the layout last cached."""
     if extra and path in extra:
@@ -160,7 +160,7 @@ def _chunking(keys: StoreKeys, path: tuple[str, ...], extra: Mapping[tuple[str, 
 
 
 def key_groups(
-    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
+    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Chunking | None] | None = None
 ) -> list[tuple[str, list[tuple[int, int]], Any]]:
     """``(key, runs, payload)`` groups of ``(path, runs, payload)`` groups: a chunked entry's
     runs split into the pieces each chunk holds (a group per stretch of pieces in one chunk).
@@ -188,7 +188,7 @@ def key_groups(
 
 
 def write_pieces(
-    keys: StoreKeys, path: tuple[str, ...], runs: Sequence[tuple[int, int]], payload: Any, chunking: Any = None
+    keys: StoreKeys, path: tuple[str, ...], runs: Sequence[tuple[int, int]], payload: Any, chunking: Chunking | None = None
 ) -> Iterator[tuple[int, int, Any]]:
     """``(chunk, offset in the chunk, bytes)`` of the runs of a chunked entry (``payload``: their bytes back to back)."""
     chunking = chunking if chunking is not None else keys.chunks[path]
@@ -201,7 +201,7 @@ def write_pieces(
 
 
 def setrange_commands(
-    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None
+    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Chunking | None] | None = None
 ) -> Iterator[tuple[str, int, Any]]:
     """``(key, offset, bytes)`` of one SETRANGE per run (per piece of a run, in a chunked entry)."""
     for path, runs, payload in groups:
@@ -218,7 +218,7 @@ def setrange_commands(
                 yield keys.chunk(path, k), offset, data
 
 
-def written_keys(keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Any] | None = None) -> set[str]:
+def written_keys(keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Chunking | None] | None = None) -> set[str]:
     """The keys the runs of ``groups`` write to."""
     out: set[str] = set()
     for path, runs, _ in groups:

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tdstore.errors import KeyTypeError  # defined there with the other errors; importable here too
+
+if TYPE_CHECKING:
+    from tdstore._core.chunks import Chunking
 
 #: The largest ring cursor (rows ever reserved) tdstore accepts: lua/reserve.lua and
 #: lua/ring_total.lua do their arithmetic in doubles, exact up to 2**53 only (a cursor of
@@ -133,7 +136,7 @@ class StoreKeys:
         self.appends = f"{self.base}:ac"
         #: the chunking of each chunked entry of the layout last cached (see tdstore._core.chunks);
         #: replaced as a whole with every new layout
-        self.chunks: dict[tuple[str, ...], Any] = {}
+        self.chunks: dict[tuple[str, ...], Chunking] = {}
 
     def data(self, path: tuple[str, ...]) -> str:
         """The one string of an entry that is not chunked."""
@@ -149,7 +152,7 @@ class StoreKeys:
         """The key of chunk ``k`` of a chunked entry."""
         return f"{self.base}:c:{k}:{encode_path(path)}"
 
-    def entry_keys(self, path: tuple[str, ...], chunking: Any) -> list[str]:
+    def entry_keys(self, path: tuple[str, ...], chunking: Chunking | None) -> list[str]:
         """Every string holding the bytes of the entry at ``path``: its chunks in order, or its one key.
 
         ``chunking``: the entry's :class:`~tdstore._core.chunks.Chunking`, or None for one string

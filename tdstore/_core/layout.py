@@ -18,7 +18,7 @@ from tdstore._core.keys import decode_path
 from tdstore.errors import CorruptMetadataError
 
 __all__ = [
-    "Entry", "Kind", "KINDS", "Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry",
+    "Arg", "Command", "Entry", "Kind", "KINDS", "Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry",
     "is_dims", "is_names", "MAX_DIMS", "MAX_DIM", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS", "DTYPE_ITEMSIZE", "Op", "ZeroBytes", "byte_view",
 ]
 
@@ -26,6 +26,11 @@ __all__ = [
 #: tensor leaf and non-tensor leaf of a lazy store (whose nested nodes are "td" too).
 Kind = Literal["t", "nt", "td", "lt", "lnt"]
 KINDS: tuple[Kind, ...] = ("t", "nt", "td", "lt", "lnt")
+
+#: One argument of a command as tdstore sends it (redis-py sends an int or float as its text).
+Arg = str | bytes | memoryview | int | float
+#: One command: its name and arguments, as ``execute_command(*command)`` takes them.
+Command = tuple[Arg, ...]
 
 #: The most dims a shape or batch size read from the server may have.
 MAX_DIMS = 64
@@ -386,7 +391,7 @@ def counter_damage(raw: Any, key: str, what: str = "the write version") -> Corru
     return CorruptMetadataError(f"{what} {key} holds {shown!r:.100}, not a counter")
 
 
-def data_key_commands(data_keys: list[str]) -> list[tuple[Any, ...]]:
+def data_key_commands(data_keys: list[str]) -> list[Command]:
     """The reads that check the data keys a MULTI is about to SETRANGE, sent before it (in the
     packet of its WATCH): a STRLEN per key (an error reply for a key of another type) and one
     EXISTS of them all. A MULTI is not rolled back: a SETRANGE refused at a key of another type

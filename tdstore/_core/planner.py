@@ -60,7 +60,7 @@ class WritePlanner:
     """Turns whole-entry writes into commit ops against one layout snapshot."""
 
     def __init__(
-        self, layout: Layout, *, inplace: bool, where: str, pickle_policy: Any, check_entry_size: Callable[..., None],
+        self, layout: Layout, *, inplace: bool, where: str, pickle_policy: _codec.PicklePolicy, check_entry_size: Callable[..., None],
     ) -> None:
         """``where``: the store, as errors name it; ``pickle_policy``: what non-tensor values may
         be pickled (``tdstore._core.codec``); ``check_entry_size(path, nbytes, where, chunk=)``

@@ -149,7 +149,7 @@ def to_device(tensor: torch.Tensor, device: torch.device, path: tuple[str, ...],
         ) from err
 
 
-def decode_stored_non_tensor(meta: Entry, payload: Any, policy: Any, path: Any, where: str) -> Any:
+def decode_stored_non_tensor(meta: Entry, payload: Any, policy: _codec.PicklePolicy | None, path: object, where: str) -> Any:
     """The value a non-tensor entry holds, read to be updated in place: its bytes gone raise
     :class:`~tdstore.errors.DataLostError`, bytes that do not decode
     :class:`~tdstore.errors.CorruptMetadataError` (an UnsafePayloadError as it is)."""

@@ -15,12 +15,16 @@ end, also after an error.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from tdstore.cli.commands import ConnOptions
 
 __all__ = ["run_bench", "BENCH_PREFIX"]
 
@@ -54,7 +58,7 @@ def _server_cpu_s(info: dict[str, Any]) -> float:
 class _Raw:
     """Plain redis.asyncio calls on tdstore's IO loop (one client, created on that loop)."""
 
-    def __init__(self, opts: Any) -> None:
+    def __init__(self, opts: ConnOptions) -> None:
         from tdstore._backend import loop as _io
 
         self._io = _io
@@ -79,7 +83,7 @@ class _Raw:
             self.run(close)
 
 
-def _cases(opts: Any, args: Any, raw: _Raw, stores: list[Any], keys: list[str]) -> list[dict[str, Any]]:
+def _cases(opts: ConnOptions, args: argparse.Namespace, raw: _Raw, stores: list[Any], keys: list[str]) -> list[dict[str, Any]]:
     import torch
     from tensordict import TensorDict
 
@@ -240,7 +244,7 @@ def _server_version(info: dict[str, Any]) -> str:
     return f"redis {info.get('redis_version', '?')}"
 
 
-def run_bench(opts: Any, args: Any, out: TextIO) -> int:
+def run_bench(opts: ConnOptions, args: argparse.Namespace, out: TextIO) -> int:
     """Runs ``tdstore bench``; returns 0."""
     from tdstore.errors import CliError
 

@@ -271,7 +271,7 @@ def conn_options(args: argparse.Namespace, environ: dict[str, str] | None = None
 
 
 # --------------------------------------------------------------------------- entry point
-def _emit_json(doc: Any, out: TextIO) -> None:
+def _emit_json(doc: object, out: TextIO) -> None:
     json.dump(doc, out, indent=2, sort_keys=False)
     out.write("\n")
 

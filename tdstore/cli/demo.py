@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tensordict import TensorDict
@@ -157,7 +157,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run_demo(server: str = "auto", seconds: float = 3.0, actors: int = 2, out: Any = None) -> int:
+def run_demo(server: str = "auto", seconds: float = 3.0, actors: int = 2, out: TextIO | None = None) -> int:
     """Runs the demo; returns 0 when no violation was seen, 1 otherwise."""
 
     def say(text: str = "") -> None:

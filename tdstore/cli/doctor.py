@@ -23,8 +23,12 @@ else 0. ``--json`` prints one document with every item.
 
 from __future__ import annotations
 
+import argparse
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from tdstore.cli.commands import ConnOptions
 
 __all__ = ["run_doctor", "diagnose", "format_doctor"]
 
@@ -47,18 +51,18 @@ def _mb(n: int | None) -> str:
     return f"{n} bytes"
 
 
-def _item(name: str, status: str, value: Any, detail: str, fix: str | None = None) -> dict[str, Any]:
+def _item(name: str, status: str, value: object, detail: str, fix: str | None = None) -> dict[str, Any]:
     return {"name": name, "status": status, "value": value, "detail": detail, "fix": fix}
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     try:
         return int(str(value))
     except (TypeError, ValueError):
         return None
 
 
-def _largest_entry(opts: Any) -> tuple[int, str | None, int]:
+def _largest_entry(opts: ConnOptions) -> tuple[int, str | None, int]:
     """``(bytes, "td_id key", number of stores)`` of the largest entry of the stores on the server."""
     from tdstore.cli.stores import list_store_infos, store_info
 
@@ -93,7 +97,7 @@ def _limit_item(name: str, limit: int | None, largest: int, where: str | None, n
     return _item(name, "ok", limit, f"{_mb(limit)} ({against})")
 
 
-def diagnose(opts: Any, *, pings: int = PINGS) -> list[dict[str, Any]]:
+def diagnose(opts: ConnOptions, *, pings: int = PINGS) -> list[dict[str, Any]]:
     """Every item of ``tdstore doctor`` for the server of ``opts`` (a :class:`~tdstore.cli.ConnOptions`)."""
     from tdstore._backend.probe import probe_server
 
@@ -101,7 +105,7 @@ def diagnose(opts: Any, *, pings: int = PINGS) -> list[dict[str, Any]]:
     return _diagnose(probe_server(opts.redis_kwargs(), pings=pings), opts)
 
 
-def _diagnose(facts: Any, opts: Any) -> list[dict[str, Any]]:
+def _diagnose(facts: Any, opts: ConnOptions) -> list[dict[str, Any]]:
     """The items for the facts a server answered (:class:`~tdstore._backend.probe.ServerFacts`)."""
     items: list[dict[str, Any]] = []
     info = facts.info
@@ -243,7 +247,7 @@ def format_doctor(items: list[dict[str, Any]], server: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_doctor(opts: Any, args: Any, out: Any) -> int:
+def run_doctor(opts: ConnOptions, args: argparse.Namespace, out: TextIO) -> int:
     """Runs ``tdstore doctor``; 1 when an item fails, else 0."""
     import json
 

@@ -9,6 +9,7 @@ unless ``--dir`` (and ``--appendonly``) ask for it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import socket
@@ -49,7 +50,7 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
-def serve(args: Any, out: TextIO) -> int:
+def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Runs ``tdstore serve``; returns when interrupted (0) or when the server dies (1)."""
     from tdstore.server import ServerNotFoundError, start_server
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tdstore._backend import inventory as _inventory
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import StoreKeys, encode_path
+
+if TYPE_CHECKING:
+    from tdstore.cli.commands import ConnOptions
 
 __all__ = ["list_store_infos", "store_info", "remove_stores", "format_ls", "format_info", "table"]
 
@@ -72,7 +75,7 @@ def _shape(dims: Any) -> str:
 
 
 # --------------------------------------------------------------------------- reading
-def _text(value: Any) -> str | None:
+def _text(value: object) -> str | None:
     if value is None:
         return None
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -115,7 +118,7 @@ def store_kind(layout: _backend.Layout) -> str:
     return "store"
 
 
-def _run(opts: Any, fn: Any) -> Any:
+def _run(opts: ConnOptions, fn: Any) -> Any:
     """Runs ``fn(client)`` on tdstore's IO loop with a fresh ``redis.asyncio`` client."""
     from tdstore._backend import loop as _io
 
@@ -166,7 +169,7 @@ def _damaged_summary(k: StoreKeys, err: BaseException, pttl: Any) -> dict[str, A
     }
 
 
-def list_store_infos(opts: Any, prefix: str | None) -> list[dict[str, Any]]:
+def list_store_infos(opts: ConnOptions, prefix: str | None) -> list[dict[str, Any]]:
     """One summary per store (dicts ready for JSON), sorted by prefix and td_id; a store
     whose metadata cannot be read is listed with kind "damaged" (and what is wrong)."""
     summaries: list[dict[str, Any]] = _run(opts, lambda client: _summaries(client, prefix))
@@ -202,7 +205,7 @@ def _manifest(raw: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def store_info(opts: Any, prefix: str, td_id: str) -> dict[str, Any]:
+def store_info(opts: ConnOptions, prefix: str, td_id: str) -> dict[str, Any]:
     """Everything ``tdstore info`` shows about one store (a dict ready for JSON)."""
     from tdstore.errors import CliError
 
@@ -316,7 +319,7 @@ def _kind_text(info: dict[str, Any]) -> str:
     return "TensorDictStore"
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     return "-" if value is None else str(value)
 
 
@@ -358,7 +361,7 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- deleting
-def _open(info: dict[str, Any], prefix: str, opts: Any) -> Any:
+def _open(info: dict[str, Any], prefix: str, opts: ConnOptions) -> Any:
     """The ShardedStore of ``info``, so that ``clear_redis()`` deletes its blocks too."""
     from tdstore import ShardedStore
 
@@ -374,7 +377,7 @@ def _rm_summary(info: dict[str, Any]) -> str:
 
 
 def remove_stores(
-    opts: Any, prefix: str, td_ids: list[str], *, yes: bool, as_json: bool, out: TextIO, stdin: TextIO
+    opts: ConnOptions, prefix: str, td_ids: list[str], *, yes: bool, as_json: bool, out: TextIO, stdin: TextIO
 ) -> int:
     """Deletes the stores ``td_ids`` as ``clear_redis()`` does (sealed in one step, then freed),
     damaged stores and ones whose clear was interrupted included."""

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from tdstore import TensorDictStore
 from tdstore.server import ServerHandle
@@ -18,7 +19,7 @@ class StoreFixtures:
     @pytest.fixture
     def make(self, server: ServerHandle) -> Iterator[Callable[..., Any]]:
         """Creates stores on the test's server and closes them at the end."""
-        created: list[Any] = []
+        created: list[TensorDictStore] = []
 
         def factory(*, cls_method: str | None = None, **kwargs: Any) -> Any:
             conn = server.connection_kwargs()
@@ -35,7 +36,7 @@ class StoreFixtures:
             store.close()
 
     @pytest.fixture
-    def wire(self) -> Callable[[Any], WireSnapshot]:
+    def wire(self) -> Callable[[ServerHandle | redis.Redis], WireSnapshot]:
         """``wire(handle)``: every key with its type and full value, read with a plain client."""
         return wire_snapshot
 
