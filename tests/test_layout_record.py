@@ -17,7 +17,7 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._core.codec import DTYPE_BY_NAME
+from tdstore._core.codec import DTYPE_BY_NAME, entry_dtype
 from tdstore._core.layout import DTYPE_ITEMSIZE, Entry, parse_layout
 from tdstore.errors import CorruptMetadataError
 
@@ -67,8 +67,8 @@ def test_what_callers_ask() -> None:
     x, node, nt, st = by["dense", "x"], by["dense", "named"], by["dense", "s"], by["dense", "st"]
     assert (x.kind, x.dtype, x.shape, x.order, x.chunk) == ("t", "float32", (4, 3), (1, 1), None)
     assert x.is_tensor and x.has_data and not x.is_node and not x.is_non_tensor
-    assert x.nbytes == 48 and x.itemsize == 4 and x.torch_dtype is torch.float32 and x.chunking is None
-    assert by["dense", "n.y"].nbytes == 16 and by["dense", "n.y"].torch_dtype is torch.bfloat16
+    assert x.nbytes == 48 and x.itemsize == 4 and entry_dtype(x) is torch.float32 and x.chunking is None
+    assert by["dense", "n.y"].nbytes == 16 and entry_dtype(by["dense", "n.y"]) is torch.bfloat16
     assert node.is_node and not node.has_data and node.batch_size == (4, 5) and node.dim_names == ["a", "b"]
     assert by["lazy", "n"].dim_names is None and by["lazy", "n"].names is None
     assert nt.is_non_tensor and nt.has_data and (nt.enc, nt.stack) == ("json", 0) and st.stack == 1
