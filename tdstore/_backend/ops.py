@@ -259,11 +259,6 @@ class _EntriesTry:
         """The snapshot as a :class:`~tdstore._backend.step.ReadStep` for either driver."""
         return _step.ReadStep("snapshot", self.parse, self.commands())
 
-    def build(self, pipe: AsyncPipeline) -> None:
-        """Queues the snapshot's commands (:meth:`commands`) on a pipeline."""
-        for command in self.commands():
-            pipe.execute_command(*command)
-
     def commands(self) -> list[Command]:
         """The snapshot's commands: the metadata, one MGET of the strings read whole (one
         command costs the server a fifth to a third less than a GET per string), a STRLEN

@@ -97,16 +97,15 @@ async def run_async(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner |
         assert step.script is not None and runner is not None
         name, script_keys, args = step.script
         return step.parse([await runner.call(client, name, script_keys, args)])
-    if step.how == "packet":
-        async with client.pipeline(transaction=False) as pipe:
-            for command in step.commands:
-                pipe.execute_command(*command)
-            return step.parse(await _exec(pipe))
 
     def build(pipe: AsyncPipeline) -> None:
         for command in step.commands:
             pipe.execute_command(*command)
 
+    if step.how == "packet":
+        async with client.pipeline(transaction=False) as pipe:
+            build(pipe)
+            return step.parse(await _exec(pipe))
     if runner is None:
         return step.parse(await read_snapshot(client, keys, build))
     # reads: nothing to undo before a NOSCRIPT retry

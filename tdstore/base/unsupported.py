@@ -52,9 +52,6 @@ class StoreUnsupported(SharedBase):
     """A table of methods (not a base; :func:`install`): TensorDictBase's methods that raise on a
     store, each naming the alternative."""
 
-    def _where(self) -> str:  # overridden by the store
-        return "?"
-
 
 refuse(
     StoreUnsupported,
