@@ -180,7 +180,7 @@ def test_doc_file(relpath: str, doc_server: ServerHandle) -> None:
 
 @pytest.mark.parametrize("name", sorted(DOCSTRING_TESTS) or ["<none>"])
 def test_docstring(name: str, doc_server: ServerHandle) -> None:
-    assert DOCSTRING_TESTS, "no docstring of tdstore, tdstore.store or tdstore.store.api has an example"
+    assert DOCSTRING_TESTS, "no docstring of tdstore, tdstore.store or tdstore.store.core has an example"
     test = DOCSTRING_TESTS[name]
     # a fresh copy each run: DocTestRunner clears the globals it ran with
     fresh = doctest.DocTest(test.examples, dict(test.globs), test.name, test.filename, test.lineno, test.docstring)

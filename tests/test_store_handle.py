@@ -166,11 +166,11 @@ def test_a_store_given_as_a_value_or_operand_is_read_as_one_snapshot(server: Ser
 def test_the_store_classes_are_built_from_few_bases() -> None:
     """Issue 25, item 3: the ring buffer and the lifetime are modules that take a store, the
     refused and compatibility methods are tables installed on the class, the layout cache is
-    the handle's. What is left as bases: the shared handle, the reads and the writes (and, for
-    the dense class, its constructors and whole-store methods, StoreAPI)."""
+    the handle's. What is left as bases: the shared handle, the reads and the writes (the
+    dense class's constructors, clear_redis and pickling are its own methods, in store/core.py)."""
     dense = [b.__name__ for b in TensorDictStore.__bases__]
     lazy = [b.__name__ for b in LazyStackedTensorDictStore.__bases__]
-    assert dense == ["StoreHandle", "StoreAPI", "StoreWrites", "StoreReads", "TensorDictBase"]
+    assert dense == ["StoreHandle", "StoreWrites", "StoreReads", "TensorDictBase"]
     assert lazy == ["StoreHandle", "LazyReads", "LazyWrites", "TensorDictBase"]
     for cls in (TensorDictStore, LazyStackedTensorDictStore):
         assert not cls.__abstractmethods__

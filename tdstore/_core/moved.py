@@ -35,7 +35,7 @@ MOVED: dict[str, str] = {
     "tdstore._transfer": "tdstore._backend.transfer",
     "tdstore._cluster": "tdstore._backend.cluster",
     "tdstore._credentials": "tdstore._backend.credentials",
-    "tdstore._store_api": "tdstore.store.api",
+    "tdstore._store_api": "tdstore.store.core",
     "tdstore._reads": "tdstore.store.reads",
     "tdstore._index_write": "tdstore.store.index_write",
     "tdstore._ring": "tdstore.store.ring",
@@ -61,6 +61,7 @@ MOVED: dict[str, str] = {
     "tdstore.store.compat": "tdstore.base.compat",
     "tdstore.store.views": "tdstore.base.views",
     "tdstore.store.host": "tdstore.base.host",
+    "tdstore.store.api": "tdstore.store.core",
 }
 
 

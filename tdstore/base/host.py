@@ -1,7 +1,7 @@
 """What the mixins of the store classes need of the class they are mixed into.
 
 ``TensorDictStore`` derives from ``StoreHandle`` (:mod:`tdstore.base.handle`, with its layout
-cache), ``StoreAPI``, ``StoreWrites`` and ``StoreReads``, and ``LazyStackedTensorDictStore`` from
+cache), ``StoreWrites`` and ``StoreReads``, and ``LazyStackedTensorDictStore`` from
 ``StoreHandle``, ``LazyReads`` and ``LazyWrites``; the ring buffer and the lifetime are modules
 that take a store (:mod:`tdstore.store.ring`, :mod:`tdstore.store.lifetime`), and the refused and
 compatibility methods are tables installed on both classes (:func:`tdstore.base.unsupported.install`).

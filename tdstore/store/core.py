@@ -1,6 +1,11 @@
 """TensorDictStore: a TensorDict whose entries live on a Redis-wire server.
 
-All TensorDict semantics live here; every server operation is in :mod:`tdstore._backend.ops`.
+The class itself: its constructors (``__init__``, ``from_dict``, ``from_tensordict``,
+``from_schema``, ``from_store``), its lifecycle (``clear_redis``, pickling), the per-entry
+semantics, and the documented delegators of the ring buffer and the lifetime. Its bases are the
+shared handle, :class:`~tdstore.store.writes.StoreWrites` and :class:`~tdstore.store.reads.StoreReads`.
+
+All TensorDict semantics live in these modules; every server operation is in :mod:`tdstore._backend.ops`.
 The consistency rules (see ``docs/guarantees.md``):
 
 * one logical operation is one atomic server step (the ``commit`` and ``write_runs``
@@ -12,12 +17,15 @@ The consistency rules (see ``docs/guarantees.md``):
 
 from __future__ import annotations
 
+import importlib
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict.utils import is_tensorclass
 
 from tdstore._backend import ops as _backend
 from tdstore._backend.connect import ConnectSpec
@@ -25,13 +33,14 @@ from tdstore._backend.connection import Connection
 from tdstore._backend.loop import DEFAULT_TIMEOUT
 from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
+from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
 from tdstore._core.layout import Entry
 from tdstore._core.values import NO_DEFAULT
 from tdstore.base.compat import StoreCompat014
-from tdstore.base.handle import StoreHandle, entries_below
+from tdstore.base.handle import StoreHandle, entries_below, snapshot_of
 from tdstore.base.unsupported import StoreUnsupported, install
 from tdstore.errors import (
     CorruptMetadataError,
@@ -40,13 +49,13 @@ from tdstore.errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
+from tdstore.lazy.core import LazyStackedTensorDictStore
 from tdstore.store import lifetime as _lifetime
 from tdstore.store import ring as _ring
-from tdstore.store.api import StoreAPI
 from tdstore.store.lifetime import ttl_ms
 from tdstore.store.reads import StoreReads
 from tdstore.store.ring import RingState
-from tdstore.store.writes import StoreWrites
+from tdstore.store.writes import StoreWrites, _noop, _planner
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -54,7 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["TensorDictStore"]
 
 
-class TensorDictStore(StoreHandle, StoreAPI, StoreWrites, StoreReads, TensorDictBase):
+class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
     """A TensorDict whose entries live on a Redis-compatible server.
 
     See the module docstring and ``docs/`` for the full guide; the public API follows
@@ -136,6 +145,259 @@ class TensorDictStore(StoreHandle, StoreAPI, StoreWrites, StoreReads, TensorDict
                     f"td_id {td_id!r} already holds a store with chunk_bytes={stored_cb}, not {chunk_bytes}; "
                     "the chunking is set when a store is created (from_store reads it from the server)"
                 ) from None
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dict(
+        cls,
+        input_dict: Any,
+        *,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        prefix: str = "tensordict",
+        auto_batch_size: bool = False,
+        batch_size: Sequence[int] | torch.Size | None = None,
+        device: Any = None,
+        batch_dims: int | None = None,
+        names: Sequence[str | None] | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Creates a store from a dict or TensorDict, in one atomic upload.
+
+        Examples:
+            >>> import torch
+            >>> from tdstore import TensorDictStore
+            >>> store = TensorDictStore.from_dict({"a": torch.zeros(5, 3)}, batch_size=[5])
+            >>> store.batch_size
+            torch.Size([5])
+            >>> store.clear_redis()
+            >>> store.close()
+        """
+        if batch_size is not None and batch_dims is not None:
+            raise ValueError("batch_size and batch_dims are exclusive")
+        if isinstance(input_dict, TensorDictBase) and batch_size is None and batch_dims is None and not auto_batch_size:
+            td = input_dict
+        else:
+            td = TensorDict.from_dict(
+                input_dict,
+                batch_size=batch_size,
+                auto_batch_size=auto_batch_size or batch_dims is not None,
+                batch_dims=batch_dims,
+            )
+        if names is not None:
+            td = td.clone(False)
+            td.names = list(names)
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
+        return cls.from_tensordict(td, backend=backend, device=device, _connect=connect, **kwargs)
+
+    @classmethod
+    def from_tensordict(
+        cls,
+        td: TensorDictBase,
+        *,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        prefix: str = "tensordict",
+        device: Any = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Uploads a TensorDict (or tensorclass) to a new store: every leaf in one atomic step.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from tdstore import TensorDictStore
+            >>> local = TensorDict({"obs": torch.randn(10, 84)}, [10])
+            >>> remote = TensorDictStore.from_tensordict(local)
+            >>> remote["obs"].shape
+            torch.Size([10, 84])
+            >>> remote.clear_redis()
+            >>> remote.close()
+        """
+        tensorclass = None
+        if is_tensorclass(td) and not isinstance(td, (NonTensorData, NonTensorStack)):
+            tensorclass = f"{type(td).__module__}.{type(td).__qualname__}"
+            td = td._tensordict
+        td = snapshot_of(td)
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
+        if isinstance(td, LazyStackedTensorDict):
+            # entries of different shapes (ragged leaves) are kept as they are
+            return LazyStackedTensorDictStore.from_lazy_stack(  # type: ignore[return-value]
+                td, backend=backend, device=device, _connect=connect, **kwargs
+            )
+        if not isinstance(td, TensorDictBase):
+            raise TypeError(f"from_tensordict expects a TensorDictBase, got {type(td).__name__}")
+        if isinstance(td, cls):
+            td = td.to_tensordict()
+        store_device = torch.device(device) if device is not None else td.device
+        store = cls(
+            backend=backend, batch_size=td.batch_size, device=store_device, _create=False, _connect=connect, **kwargs
+        )
+        try:
+            planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size)), **store._creation_meta()}, {}))
+            for key, value in td.items():
+                planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
+            names = td.names if td._has_names() else None
+            store._create_store(td.batch_size, store_device, names, planner.ops, tensorclass)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def from_schema(
+        cls,
+        schema: Mapping[Any, tuple[Sequence[int] | torch.Size, torch.dtype]],
+        *,
+        batch_size: Sequence[int] | torch.Size | None = None,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        prefix: str = "tensordict",
+        device: Any = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Creates a store of zero-filled entries, allocated on the server; no tensor bytes are sent.
+
+        The whole schema is checked before anything is written, and the store, its
+        registry and every zero-filled entry appear in one atomic step.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from tdstore import TensorDictStore
+            >>> store = TensorDictStore.from_schema(
+            ...     {"obs": ([84, 84, 3], torch.uint8),
+            ...      "action": ([4], torch.float32),
+            ...      "reward": ([], torch.float32)},
+            ...     batch_size=[1000],
+            ... )
+            >>> store["obs"].shape
+            torch.Size([1000, 84, 84, 3])
+            >>> store[0] = TensorDict(
+            ...     obs=torch.ones(84, 84, 3, dtype=torch.uint8),
+            ...     action=torch.ones(4),
+            ...     reward=torch.ones(()),
+            ...     batch_size=[],
+            ... )
+            >>> store["action"][:2]
+            tensor([[1., 1., 1., 1.],
+                    [0., 0., 0., 0.]])
+            >>> store.clear_redis()
+            >>> store.close()
+        """
+        bs = _check_batch_size(batch_size if batch_size is not None else [])
+        if not isinstance(schema, Mapping):
+            raise SchemaError(f"schema must be a mapping of key -> (shape, dtype), got {type(schema).__name__}")
+        entries: list[tuple[tuple[str, ...], list[int], torch.dtype]] = []
+        for key, spec in schema.items():
+            try:
+                path = _as_path(key)
+            except TypeError as err:
+                raise SchemaError(f"schema key {key!r}: {err}") from None
+            if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+                raise SchemaError(f"schema entry {key!r} must be (shape, dtype), got {spec!r}")
+            shape, dtype = spec
+            if not isinstance(dtype, torch.dtype):
+                raise SchemaError(f"schema entry {key!r}: dtype must be a torch.dtype, got {dtype!r}")
+            try:
+                _codec.dtype_name(dtype)
+            except TypeError as err:
+                raise SchemaError(f"schema entry {key!r}: {err}") from None
+            try:
+                shape = list(shape)
+            except TypeError:
+                raise SchemaError(f"schema entry {key!r}: shape must be a sequence of ints, got {shape!r}") from None
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise SchemaError(f"schema entry {key!r}: shape must hold non-negative ints, got {shape!r}")
+            entries.append((path, shape, dtype))
+        paths = [p for p, _, _ in entries]
+        for p in paths:
+            for q in paths:
+                if len(q) > len(p) and q[: len(p)] == p:
+                    raise SchemaError(f"schema key {p!r} is both an entry and the parent of {q!r}")
+        if len(set(paths)) != len(paths):
+            raise SchemaError("schema has duplicate keys")
+        store_device = torch.device(device) if device is not None else None
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
+        store = cls(backend=backend, batch_size=bs, device=store_device, _create=False, _connect=connect, **kwargs)
+        try:
+            ops: list[_backend.Op] = []
+            seq = 0
+            nodes: set[tuple[str, ...]] = set()
+            for path, shape, dtype in entries:
+                for i in range(1, len(path)):
+                    if path[:i] not in nodes:
+                        nodes.add(path[:i])
+                        seq += 1
+                        ops.append(_backend.Op("node", path[:i], _values.node_meta(bs, None, [1, seq])))
+                full = list(bs) + shape
+                nbytes = math.prod(full) * _codec.tensor_nbytes((), dtype)
+                store._conn_max_bulk()  # sets up the connection: proto-max-bulk-len is known
+                seq += 1
+                meta = _chunks.annotate(Entry.tensor(_codec.dtype_name(dtype), full, (1, seq)), store._creation_meta())
+                # zero-filled on the server: no command carries the bytes
+                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.chunk, sent=False)
+                ops.append(_backend.Op("zero", path, meta, nbytes=nbytes))
+            store._create_store(bs, store_device, None, ops, None)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def from_store(
+        cls,
+        *,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        prefix: str = "tensordict",
+        td_id: str,
+        device: Any = None,
+        tensorclass_cls: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Connects to an existing store by its ``td_id``; reads batch size, device and tensorclass."""
+        if kwargs.get("expire") is not None:
+            raise TypeError(
+                f"from_store(td_id={td_id!r}) connects to an existing store and takes no expire=; "
+                "call .expire(seconds) on the store it returns to set its lifetime"
+            )
+        connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
+        store = cls(backend=backend, td_id=td_id, device=device, _create=False, _connect=connect, **kwargs)
+        try:
+            layout = store._layout(refresh=True)
+        except BaseException:
+            store.close()
+            raise
+        if tensorclass_cls is None:
+            tensorclass_cls = layout.meta.get("tensorclass") or None
+        if isinstance(tensorclass_cls, str):
+            try:
+                tensorclass_cls = _import_class(tensorclass_cls, store._where())
+            except ImportError:
+                store.close()
+                raise
+        if isinstance(tensorclass_cls, type) and issubclass(tensorclass_cls, cls):
+            return store
+        if tensorclass_cls is not None:
+            return tensorclass_cls._from_tensordict(store)
+        return store
+
+    def _conn_max_bulk(self) -> int:
+        self._conn.run(_noop)
+        return self._conn.max_bulk
 
     def _init_handle(
         self, conn: Connection, path: tuple[str, ...], device: torch.device | None, cache_metadata: bool, *more: Any
@@ -469,6 +731,36 @@ class TensorDictStore(StoreHandle, StoreAPI, StoreWrites, StoreReads, TensorDict
         return _lifetime.ttl(self)
 
 
+    # ------------------------------------------------------------------ lifecycle
+    def clear_redis(self) -> None:
+        """Deletes every key of this store from the server in one atomic step.
+
+        The handle stays open; a later write recreates the store with the same batch
+        size, device and names.
+        """
+        meta = self._clear_store()
+        if meta is not None:
+            self._cleared_meta = {str(k): str(v) for k, v in meta.items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "conn": self._conn.pickle_state(),
+            "path": self._path,
+            "device": self._device_override,
+            "cache_metadata": self._cache_metadata,
+            "backend": self._backend_label,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from tdstore._backend.connection import Connection
+
+        conn = Connection.from_pickle_state(state["conn"])
+        self._init_handle(conn, state["path"], state["device"], state["cache_metadata"], state["backend"])
+
+    def __reduce__(self) -> Any:
+        return (_unpickle, (type(self), self.__getstate__()))
+
+
 # the methods of TensorDictBase that raise on a store, and (on tensordict 0.14) the 0.15 behaviour
 install(TensorDictStore, StoreUnsupported, StoreCompat014)
 
@@ -491,3 +783,33 @@ def _nested_names_ops(
     return ops
 
 
+def _unpickle(cls: Any, state: dict[str, Any]) -> Any:
+    self = cls.__new__(cls)
+    self.__setstate__(state)
+    return self
+
+
+def _check_batch_size(batch_size: Any) -> torch.Size:
+    try:
+        bs = torch.Size(batch_size)
+    except (TypeError, ValueError):
+        raise SchemaError(f"batch_size must be a sequence of non-negative ints, got {batch_size!r}") from None
+    if any(d < 0 for d in bs):
+        raise SchemaError(f"batch_size must hold non-negative ints, got {list(bs)}")
+    return bs
+
+
+def _import_class(path: str, where: str = "the store") -> type:
+    module_name, _, name = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        obj: Any = module
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ImportError(
+            f"{where} was written from the tensorclass {path!r}, which cannot be imported here "
+            f"({err}); make its module importable, or pass tensorclass_cls=TensorDictStore to "
+            "from_store to get the plain store"
+        ) from err

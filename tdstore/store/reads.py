@@ -1,4 +1,6 @@
-"""Reads of a store (a mixin of TensorDictStore): whole entries, snapshots, indexed rows.
+"""Reads of a store (a mixin of TensorDictStore): whole entries, snapshots, indexed rows, and
+the in-memory results and handles made from them (``empty``, ``to``, ``flatten_keys``,
+``unflatten_keys``).
 
 Also the read-modify-write path (``_inplace_on_copies``): it reads a snapshot and writes
 back with a compare-and-set, so it lives with the snapshot reads.
@@ -28,6 +30,7 @@ from tdstore._core.indexing import RowSpans, consumed_dims, contiguous_rows, nor
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import encode_path
 from tdstore._core.progress import Progress
+from tdstore._core.values import is_no_default
 from tdstore.base.host import DenseBase
 from tdstore.errors import CorruptMetadataError, DataLostError, StaleLayoutError, WriteConflictError
 
@@ -520,3 +523,64 @@ class StoreReads(DenseBase):
             else:
                 parent._tensordict[rel[-1]] = values[path]
         return out
+
+    # ------------------------------------------------------------------ in-memory copies and handles
+    def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = None, names: Any = None) -> TensorDictBase:
+        """An empty in-memory ``TensorDict`` with this store's batch size, device and names.
+
+        The results of ``apply``, arithmetic (``store + 1``) and the other methods that
+        build a new tensordict are filled into it, so they are in-memory ``TensorDict``
+        objects: nothing is created on the server behind the user's back. Use
+        ``clone()`` for a copy on the server.
+        """
+        from tensordict import TensorDict as _TD
+
+        if is_no_default(device) or device is None:
+            device = self.device
+        if is_no_default(names):
+            names = None
+        if is_no_default(batch_size) or batch_size is None:
+            batch_size = self.batch_size
+        if names is None and batch_size == self.batch_size and self._has_names():
+            names = self.names
+        out = _TD(batch_size=batch_size, device=device, names=names)
+        if recurse:
+            layout = self._layout()
+            n = len(self._path)
+            for path, meta in self._descendants(layout, self._path):
+                if meta.is_node:
+                    out._set_tuple(path[n:], _TD(batch_size=meta.batch_size, device=device), inplace=False, validated=True, non_blocking=False)
+        return out
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``to(device)`` gives a handle that reads onto ``device``; other casts give a TensorDict."""
+        device = kwargs.pop("device", None)
+        rest = []
+        for arg in args:
+            if isinstance(arg, (str, torch.device, int)) and device is None and not isinstance(arg, bool):
+                device = torch.device(arg)
+            else:
+                rest.append(arg)
+        if rest or kwargs:
+            return self.to_tensordict().to(*rest, **({"device": device} if device is not None else {}), **kwargs)
+        if device is None:
+            return self
+        return type(self)._handle(self._conn, self._path, torch.device(device), self._cache_metadata, self._backend_label)
+
+    def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> TensorDictBase:
+        """An in-memory copy with nested keys joined by ``separator`` (read with to_tensordict())."""
+        if inplace:
+            raise ValueError(
+                "flatten_keys(inplace=True) is not supported on a TensorDictStore; "
+                "use store.to_tensordict().flatten_keys(...)"
+            )
+        return self.to_tensordict().flatten_keys(separator, is_leaf=is_leaf)
+
+    def unflatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> TensorDictBase:
+        """An in-memory copy with keys split on ``separator`` into nested ones."""
+        if inplace:
+            raise ValueError(
+                "unflatten_keys(inplace=True) is not supported on a TensorDictStore; "
+                "use store.to_tensordict().unflatten_keys(...)"
+            )
+        return self.to_tensordict().unflatten_keys(separator)

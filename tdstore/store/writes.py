@@ -1,5 +1,7 @@
 """Whole-entry writes of TensorDictStore (a mixin): ``store[key] = value``, ``store[idx] = td``,
-``set``/``set_at_``, the planned commits every key change goes through, and the creation of a store.
+``set``/``set_at_``, the planned commits every key change goes through, and the creation of a store;
+the whole-store writes (``update``, ``update_``, ``del_``, ``rename_key_``, ``pop``) and the copies
+made on the server (``clone``, ``copy``).
 
 Every write is one atomic server step, planned against the cached layout and sent with the
 layout version it assumes (``_commit_planned``, ``_write``): a stale plan is refreshed and
@@ -24,7 +26,10 @@ from tdstore._backend.optimistic import optimistic
 from tdstore._core import values as _values
 from tdstore._core.indexing import normalize_index, select_rows
 from tdstore._core.keys import as_path as _as_path
+from tdstore._core.keys import new_td_id
 from tdstore._core.planner import WritePlanner, check_tensor, flatten_values, tensor_like
+from tdstore._core.planner import rename_ops as _rename_ops
+from tdstore._core.values import is_no_default
 from tdstore.base.handle import snapshot_of
 from tdstore.base.host import DenseBase
 from tdstore.errors import SchemaError, StoreExistsError
@@ -36,6 +41,8 @@ if TYPE_CHECKING:
     from tdstore.store.core import TensorDictStore
 
 __all__ = ["StoreWrites"]
+
+_MISSING = object()
 
 
 class StoreWrites(DenseBase):
@@ -273,6 +280,124 @@ class StoreWrites(DenseBase):
         write_index(_store(self), index, targets, check_batch)
 
 
+    # ------------------------------------------------------------------ whole-store writes
+    def update(
+        self,
+        input_dict_or_td: Any = None,
+        clone: bool = False,
+        inplace: bool = False,
+        *,
+        non_blocking: bool = False,
+        keys_to_update: Sequence[Any] | None = None,
+        is_leaf: Any = None,
+        update_batch_size: bool = False,
+        ignore_lock: bool = False,
+        **kwargs: Any,
+    ) -> Self:
+        """Writes every entry of ``input_dict_or_td`` in one atomic step; nested ones merge."""
+        if input_dict_or_td is None:
+            input_dict_or_td = kwargs
+        if not isinstance(input_dict_or_td, (Mapping, TensorDictBase)) and not is_tensorclass(input_dict_or_td):
+            raise TypeError(
+                f"update() of {self._where()} takes a dict or a TensorDict, got {type(input_dict_or_td).__name__}"
+            )
+        items = _leaf_items(self, input_dict_or_td, keys_to_update)
+        if items:
+            self._write(items, inplace=inplace, ignore_lock=ignore_lock)
+        return self
+
+    def update_(
+        self,
+        input_dict_or_td: Any = None,
+        clone: bool = False,
+        *,
+        non_blocking: bool = False,
+        keys_to_update: Sequence[Any] | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Writes into existing entries (shapes checked, dtypes cast), in one atomic step."""
+        if input_dict_or_td is None:
+            input_dict_or_td = kwargs
+        items = _leaf_items(self, input_dict_or_td, keys_to_update)
+        if items:
+            self._write(items, inplace=True)
+        return self
+
+    def del_(self, key: Any) -> Self:
+        """Deletes an entry (a nested one with all its content) in one atomic step."""
+        path = self._path + _as_path(key)
+
+        def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], None]:
+            if path not in layout.entries:
+                raise self._key_error(path)
+            ops = [
+                _backend.Op("del", p, has_data=m.has_data)
+                for p, m in layout.entries.items()
+                if p[: len(path)] == path
+            ]
+            return ops, None
+
+        self._commit_planned(plan, check_lock=True)
+        return self
+
+    def _del(self, key: Any) -> None:
+        self.del_(key)
+
+    def __delitem__(self, key: Any) -> None:
+        self.del_(key)
+
+    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> Self:
+        """Renames an entry on the server (no bytes move through the client)."""
+        old = self._path + _as_path(old_key)
+        new = self._path + _as_path(new_key)
+        if old == new:
+            return self
+
+        def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], None]:
+            self._check_rename(layout, old, new, safe)
+            ops = _rename_ops(layout.entries, old, new, self._where(), layout.lv + 1)
+            return ops, None
+
+        self._commit_planned(plan, check_lock=True)
+        return self
+
+    def pop(self, key: Any, default: Any = _MISSING, *args: Any) -> Any:
+        """Reads an entry and deletes it; returns ``default`` (when given) for a missing key."""
+        has_default = default is not _MISSING and not is_no_default(default)
+        path = self._path + _as_path(key)
+        meta = self._entry(path)
+        if meta is None:
+            if has_default:
+                return default
+            raise self._key_error(path)
+        value = self._sub(path).to_tensordict() if meta.is_node else self._read_values([path])[0]
+        self.del_(key)
+        return value
+
+    # ------------------------------------------------------------------ copies on the server
+    def _sibling_from(self, td: TensorDictBase, *, device: Any = None, names: Any = None) -> Self:
+        cls = type(self)
+        conn = self._conn.sibling(new_td_id())
+        store = cls._handle(conn, (), torch.device(device) if device is not None else None, self._cache_metadata, self._backend_label)
+        planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size))}, {}))
+        for key, value in td.items():
+            planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
+        store._create_store(td.batch_size, store._device_override, names, planner.ops, None)
+        return store
+
+    def _clone(self, recurse: bool = True, **kwargs: Any) -> Self:
+        """``clone()``: a new store (new td_id) holding a copy; ``recurse=False``: a new handle."""
+        if not recurse:
+            return type(self)._handle(self._conn, self._path, self._device_override, self._cache_metadata, self._backend_label)
+        td = self.to_tensordict()
+        return self._sibling_from(td, device=self._device_override, names=td.names if td._has_names() else None)
+
+    def clone(self, recurse: bool = True, **kwargs: Any) -> Self:
+        return self._clone(recurse, **kwargs)
+
+    def copy(self) -> Self:
+        return self._clone(False)
+
 
 def _batch_check(value: TensorDictBase, where: str) -> Callable[[torch.Size], None]:
     """TensorDict's rule for ``td[idx] = value``: the value's batch size is the indexed one, or
@@ -310,3 +435,46 @@ def planner_for(store: Any, layout: _backend.Layout, *, inplace: bool) -> WriteP
         layout, inplace=inplace, where=store._where(), pickle_policy=conn.pickle_policy,
         check_entry_size=conn.check_entry_size,
     )
+
+
+async def _noop(client: Any) -> None:
+    return None
+
+
+def _planner(store: Any, layout: _backend.Layout) -> Any:
+    store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
+    return planner_for(store, layout, inplace=False)
+
+
+def _leaf_items(store: Any, source: Any, keys_to_update: Sequence[Any] | None) -> dict[tuple[str, ...], Any]:
+    """Flattens a dict or TensorDict into leaf paths (nested tensordicts merge, as update does)."""
+    if is_tensorclass(source) and not isinstance(source, (NonTensorData, NonTensorStack)):
+        source = source._tensordict
+    if source is store:
+        return {}
+    if isinstance(source, type(store)):
+        source = source.to_tensordict()
+    allowed = None if keys_to_update is None else {_as_path(k) for k in keys_to_update}
+    out: dict[tuple[str, ...], Any] = {}
+
+    def visit(prefix: tuple[str, ...], value: Any) -> None:
+        if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
+            for k, v in value.items():
+                visit(prefix + _as_path(k), v)
+            return
+        if isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorData, NonTensorStack)):
+            existing = store._entry(store._path + prefix) if prefix else None
+            if existing is not None and existing.is_node and prefix:
+                for k, v in value.items():
+                    visit(prefix + (k,), v)
+                return
+            if not prefix:
+                for k, v in value.items():
+                    visit((k,), v)
+                return
+        if allowed is not None and not any(prefix[: len(a)] == a for a in allowed):
+            return
+        out[store._path + prefix] = value
+
+    visit((), source)
+    return out
