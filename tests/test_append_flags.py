@@ -239,32 +239,32 @@ def test_a_data_key_gone_from_the_server_is_reported(store, server):
 
 
 def test_a_reply_lost_after_the_write_is_an_unknown_outcome_not_a_second_append(store, monkeypatch):
-    """The IO-loop driver: the connection dies after the server ran the MULTI/EXEC (redis-py
-    then reports ``WatchError: A ConnectionError occurred while watching ...``, as for a
-    connection lost before MULTI). The append raises OutcomeUnknownError and is not sent again:
-    its rows are in the store once (sending it again took new rows for the same data: a
-    duplicate append, found by tests/test_restart.py through real crashes)."""
-    import redis.asyncio.client
+    """The IO-loop driver: the connection dies after the server ran the MULTI/EXEC, before its
+    replies came back. The append raises OutcomeUnknownError and is not sent again: its rows
+    are in the store once (sending it again took new rows for the same data: a duplicate
+    append, found by tests/test_restart.py through real crashes)."""
     import redis.exceptions
 
+    from tdstore._backend import wire
     from tdstore.errors import OutcomeUnknownError
 
     monkeypatch.setattr(type(store._conn), "direct_client", lambda self: None)  # the IO-loop driver
-    real = redis.asyncio.client.Pipeline.execute
+    real = wire.exchange
     lost = []
 
-    async def execute_then_lose_the_reply(self, raise_on_error=True):
-        writes = any(str(args[0]).upper() == "SETRANGE" for args, _ in self.command_stack)
-        result = await real(self, raise_on_error=raise_on_error)  # the server runs it
+    async def exchange_then_lose_the_reply(connection, commands):
+        writes = any(str(command[0]).upper() == "SETRANGE" for command in commands)
+        replies = await real(connection, commands)  # the server runs it
         if writes and not lost:
             lost.append(1)
-            raise redis.exceptions.WatchError("A ConnectionError occurred while watching one or more keys")
-        return result
+            await connection.disconnect()
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return replies
 
-    monkeypatch.setattr(redis.asyncio.client.Pipeline, "execute", execute_then_lose_the_reply)
+    monkeypatch.setattr(wire, "exchange", exchange_then_lose_the_reply)
     with pytest.raises(OutcomeUnknownError, match="may or may not have been applied"):
         store.extend(batch(1.0, 2))
-    monkeypatch.setattr(redis.asyncio.client.Pipeline, "execute", real)
+    monkeypatch.setattr(wire, "exchange", real)
     assert lost == [1]
     state = store.ring_state()
     assert (state.valid, state.total) == (2, 2)  # applied once, not sent again

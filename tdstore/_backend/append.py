@@ -38,13 +38,14 @@ then takes the two steps above, and the next ``COOL_APPENDS`` appends of the han
 after sending its rows). An armed append reserves nothing, so there is nothing in flight
 to take over and no fence to watch.
 
-Two drivers send the same commands:
+The try is written once, as an operation of :mod:`tdstore._backend.drive` (``_append_op``:
+the commands come from :class:`AppendPlan`, which does no I/O), and two drivers run it:
 
 * :func:`append_direct`, on the store's blocking direct client (see
   ``Connection.direct_client``), from the calling thread: one packet armed, else two, the
   payload sent from the tensors' memory (as ``armed_write.write_runs_direct``);
 * :func:`append_watched`, on the IO loop (fakeredis, TLS, custom connection classes,
-  cluster): a redis-py pipeline in WATCH mode.
+  cluster): the same two steps on a connection of the asyncio pool, none kept armed.
 """
 
 from __future__ import annotations
@@ -56,11 +57,10 @@ from typing import Any
 import redis.exceptions
 
 from tdstore._backend.armed_write import ArmedSlot, _s
-from tdstore._backend.blocking import discard
+from tdstore._backend.drive import Checkout, ConnOp, Discard, Exchange, Release, Usable, run_async, run_blocking
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
-from tdstore._backend.wire import alive, exchange_sync
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
 from tdstore._core.layout import Command
@@ -311,7 +311,7 @@ class AppendPlan:
 
 
 # --------------------------------------------------------------------------- #
-# the direct driver
+# the operation, and its two drivers
 # --------------------------------------------------------------------------- #
 
 
@@ -330,19 +330,17 @@ def _connection_broke(plan: AppendPlan, err: BaseException) -> OutcomeUnknownErr
     )
 
 
-def _unwatch(client: SyncClient, connection: redis.connection.Connection) -> None:
+def _unwatch(client: SyncClient, connection: redis.connection.Connection) -> ConnOp[None]:
     """Gives ``connection`` back to the pool without its WATCH; never raises (it runs after
     an append was applied: an error here must not make the caller send it again)."""
     try:
-        connection.send_command("UNWATCH")
-        connection.read_response()
+        replies = yield Exchange(connection, [("UNWATCH",)])
+        if any(isinstance(r, Exception) for r in replies):
+            raise ValueError(replies)
     except Exception:  # noqa: BLE001 - the connection is dropped instead (disconnecting forgets the WATCH)
-        try:
-            discard(client, connection)
-        except Exception:  # noqa: BLE001
-            pass
+        yield Discard(client, connection)
         return
-    client.connection_pool.release(connection)
+    yield Release(client, connection)
 
 
 def _kept(client: SyncClient, connection: redis.connection.Connection, *, watching: bool) -> ArmedRing:
@@ -353,7 +351,7 @@ def _kept(client: SyncClient, connection: redis.connection.Connection, *, watchi
 
 def _park(
     slot: ArmedSlot, client: SyncClient, connection: redis.connection.Connection, plan: AppendPlan, replies: Sequence[Any], after: int
-) -> None:
+) -> ConnOp[None]:
     """Keeps ``connection`` armed in ``slot`` when the re-arming ``replies`` allow it.
 
     Else (another appender appended meanwhile, mostly) the handle's next appends
@@ -366,38 +364,36 @@ def _park(
         slot.contended(COOL_APPENDS)
         # kept for the next append's two steps, which send the UNWATCH in their first packet
         if not slot.keep(_kept(client, connection, watching=True)):  # type: ignore[arg-type]
-            _unwatch(client, connection)
+            yield from _unwatch(client, connection)
         return
     displaced = slot.put(armed)  # type: ignore[arg-type]
     if displaced is not None:
-        try:
-            discard(displaced.client, displaced.connection)
-        except Exception:  # noqa: BLE001 - (another thread's connection; the append is applied)
-            pass
+        yield Discard(displaced.client, displaced.connection)  # (another thread's; the append is applied)
 
 
-def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, slot: ArmedSlot | None = None) -> int:
-    """One append try on a blocking client, from the calling thread: one packet on an armed
-    connection of ``slot``, else two.
+def _append_op(client: SyncClient | AsyncClient, sha: str, plan: AppendPlan, slot: ArmedSlot | None) -> ConnOp[int]:
+    """One append try, for either driver: one packet on an armed connection of ``slot``, else
+    two (WATCH and the reserve script; then the MULTI of the rows). ``sha``: the reserve
+    script's; ``slot`` None: no connection kept between appends (the IO loop's driver).
 
     Returns:
         The cursor value the rows start at, or :data:`ABORTED` when EXEC did nothing (the
         layout changed or the fence moved: re-plan and try again).
 
     Raises:
-        the reserve script's errors; :class:`OutcomeUnknownError` when the connection broke
-        after the write was sent (it may or may not have been applied); redis-py's errors
-        before that (nothing was written; a reservation may have been made, whose rows
-        stay unflagged).
+        the reserve script's errors (NOSCRIPT too: nothing was reserved); :class:`OutcomeUnknownError`
+        when the connection broke after the write was sent (it may or may not have been
+        applied); redis-py's errors before that (nothing was written; a reservation may have
+        been made, whose rows stay unflagged).
     """
-    connection: redis.connection.Connection | None = None
+    connection: Any = None
     armed: ArmedRing | None = None
     unwatch = False
     if slot is not None:
         cooling = slot.cooling()  # (counts this append)
         held: ArmedRing | None = slot.take(client)  # type: ignore[assignment]
-        if held is not None and not alive(held.connection):
-            slot.drop_sync(held)  # type: ignore[arg-type]
+        if held is not None and not (yield Usable(held.connection, idle=True)):
+            yield Discard(held.client, held.connection)
         elif held is not None and held.watching and not cooling and plan.usable(held):
             armed = held
         elif held is not None:
@@ -405,43 +401,42 @@ def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, sl
             # its WATCH ended in the same packet
             connection, unwatch = held.connection, held.watching
     if armed is not None:
+        assert slot is not None
         connection, start = armed.connection, armed.cursor
         commands = [("MULTI",), *plan.write_commands(start, armed.exp, armed=True), ("EXEC",)]
         sent = len(commands)
         try:
-            replies = exchange_sync(connection, commands + plan.arm_commands(start + plan.n))
+            replies = yield Exchange(connection, commands + plan.arm_commands(start + plan.n))
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
-            discard(client, connection)
+            yield Discard(client, connection)
             raise _connection_broke(plan, err) from err
         except BaseException:
-            discard(client, connection)
+            yield Discard(client, connection)
             raise
         result = replies[sent - 1]
-        assert slot is not None
         if isinstance(result, list):
-            _park(slot, client, connection, plan, replies[sent:], start + plan.n)
+            yield from _park(slot, client, connection, plan, replies[sent:], start + plan.n)  # type: ignore[arg-type]
             plan.check(start, result)
             return start
         if isinstance(result, redis.exceptions.ResponseError):
-            _park(slot, client, connection, plan, replies[sent:], start + plan.n)
+            yield from _park(slot, client, connection, plan, replies[sent:], start + plan.n)  # type: ignore[arg-type]
             first = next((r for r in replies[1 : sent - 1] if isinstance(r, Exception)), None)
             _raise_reply(first if first is not None else result)
         # EXEC did nothing: another client appended (or reserved) meanwhile, or the layout
         # changed. Nothing was written: the two steps follow on this connection.
         meta = replies[sent + 1] if len(replies) > sent + 1 else None
-        if slot is not None and isinstance(meta, list) and _s(meta[0]) == armed.lv:
+        if isinstance(meta, list) and _s(meta[0]) == armed.lv:
             slot.contended(COOL_APPENDS)
         unwatch = True
     elif connection is None:
-        connection = client.connection_pool.get_connection()
-    sha = runner.sha("reserve")
+        connection = yield Checkout(client)
     sent_write = False
     try:
         while True:
             keys, args = plan.reserve_keys_args(plan.mode())
             first_commands: list[Command] = [("UNWATCH",)] if unwatch else []
             first_commands += [plan.watch_command(), ("EVALSHA", sha, len(keys), *keys, *args)]
-            got_replies = exchange_sync(connection, first_commands)
+            got_replies = yield Exchange(connection, first_commands)
             unwatch = False
             watch, reply = got_replies[-2], got_replies[-1]
             _raise_reply(watch)
@@ -453,21 +448,21 @@ def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, sl
         commands = [("MULTI",), *plan.write_commands(start, exp), ("EXEC",)]
         arm = slot is not None and slot.cool <= 0  # re-armed unless appends are cooling down
         sent_write = True
-        replies = exchange_sync(connection, commands + (plan.arm_commands(start + plan.n) if arm else []))
+        replies = yield Exchange(connection, commands + (plan.arm_commands(start + plan.n) if arm else []))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as err:
-        discard(client, connection)
+        yield Discard(client, connection)
         if sent_write:
             raise _connection_broke(plan, err) from err
         raise
     except BaseException:
-        discard(client, connection)  # forgets the WATCH
+        yield Discard(client, connection)  # forgets the WATCH
         raise
     sent = len(commands)
     if arm:
         assert slot is not None
-        _park(slot, client, connection, plan, replies[sent:], start + plan.n)
+        yield from _park(slot, client, connection, plan, replies[sent:], start + plan.n)  # type: ignore[arg-type]
     elif slot is None or not slot.keep(_kept(client, connection, watching=False)):  # type: ignore[arg-type]
-        client.connection_pool.release(connection)  # EXEC ended the WATCH
+        yield Release(client, connection)  # EXEC ended the WATCH
     result = replies[sent - 1]
     if isinstance(result, redis.exceptions.ResponseError):
         # EXECABORT: a command was refused when queued (e.g. over maxmemory); nothing ran
@@ -479,38 +474,22 @@ def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, sl
     return start
 
 
-# --------------------------------------------------------------------------- #
-# the IO-loop driver
-# --------------------------------------------------------------------------- #
+def append_direct(client: SyncClient, runner: ScriptRunner, plan: AppendPlan, slot: ArmedSlot | None = None) -> int:
+    """One append try on a blocking client, from the calling thread (:func:`_append_op`, run by
+    :func:`tdstore._backend.drive.run_blocking`): one packet on an armed connection of
+    ``slot``, else two. A NOSCRIPT raises (the caller then tries through the IO loop)."""
+    return run_blocking(_append_op(client, runner.sha("reserve"), plan, slot))
 
 
 async def append_watched(client: AsyncClient, runner: ScriptRunner, plan: AppendPlan) -> int:
-    """:func:`append_direct` on an asyncio client: a pipeline in WATCH mode (three round trips)."""
-    async with client.pipeline(transaction=True) as pipe:
-        await pipe.watch(plan.keys.meta, plan.keys.fence)
-        while True:
-            keys, args = plan.reserve_keys_args(plan.mode())
-            got = plan.reserved(await runner.call(pipe, "reserve", keys, args))
-            if got is not None:
-                break
-        start, exp = got
-        pipe.multi()
-        for command in plan.write_commands(start, exp):
-            pipe.execute_command(*command)
-        try:
-            result = await pipe.execute(raise_on_error=False)
-        except redis.exceptions.WatchError as err:
-            if "occurred while watching" in str(err):
-                # redis-py's report of a connection lost during the MULTI/EXEC (the same words
-                # as for one lost before it): the write may have been applied, and an append
-                # sent again would take new rows for the same data
-                raise OutcomeUnknownError(
-                    f"the connection to the server broke during an append to {plan.keys.base}: it may or may "
-                    "not have been applied (a re-sent append would take new rows)"
-                ) from err
-            return ABORTED  # EXEC did nothing: the layout changed or the fence moved
-    plan.check(start, result)
-    return start
+    """:func:`append_direct` on an asyncio client, on the IO loop (the same operation, run by
+    :func:`tdstore._backend.drive.run_async`, with no connection kept between appends); the
+    reserve script is loaded and the try made again after a NOSCRIPT (nothing was reserved)."""
+    try:
+        return await run_async(_append_op(client, runner.sha("reserve"), plan, None))
+    except redis.exceptions.NoScriptError:
+        await runner.ensure_loaded(client, "reserve")
+    return await run_async(_append_op(client, runner.sha("reserve"), plan, None))
 
 
 def stale() -> StaleLayoutError:

@@ -13,8 +13,8 @@ and the write is re-planned, exactly as when the WATCH is issued just before. A 
 finds no armed connection (the first one, another thread holding it, a changed layout)
 issues WATCH and the reads in one packet first: two round trips instead of four.
 
-:class:`_ArmedWrite` holds the commands and the meaning of their replies, without I/O; two
-drivers send them:
+:class:`_ArmedWrite` holds the commands and the meaning of their replies, without I/O, and
+``_write_op`` the operation, written once (:mod:`tdstore._backend.drive`); two drivers run it:
 
 * :func:`write_runs_direct`, on the store's blocking direct client (see
   ``Connection.direct_client``), from the calling thread: no hop to the IO loop, and the
@@ -38,11 +38,11 @@ import redis.asyncio
 import redis.exceptions
 
 from tdstore._backend.blocking import discard
+from tdstore._backend.drive import Checkout, ConnOp, Discard, Exchange, Release, Usable, run_async, run_blocking
 from tdstore._backend.protocols import AsyncClient, SyncClient
 from tdstore._backend.row_writes import write_runs_watched
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.translate import translate
-from tdstore._backend.wire import connected, exchange, exchange_sync
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import Command, counter_damage, data_key_commands, data_key_damage
@@ -291,14 +291,54 @@ class _ArmedWrite:
 
 
 # --------------------------------------------------------------------------- #
-# the IO-loop driver
+# the operation, and its two drivers
 # --------------------------------------------------------------------------- #
+
+
+def _write_op(client: SyncClient | AsyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, expected: str) -> ConnOp[bool]:
+    """One armed write (see the module docstring), for either driver.
+
+    Returns False, having written nothing, when the write is to go the plain way
+    (``write_runs_watched``): the slot is cooling down after contention, or this write's EXEC
+    was aborted by another client's write of the same data.
+    """
+    if slot.cooling():
+        return False
+    write = _ArmedWrite(keys, groups, expected, _can_park(client))
+    armed = slot.take(client)
+    if armed is not None and not write.usable(armed, (yield Usable(armed.connection))):
+        yield Discard(armed.client, armed.connection)
+        armed = None
+    connection: Any = armed.connection if armed is not None else None
+    try:
+        if armed is None:
+            connection = yield Checkout(client)
+            exp = write.checked((yield Exchange(connection, write.arm_commands())))
+        else:
+            exp = armed.exp
+        replies = yield Exchange(connection, write.commands(exp))
+    except BaseException:
+        # a refusal before MULTI leaves the WATCH set; a failure or cancellation mid-way
+        # leaves replies unread: either way the connection is not reused
+        if connection is not None:
+            yield Discard(client, connection)
+        raise
+    contended, drop, release = write.settle(slot, client, connection, replies)
+    for conn in drop:
+        yield Discard(client, conn)
+    if release:
+        yield Release(client, connection)
+    if contended:
+        return False
+    write.outcome(replies)
+    return True
 
 
 async def write_runs_armed(
     client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str
 ) -> None:
-    """Writes ``(path, runs, payload)`` groups with SETRANGEs in one MULTI, guarded as ``write_runs_watched``.
+    """Writes ``(path, runs, payload)`` groups with SETRANGEs in one MULTI, guarded as ``write_runs_watched``,
+    on the IO loop (the operation run by :func:`tdstore._backend.drive.run_async`).
 
     Same guarantee: all runs of all entries land in one step, or none, and only if the
     layout is still version ``expected``; the write version is bumped with them.
@@ -308,46 +348,13 @@ async def write_runs_armed(
         StoreNotFoundError: the store does not exist.
         DataLostError: a data key written to is gone from the server.
     """
-    if slot.cooling():
+    if not await run_async(_write_op(client, keys, slot, groups, expected)):
         await write_runs_watched(client, keys, runner, groups, expected=expected)
-        return
-    write = _ArmedWrite(keys, groups, expected, _can_park(client))
-    armed = slot.take(client)
-    if armed is not None and not write.usable(armed, armed.connection.is_connected):
-        await slot.drop(armed)
-        armed = None
-    connection: Any = armed.connection if armed is not None else None
-    try:
-        if armed is None:
-            connection = await client.connection_pool.get_connection()
-            exp = write.checked(await exchange(connection, write.arm_commands()))
-        else:
-            exp = armed.exp
-        replies = await exchange(connection, write.commands(exp))
-    except BaseException:
-        # a refusal before MULTI leaves the WATCH set; a failure or cancellation mid-way
-        # leaves replies unread: either way the connection is not reused
-        if connection is not None:
-            await _discard(client, connection)
-        raise
-    contended, drop, release = write.settle(slot, client, connection, replies)
-    for conn in drop:
-        await _discard(client, conn)
-    if release:
-        await client.connection_pool.release(connection)
-    if contended:
-        await write_runs_watched(client, keys, runner, groups, expected=expected)
-        return
-    write.outcome(replies)
-
-
-# --------------------------------------------------------------------------- #
-# the direct driver
-# --------------------------------------------------------------------------- #
 
 
 def write_runs_direct(client: SyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
-    """:func:`write_runs_armed` on a blocking client, from the calling thread.
+    """:func:`write_runs_armed` on a blocking client, from the calling thread (the same
+    operation, run by :func:`tdstore._backend.drive.run_blocking`).
 
     Returns False, having written nothing, when the write is to go the plain way
     (``write_runs_watched`` on the IO loop): the slot is cooling down after contention, or
@@ -357,31 +364,4 @@ def write_runs_direct(client: SyncClient, keys: StoreKeys, slot: ArmedSlot, grou
         the errors of :func:`write_runs_armed`, and redis-py's connection errors (the
         write is then all applied or not at all, as any MULTI/EXEC).
     """
-    if slot.cooling():
-        return False
-    write = _ArmedWrite(keys, groups, expected, _can_park(client))
-    armed = slot.take(client)
-    if armed is not None and not write.usable(armed, connected(armed.connection)):
-        slot.drop_sync(armed)
-        armed = None
-    connection: Any = armed.connection if armed is not None else None
-    try:
-        if armed is None:
-            connection = client.connection_pool.get_connection()
-            exp = write.checked(exchange_sync(connection, write.arm_commands()))
-        else:
-            exp = armed.exp
-        replies = exchange_sync(connection, write.commands(exp))
-    except BaseException:
-        if connection is not None:
-            discard(client, connection)
-        raise
-    contended, drop, release = write.settle(slot, client, connection, replies)
-    for conn in drop:
-        discard(client, conn)
-    if release:
-        client.connection_pool.release(connection)
-    if contended:
-        return False
-    write.outcome(replies)
-    return True
+    return run_blocking(_write_op(client, keys, slot, groups, expected))
