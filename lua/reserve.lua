@@ -21,7 +21,10 @@ KEYS[4]   fence counter, bumped when a reservation in flight is taken over
 KEYS[5]   write-version counter of the store: only checked here (the client's MULTI bumps it
           after the rows' SETRANGEs, which a server does not roll back, so a damaged one is
           refused before any row is written)
-KEYS[6..] optional: the data keys of each entry written, in the order of the ARGV groups:
+KEYS[6]   the rate limiter's hash (lua/lib/rate.lua), read when the meta hash says "lim":
+          a "new" reservation the limiter holds back changes nothing and returns -2; one it
+          allows is counted there
+KEYS[7..] optional: the data keys of each entry written, in the order of the ARGV groups:
           its one key, or its chunks in order (a chunked entry, see tdstore/_core/chunks.py)
 
 ARGV[1]   expected layout version (decimal string)
@@ -46,7 +49,8 @@ A store with an expiry (meta field "exp") gives the keys this script writes that
 Returns: {the cursor value the rows start at (the rows are (start + i) % capacity),
           the store's expiry "exp" or "", the layout version}; the start is -1 when
           "keep" finds the rows taken over (or the store made anew): the client reserves
-          new rows
+          new rows; {-2, "exp", the layout version, the limiter's timeout in ms or ""} when
+          the rate limiter holds a "new" reservation back (nothing changed: wait, try again)
 
 Errors:
   TDS_NOSTORE  the store does not exist
@@ -56,12 +60,14 @@ Errors:
   TDS_BADARG   n, capacity or a group is malformed
   TDS_CORRUPT  the cursor is not a decimal count below 2^52 (garbage, negative, another type,
                or so large that Lua's doubles would lose its low bits and give two appends
-               the same rows), or the write version is not a counter; checked before any write
+               the same rows), the write version is not a counter, or the rate limiter's
+               hash is damaged; checked before any write
 ]]
 --@include lib/common.lua
+--@include lib/rate.lua
 
 -- (check_layout of lib/common.lua, with the expiry read in the same call)
-local meta = rcall('HMGET', KEYS[1], 'lv', 'exp')
+local meta = rcall('HMGET', KEYS[1], 'lv', 'exp', 'lim')
 if not meta[1] then
   return fail('TDS_NOSTORE', 'no store at ' .. KEYS[1])
 end
@@ -93,7 +99,7 @@ end
 
 -- every data key exists with its full size (a SETRANGE into a missing or short key would
 -- create it zero-padded)
-local next_key = 6
+local next_key = 7
 for g = 1, (#ARGV - 6) / 2 do
   local row_bytes, chunk = count(ARGV[5 + 2 * g]), count(ARGV[6 + 2 * g])
   if row_bytes == nil or chunk == nil then
@@ -145,6 +151,21 @@ if mode == 'keep' then
   return {start, exp, meta[1]}
 end
 
+-- the rate limiter, read (and checked) before the first write; the reservation is counted
+-- once the cursor moved
+local limiter = nil
+if meta[3] then
+  local rerr
+  limiter, rerr = rate_read(KEYS[6])
+  if rerr then return rerr end
+  if limiter then
+    local size_after = math.min(tonumber(raw_cursor or '0') + n, capacity)
+    if not rate_can_insert(limiter, size_after, n) then
+      return {-2, exp, meta[1], limiter.to}
+    end
+  end
+end
+
 -- the last check: the INCRBY of the cursor is this script's first write (an INCRBY of a
 -- key that is not an integer changes nothing)
 local moved = redis.pcall('INCRBY', KEYS[2], int_str(n))
@@ -153,6 +174,7 @@ if type(moved) ~= 'number' or moved < n then
   return fail('TDS_BADARG', 'the cursor of ' .. KEYS[1] .. ' is not a row count')
 end
 local cursor = moved - n
+if limiter then rcall('HINCRBY', KEYS[6], 'ins', int_str(n)) end
 local start = cursor % capacity
 local first = math.min(n, capacity - start)
 

@@ -15,6 +15,8 @@ KEYS[2]   ring cursor: rows ever reserved (a string key)
 KEYS[3]   row flags: one byte per row, 1 when the row holds a whole appended row
 KEYS[4]   fence counter
 KEYS[5]   write version counter
+KEYS[6]   the rate limiter's hash (lua/lib/rate.lua): a ring emptied (ARGV[1] "0") starts
+          its counts of inserts and samples at 0 again, as a Reverb table reset does
 
 ARGV[1]   the cursor's new value: rows ever appended (decimal, 0 to 2^52)
 ARGV[2]   capacity: the size of the first batch dim (>= 1)
@@ -60,6 +62,10 @@ else
   rcall('SET', KEYS[3], kept .. string.rep('\1', counted - #kept))
 end
 rcall('SET', KEYS[2], int_str(total))
+if total == 0 and rcall('EXISTS', KEYS[6]) == 1 then
+  -- (pcall: a damaged limiter is reported by the next append or sample, not half-way here)
+  redis.pcall('HSET', KEYS[6], 'ins', '0', 'smp', '0')
+end
 rcall('INCR', KEYS[4])
 rcall('INCR', KEYS[5])
 local exp = meta[2] or ''

@@ -47,6 +47,7 @@ __all__ = [
     "EventLoopError",
     "ServerUnavailableError",
     "OutcomeUnknownError",
+    "RateLimitTimeoutError",
     "KeyTypeError",
     "ServerNotFoundError",
     "CliError",
@@ -218,6 +219,12 @@ class OutcomeUnknownError(ServerUnavailableError):
     The server applied all of it or none of it (scripts and MULTI/EXEC are atomic), but the
     client cannot tell which, so it did not send it again. Read the store to find out.
     """
+
+
+class RateLimitTimeoutError(TDStoreError, TimeoutError):
+    """The ring's rate limiter held an ``extend()`` or a ``sample()`` back for longer than its
+    timeout (``store.set_rate_limit(timeout=...)``). Nothing of the call was applied: no row
+    was written, and a sample was not counted."""
 
 
 class KeyTypeError(TDStoreError, TypeError, KeyError):

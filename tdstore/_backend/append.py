@@ -74,7 +74,7 @@ from tdstore.errors import (
 )
 
 __all__ = [
-    "Reservation", "AppendPlan", "ArmedRing", "COOL_APPENDS", "append_direct", "append_watched", "ABORTED",
+    "Reservation", "AppendPlan", "ArmedRing", "COOL_APPENDS", "append_direct", "append_watched", "ABORTED", "RATE_BLOCKED",
     "ring_counts", "ring_flags", "flag_bytes", "append_counters",
 ]
 
@@ -96,6 +96,9 @@ def parse_cursor(raw: Any, keys: StoreKeys) -> int:
 
 #: What a driver returns when EXEC was aborted (the layout changed, or the fence moved).
 ABORTED = -1
+#: What a driver returns when the ring's rate limiter held the append back: nothing was
+#: reserved nor written (:attr:`AppendPlan.rate_timeout` then holds the limiter's timeout).
+RATE_BLOCKED = -2
 
 #: Appends that take the two steps after an armed one was aborted by another client's
 #: append (see the module docstring): each aborted armed MULTI cost the server its rows' bytes.
@@ -146,6 +149,7 @@ class AppendPlan:
     ) -> None:
         self.keys, self.groups, self.lv, self.n, self.capacity = keys, groups, lv, n, capacity
         self.sub, self.res = sub, reservation
+        self.rate_timeout = ""  #: the rate limiter's timeout in ms, when it held this append back
         if reservation.held and (reservation.n, reservation.capacity) != (n, capacity):
             reservation.held = False  # another capacity: the old rows cannot be written
         reservation.n, reservation.capacity = n, capacity
@@ -156,7 +160,8 @@ class AppendPlan:
 
     def reserve_keys_args(self, mode: str) -> tuple[list[str], list[str]]:
         keys, res = self.keys, self.res
-        kl = [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv]  # (the write version: checked only)
+        # (the write version: checked only; the rate limiter: read when the meta hash says "lim")
+        kl = [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv, keys.rate]
         args = [str(self.lv), str(self.n), str(self.capacity), mode, str(res.start), res.lv or "0"]
         if mode == "new":
             return kl, args  # the data keys are checked by the write's replies (see check())
@@ -168,6 +173,14 @@ class AppendPlan:
 
     def mode(self) -> str:
         return "keep" if self.res.held else "new"
+
+    def rate_blocked(self, reply: Any) -> bool:
+        """Whether the reserve script's reply says the rate limiter held the append back
+        (then :attr:`rate_timeout` is the limiter's timeout in ms, "" for none)."""
+        if int(reply[0]) != RATE_BLOCKED:
+            return False
+        self.rate_timeout = _s(reply[3]) if len(reply) > 3 else ""
+        return True
 
     def reserved(self, reply: Any) -> tuple[int, str] | None:
         """(start, expiry) from the reserve script's reply; None when the reservation was taken over."""
@@ -240,7 +253,7 @@ class AppendPlan:
         them (all set: no append is in flight there)."""
         keys = self.keys
         out: list[Command] = [
-            ("WATCH", keys.meta, keys.ring), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.ring),
+            ("WATCH", keys.meta, keys.ring), ("HMGET", keys.meta, "lv", "exp", "lim"), ("GET", keys.ring),
         ]
         out += [("GETRANGE", keys.flags, lo, hi) for lo, hi in self._reused(after, self._armed_rows())]
         return out
@@ -256,6 +269,8 @@ class AppendPlan:
         meta = replies[1]
         if not isinstance(meta, list) or meta[0] is None or _s(replies[2]) != str(after):
             return None
+        if len(meta) > 2 and meta[2] is not None:
+            return None  # a rate limiter counts every append in its reserve step: none goes armed
         for (lo, hi), flags in zip(ranges, replies[3:], strict=True):
             if flags != b"\x01" * (hi - lo + 1):
                 return None
@@ -441,6 +456,10 @@ def _append_op(client: SyncClient | AsyncClient, sha: str, plan: AppendPlan, slo
             watch, reply = got_replies[-2], got_replies[-1]
             _raise_reply(watch)
             _raise_reply(reply)
+            if plan.rate_blocked(reply):
+                # nothing reserved: the connection goes back without its WATCH
+                yield from _unwatch(client, connection)  # type: ignore[arg-type]
+                return RATE_BLOCKED
             got = plan.reserved(reply)
             if got is not None:
                 break
@@ -523,22 +542,24 @@ def _check_flags_reply(keys: StoreKeys, reply: Any) -> None:
         raise CorruptMetadataError(f"the row flags {keys.flags} of the store {keys.base} are not a string: {reply}")
 
 
-async def ring_flags(client: AsyncClient, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any]:
-    """The cursor, the layout version, whether the flags exist, and the flags of the ring's
-    ``capacity`` rows (``whole``) or their count (BITCOUNT), in one snapshot."""
+async def ring_flags(client: AsyncClient, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any, bool]:
+    """The cursor, the layout version, whether the flags exist, the flags of the ring's
+    ``capacity`` rows (``whole``) or their count (BITCOUNT), and whether a rate limiter is set
+    (the meta field "lim"), in one snapshot."""
 
     def build(pipe: AsyncPipeline) -> None:
         pipe.get(keys.ring)
-        pipe.hget(keys.meta, "lv")
+        pipe.hmget(keys.meta, ["lv", "lim"])
         pipe.exists(keys.flags)
         if whole:
             pipe.getrange(keys.flags, 0, max(capacity - 1, 0))
         else:
             pipe.bitcount(keys.flags)
 
-    cursor, lv, exists, flags = await read_snapshot(client, keys, build)
+    cursor, meta, exists, flags = await read_snapshot(client, keys, build)
     _check_flags_reply(keys, flags)
-    return cursor, lv, int(exists or 0), flags
+    lv, limited = (meta[0], meta[1] is not None) if isinstance(meta, list) else (None, False)
+    return cursor, lv, int(exists or 0), flags, limited
 
 
 async def flag_bytes(client: AsyncClient, keys: StoreKeys, rows: Sequence[int]) -> list[int]:

@@ -109,7 +109,7 @@ async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRun
             f"the ring of {keys.base} needs a row count from 0 to 2**52 and a capacity >= 1, got {total} and {capacity}"
         )
     try:
-        await runner.call(client, "ring_total", [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv],
+        await runner.call(client, "ring_total", [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv, keys.rate],
                           [str(total), str(capacity)])
     except StoreNotFoundError:
         return False

@@ -117,7 +117,7 @@ def new_td_id() -> str:
 class StoreKeys:
     """Builds the server keys of one store."""
 
-    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "rl", "flags", "inflight", "fence", "appends", "chunks")
+    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "rl", "flags", "inflight", "fence", "appends", "rate", "chunks")
 
     def __init__(self, prefix: str, td_id: str) -> None:
         self.prefix = validate_prefix(prefix)
@@ -134,6 +134,8 @@ class StoreKeys:
         self.inflight = f"{self.base}:rif"
         self.fence = f"{self.base}:fence"
         self.appends = f"{self.base}:ac"
+        #: the ring's rate limiter (lua/lib/rate.lua, tdstore/replay/rate_limit.py)
+        self.rate = f"{self.base}:rate"
         #: the chunking of each chunked entry of the layout last cached (see tdstore._core.chunks);
         #: replaced as a whole with every new layout
         self.chunks: dict[tuple[str, ...], Chunking] = {}

@@ -50,6 +50,7 @@ from tdstore.errors import (
     StoreNotFoundError,
 )
 from tdstore.lazy.core import LazyStackedTensorDictStore
+from tdstore.replay import rate_limit as _rate_limit
 from tdstore.store import lifetime as _lifetime
 from tdstore.store import ring as _ring
 from tdstore.store.lifetime import ttl_ms
@@ -696,6 +697,60 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
             ValueError: when no row was appended yet.
         """
         return _ring.sample(self, n, generator=generator)
+
+    # ------------------------------------------------------------------ rate limits: tdstore/replay/rate_limit.py
+    def set_rate_limit(
+        self,
+        min_size: int = 1,
+        samples_per_insert: float | None = None,
+        error_buffer: float | tuple[float, float] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Keeps the ring's appenders and samplers in step, for every process: DeepMind
+        Reverb's rate limiters, kept on the server.
+
+        ``sample(n)`` waits until the ring holds ``min_size`` rows (Reverb's ``MinSize``).
+        With ``samples_per_insert`` (Reverb's ``SampleToInsertRatio``), ``sample`` and
+        ``extend`` also wait while ``inserts * samples_per_insert - samples`` would leave
+        ``samples_per_insert * min_size ± error_buffer`` (or the ``(min_diff, max_diff)``
+        pair given as ``error_buffer``). A row appended counts as one insert and a sample of
+        n rows as n samples; the counts start at 0 here. A waiting call gives up after
+        ``timeout`` seconds (None: it waits as long as it takes) with
+        :class:`~tdstore.errors.RateLimitTimeoutError`, having applied nothing.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from tdstore import TensorDictStore
+            >>> from tdstore.errors import RateLimitTimeoutError
+            >>> rb = TensorDictStore.from_schema({"x": ([2], torch.float32)}, batch_size=[8])
+            >>> rb.set_rate_limit(min_size=2, timeout=0.05)
+            >>> try:
+            ...     rb.sample(4)
+            ... except RateLimitTimeoutError:
+            ...     print("held back")
+            held back
+            >>> _ = rb.extend(TensorDict({"x": torch.ones(2, 2)}, batch_size=[2]))
+            >>> rb.sample(4)["x"].shape
+            torch.Size([4, 2])
+            >>> rb.rate_limit().samples
+            4
+            >>> rb.clear_redis()
+
+        Raises:
+            ValueError: a setting out of range (an error buffer smaller than
+                ``max(1, samples_per_insert)``, a ``min_size`` above the capacity, ...);
+                nothing is changed then.
+        """
+        _rate_limit.set_rate_limit(self, min_size, samples_per_insert, error_buffer, timeout)
+
+    def clear_rate_limit(self) -> None:
+        """Removes the ring's rate limiter (and its counts): appends and samples no longer wait."""
+        _rate_limit.clear_rate_limit(self)
+
+    def rate_limit(self) -> _rate_limit.RateLimit | None:
+        """The ring's rate limiter and its counts as the server holds them, or None when there is none."""
+        return _rate_limit.rate_limit(self)
 
     # ------------------------------------------------------------------ lifetime: tdstore/store/lifetime.py
     def expire(self, seconds: float) -> Self:

@@ -22,6 +22,7 @@ from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import check_tensor
 from tdstore.errors import CorruptMetadataError, SchemaError, StaleLayoutError
+from tdstore.replay import rate_limit as _rate
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -111,6 +112,8 @@ def extend(store: TensorDictStore, td: Any) -> torch.Tensor:
             conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=store._path, reservation=reservation
         )
         start = conn.append(plan)
+        if start == _append_mod.RATE_BLOCKED:
+            start = _wait_to_append(store, plan, n)
         if start == _append_mod.ABORTED:
             raise _append_mod.stale()
         return (start + torch.arange(n)) % capacity
@@ -118,6 +121,20 @@ def extend(store: TensorDictStore, td: Any) -> torch.Tensor:
     # the rows reserved by a try whose write was aborted are written by the next try
     reservation = _append_mod.Reservation()
     return optimistic(once, where=store._where, what="extend()", on_stale=lambda: store._layout(refresh=True))
+
+def _wait_to_append(store: TensorDictStore, plan: _append_mod.AppendPlan, n: int) -> int:
+    """Tries the append ``plan`` again while the rate limiter holds it back (see
+    :func:`tdstore.replay.rate_limit.wait`); returns what the last try returned."""
+    got = _append_mod.RATE_BLOCKED
+
+    def attempt() -> tuple[bool, str]:
+        nonlocal got
+        got = store._conn.append(plan)
+        return got != _append_mod.RATE_BLOCKED, plan.rate_timeout
+
+    _rate.wait(store, f"extend() of {n} rows", attempt, held=plan.rate_timeout)
+    return got
+
 
 def extend_spec(store: TensorDictStore, layout: Any) -> _ExtendSpec:
     """What ``extend()`` checks and writes under ``layout`` (memoized per layout)."""
@@ -175,9 +192,14 @@ def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | No
     capacity = store.batch_size[0] if store.batch_dims else 0
     large = capacity > _FLAGS_READ_MAX
 
-    cursor, lv, exists, flags = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
+    cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
     if lv is None:
         raise store._not_found()
+    if limited and capacity and _rate.acquire_samples(store, n, capacity):
+        # (held back a while: the ring moved on meanwhile)
+        cursor, lv, exists, flags, _ = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
+        if lv is None:
+            raise store._not_found()
     total = min(_append_mod.parse_cursor(cursor, keys), capacity)
     empty = ValueError(f"sample() from {store._where()}: no row was appended yet (extend() first)")
     if not exists:  # a store appended to before the flags existed, or never

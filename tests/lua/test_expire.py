@@ -248,7 +248,7 @@ class TestCommitLifetime:
 # reserve (the first step of an append) and write_runs
 # =========================================================================== #
 
-RESERVE_KEYS = [META, RING, b"td:{s}:rf", b"td:{s}:fence", WV]
+RESERVE_KEYS = [META, RING, b"td:{s}:rf", b"td:{s}:fence", WV, b"td:{s}:rate"]
 
 
 class TestReserveLifetime:

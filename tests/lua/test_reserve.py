@@ -17,8 +17,8 @@ from .test_scripts import META, RING, WV, D, expect_error, make_store
 
 pytestmark = pytest.mark.lua
 
-FLAGS, FENCE = b"td:{s}:rf", b"td:{s}:fence"
-KEYS = [META, RING, FLAGS, FENCE, WV]
+FLAGS, FENCE, RATE = b"td:{s}:rf", b"td:{s}:fence", b"td:{s}:rate"
+KEYS = [META, RING, FLAGS, FENCE, WV, RATE]
 CAP = 4
 
 

@@ -20,7 +20,8 @@ from .test_scripts import META, OTHER, RING, WV, expect_error, make_store
 pytestmark = pytest.mark.lua
 
 FLAGS, FENCE = b"td:{s}:rf", b"td:{s}:fence"
-KEYS = [META, RING, FLAGS, FENCE, WV]
+RATE = b"td:{s}:rate"
+KEYS = [META, RING, FLAGS, FENCE, WV, RATE]
 CAP = 8
 
 

@@ -1308,7 +1308,7 @@ class TestClear:
         argv = commit_argv("new", ops=[put("a", 4, 5)], first="1024")
         assert r.run("commit", [*CK, tmp, D("a")], argv, lua_version) == 1025
         assert r.data[WV] == b"1" and RING not in r.data
-        keys = [META, RING, b"td:{s}:rf", b"td:{s}:fence", WV]
+        keys = [META, RING, b"td:{s}:rf", b"td:{s}:fence", WV, b"td:{s}:rate"]
         assert r.run("reserve", keys, ["1025", "1", "2", "new", "0", "0"], lua_version) == [0, b"", b"1025"]
 
 
@@ -1425,8 +1425,10 @@ def test_every_script_and_declared_error_code_has_a_test() -> None:
         **ERROR_TESTS, "expire": EXPIRE_ERROR_TESTS, "reserve": RESERVE_ERROR_TESTS, "ring_total": RING_TOTAL_ERROR_TESTS,
     }
     from .test_lease import COMMIT_BUSY_TESTS, LEASE_ERROR_TESTS
+    from .test_rate import RATE_LIMIT_ERROR_TESTS, RATE_SAMPLE_ERROR_TESTS
 
     error_tests.update(lease=LEASE_ERROR_TESTS, commit={**ERROR_TESTS["commit"], **COMMIT_BUSY_TESTS})
+    error_tests.update(rate_limit=RATE_LIMIT_ERROR_TESTS, rate_sample=RATE_SAMPLE_ERROR_TESTS)
     assert set(error_tests) == set(script_names()), "a script without behaviour tests"
     for name, tests in error_tests.items():
         assert set(tests) == set(get_script(name).header.errors), f"{name}: the error tests and its header disagree"
