@@ -1,0 +1,6 @@
+"""Replay-buffer services kept on the server, beside a store's ring buffer (issue 26).
+
+:mod:`tdstore.replay.priorities`: proportional prioritized sampling (``enable_priorities``,
+``sample(prioritized=True)``, ``update_priority``). The store's methods delegate to these
+modules, which take the store: they are collaborators of ``TensorDictStore``, not bases.
+"""
