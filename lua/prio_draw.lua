@@ -67,15 +67,26 @@ return protect(function()
     end
     local mass, node, value = u * total, 0, 0
     for l = t.depth, 1, -1 do
-      local sums = cache[l - 1][node]
-      if not sums then
+      -- the children's sums, parsed lazily (a draw reads about half of them)
+      local below = l - 1
+      local group = cache[below][node]
+      if not group then
         local first = node * k
-        sums = prio_read(t, l - 1, first, math.min(first + k, t.sizes[l - 1]) - 1, false)
-        cache[l - 1][node] = sums
+        local count = math.min(first + k, t.sizes[below]) - first
+        local width, key, base = NW, t.pt, 0
+        if below == 0 then width, key = PW, t.pl else base = t.offs[below] end
+        local raw = rcall('GETRANGE', key, int_str(base + first * width), int_str(base + (first + count) * width - 1))
+        group = {raw = raw, count = count, width = width, key = key}
+        cache[below][node] = group
       end
       local pick, before, acc = nil, 0, 0
-      for i = 1, #sums do
-        local v = sums[i]
+      local raw, width = group.raw, group.width
+      for i = 1, group.count do
+        local v = group[i]
+        if v == nil then
+          v = pnum(string.sub(raw, (i - 1) * width + 1, (i - 1) * width + PW), group.key)
+          group[i] = v
+        end
         if v > 0 then
           pick, before = i, acc
           acc = acc + v
@@ -84,10 +95,10 @@ return protect(function()
       end
       if not pick then
         tds_error('TDS_CORRUPT', 'the priority tree ' .. t.pt .. ' has a node with a positive sum and no positive child'
-          .. ' (damaged?); call enable_priorities() again')
+          .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
       end
       mass = mass - before
-      value = sums[pick]
+      value = group[pick]
       node = node * k + pick - 1
     end
     local ok

@@ -45,7 +45,7 @@ local function pnum(s, key)
   local v = tonumber(s)
   if v == nil or v ~= v or v < 0 or v > P_MAX then
     tds_error('TDS_CORRUPT', 'the priority tree ' .. key .. ' holds ' .. string.format('%q', string.sub(s, 1, 30))
-      .. ', not a priority (damaged?); call enable_priorities() again')
+      .. ', not a priority (damaged?); disable_priorities() and enable_priorities() rebuild it')
   end
   return v
 end
@@ -69,7 +69,7 @@ local function prio_parse(raw, where)
   end
   if bad then
     tds_error('TDS_CORRUPT', where .. ' hold ' .. string.format('%q', string.sub(raw, 1, 80))
-      .. ', not priority settings; call enable_priorities() again')
+      .. ', not priority settings; disable_priorities() and enable_priorities() rebuild it')
   end
   return {alpha = alpha, beta = beta, eps = eps, k = k, cap = cap, raw = raw}
 end
@@ -102,7 +102,7 @@ end
 local function prio_check_sizes(t)
   if slen(t.pl) ~= t.cap * PW or slen(t.pt) ~= t.bytes or slen(t.pg) ~= t.cap * GW or slen(t.pm) ~= PW then
     tds_error('TDS_CORRUPT', 'the priority tree of ' .. t.pl .. ' is not the one of a ring of ' .. int_str(t.cap)
-      .. ' rows (damaged, evicted, or the batch size changed); call enable_priorities() again')
+      .. ' rows (damaged, evicted, or the batch size changed); disable_priorities() and enable_priorities() rebuild it')
   end
 end
 
@@ -154,7 +154,7 @@ local function prio_fix(t, runs)
           local mc = low[c]
           if mc > 0 and (m == 0 or mc < m) then m = mc end
         end
-        out[#out + 1] = pfmt(s) .. pfmt(m)
+        out[#out + 1] = string.format('%-23.17g%-23.17g', s, m)
       end
       rcall('SETRANGE', t.pt, int_str(t.offs[l] + run[1] * NW), table.concat(out))
     end

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 #: The arity of the tree (children per inner node): measured best (benchmarks/bench_priority_structures.py).
-DEFAULT_ARITY = 16
+DEFAULT_ARITY = 8
 #: Width in bytes of a value, an inner node and a generation in the tree's strings (lua/lib/prio.lua).
 _PW, _NW, _GW = 23, 46, 16
 #: Draw steps before a sample gives up on rows that keep being appended to under it.
@@ -166,7 +166,7 @@ def _draw(store: TensorDictStore, n: int, generator: torch.Generator | None) -> 
     values: list[torch.Tensor] = []
     gens: list[torch.Tensor] = []
     need = n
-    p_min, beta = 1.0, 0.0
+    p_min, beta = math.inf, 0.0
     for _ in range(_REDRAWS):
         u = torch.rand(need + max(8, need // 4), dtype=torch.float64, generator=generator)
         args = [str(need), *map(repr, u.tolist())]
@@ -180,7 +180,8 @@ def _draw(store: TensorDictStore, n: int, generator: torch.Generator | None) -> 
         k = got.numel()
         try:
             vals = torch.tensor([float(v) for v in bytes(reply[2]).split()], dtype=torch.float64)
-            p_min = float(reply[4])
+            # (the least over the rounds: every row drawn is worth at least it, its weight at most 1)
+            p_min = min(p_min, float(reply[4]))
             beta = _parse_settings(reply[5], where).beta
         except ValueError as err:
             raise CorruptMetadataError(f"sample(prioritized=True) from {where}: the server's draw is damaged: {err}") from err
@@ -200,7 +201,7 @@ def _draw(store: TensorDictStore, n: int, generator: torch.Generator | None) -> 
 
 def _weights(values: torch.Tensor, p_min: float, beta: float) -> torch.Tensor:
     """TorchRL's importance weights: ``(p / min(p)) ** -beta``, as float32."""
-    if p_min <= 0:
+    if not 0 < p_min < math.inf:
         return torch.ones_like(values, dtype=torch.float32)
     return torch.pow(values / p_min, -beta).to(torch.float32)
 
@@ -232,10 +233,10 @@ def sample(store: TensorDictStore, n: int, *, generator: torch.Generator | None 
     values = torch.empty(n, dtype=torch.float64)
     todo = torch.arange(n)
     parts: list[tuple[torch.Tensor, Any]] = []
-    p_min, beta = 1.0, 0.0
+    p_min, beta = math.inf, 0.0
     for _ in range(_REDRAWS):
         d = _draw(store, todo.numel(), generator)
-        p_min, beta = d.p_min, d.beta
+        p_min, beta = min(p_min, d.p_min), d.beta
         batch = store[d.rows]
         rows = d.rows.tolist()
         gen_blob, flags = conn.run(

@@ -445,7 +445,7 @@ class TensorDictStore(StoreHandle, StoreAPI, StoreWrites, StoreReads, TensorDict
         return _ring.sample(self, n, generator=generator, prioritized=prioritized, return_info=return_info)
 
     # ------------------------------------------------------------------ prioritized replay: tdstore/replay/priorities.py
-    def enable_priorities(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-8, *, arity: int = 16) -> None:
+    def enable_priorities(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-8, *, arity: int = 8) -> None:
         """Turns on proportional prioritized sampling of the ring, for every process, in one step.
 
         TorchRL's ``PrioritizedSampler`` semantics: a row of priority ``q`` holds
