@@ -146,6 +146,7 @@ return protect(function()
   if exp ~= '' then
     for _, key in ipairs({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}) do rcall('PEXPIREAT', key, exp) end
   end
-  if mode == 'enable' then rcall('HINCRBY', KEYS[1], 'lv', 1) end
+  if mode == 'reset' then return 1 end
+  rcall('HINCRBY', KEYS[1], 'lv', 1)
   return 2
 end)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PrioritySettings", "DEFAULT_ARITY", "enable", "disable", "settings", "sample", "draw", "update",
-    "new_rows", "set_ring_total", "tree_report",
+    "new_rows", "set_ring_total", "tree_problems", "tree_report",
 ]
 
 #: The arity of the tree (children per inner node): measured best (benchmarks/bench_priority_structures.py).
@@ -336,32 +336,21 @@ def _values(blob: bytes, width: int, what: str) -> np.ndarray:
         raise CorruptMetadataError(f"{what} holds text that is not numbers: {err}") from err
 
 
-def tree_report(store: TensorDictStore, rel: float = 1e-9) -> dict[str, Any]:
-    """The tree read in one snapshot and checked: every inner node equals the sum of its
-    children (to ``rel``) and holds their least positive value; for tests and diagnosis.
-
-    Returns ``{"settings", "leaves" (float64 array), "gens" (int64 tensor), "max" (float or
-    None), "flags" (bytes or None), "problems" (list of str: empty when consistent)}``; None
-    when priorities are off."""
-    conn = store._conn
-    raw, leaves_b, tree_b, gens_b, max_b, flags, _cursor = conn.run(lambda c: _io.read_tree(c, conn.keys))
-    if raw is None:
-        return None  # type: ignore[return-value]
-    where = store._where()
-    s = _parse_settings(raw, where)
+def tree_problems(s: PrioritySettings, leaves_b: bytes, tree_b: bytes, rel: float = 1e-9) -> tuple[np.ndarray, list[str]]:
+    """The leaves of a tree's raw strings, and what is wrong with it (empty: consistent):
+    every inner node must equal the sum of its children (to ``rel``) and hold their least
+    positive value (lua/lib/prio.lua)."""
     problems: list[str] = []
-    leaves = _values(bytes(leaves_b or b""), _PW, "the leaves")
+    leaves = _values(leaves_b, _PW, "the leaves")
     if leaves.size != s.capacity:
-        problems.append(f"{leaves.size} leaves for {s.capacity} rows")
+        return leaves, [f"{leaves.size} leaves for {s.capacity} rows"]
     sizes = [s.capacity]
     while sizes[-1] > 1 or len(sizes) == 1:
         sizes.append(-(-sizes[-1] // s.arity))
-    inner = _values(bytes(tree_b or b""), _PW, "the inner levels").reshape(-1, 2) if tree_b else np.zeros((0, 2))
+    inner = _values(tree_b, _PW, "the inner levels").reshape(-1, 2) if tree_b else np.zeros((0, 2))
     if inner.shape[0] != sum(sizes[1:]):
-        problems.append(f"{inner.shape[0]} inner nodes, expected {sum(sizes[1:])}")
-        return {"settings": s, "leaves": leaves, "gens": None, "max": None, "flags": flags, "problems": problems}
-    # the inner levels lie root first
-    offsets: dict[int, int] = {}
+        return leaves, [f"{inner.shape[0]} inner nodes, expected {sum(sizes[1:])}"]
+    offsets: dict[int, int] = {}  # (the inner levels lie root first)
     off = 0
     for level in range(len(sizes) - 1, 0, -1):
         offsets[level] = off
@@ -380,11 +369,24 @@ def tree_report(store: TensorDictStore, rel: float = 1e-9) -> dict[str, Any]:
             if not math.isclose(nodes[j, 1], want_m, rel_tol=rel, abs_tol=1e-300):
                 problems.append(f"level {level} node {j}: min {nodes[j, 1]!r}, children's least {want_m!r}")
         below_sum, below_min = nodes[:, 0], nodes[:, 1]
-    gens = _gens(gens_b or b"", s.capacity, where) if gens_b and len(gens_b) == s.capacity * _GW else None
+    return leaves, problems[:20]
+
+
+def tree_report(store: TensorDictStore, rel: float = 1e-9) -> dict[str, Any] | None:
+    """The tree read in one snapshot and checked (:func:`tree_problems`); for tests and diagnosis.
+
+    Returns ``{"settings", "leaves" (float64 array), "gens" (int64 tensor, or None when
+    damaged), "max" (float, or None when no priority was given yet), "flags" (bytes or
+    None), "problems" (list of str: empty when consistent)}``; None when priorities are off."""
+    conn = store._conn
+    raw, leaves_b, tree_b, gens_b, max_b, flags, _cursor = conn.run(lambda c: _io.read_tree(c, conn.keys))
+    if raw is None:
+        return None
+    where = store._where()
+    s = _parse_settings(raw, where)
+    leaves, problems = tree_problems(s, bytes(leaves_b or b""), bytes(tree_b or b""), rel)
+    gens = _gens(gens_b, s.capacity, where) if gens_b and len(gens_b) == s.capacity * _GW else None
     if gens is None:
         problems.append("the generations are not one 16-digit count per row")
     text = bytes(max_b or b"").strip()
-    return {
-        "settings": s, "leaves": leaves, "gens": gens, "max": float(text) if text else None, "flags": flags,
-        "problems": problems[:20],
-    }
+    return {"settings": s, "leaves": leaves, "gens": gens, "max": float(text) if text else None, "flags": flags, "problems": problems}
