@@ -5,7 +5,6 @@ MULTI, and the raw read of the tree for checks. No row byte passes through these
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import redis.exceptions
 
@@ -27,7 +26,7 @@ def build_keys(keys: StoreKeys) -> list[str]:
 draw_keys = build_keys
 
 
-async def call(client: AsyncClient, runner: ScriptRunner, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+async def call(client: AsyncClient, runner: ScriptRunner, name: str, keys: Sequence[str], args: Sequence[str | int]) -> object:
     """EVALSHA of the script ``name`` (loaded again on NOSCRIPT)."""
     return await runner.call(client, name, keys, [str(a) for a in args])
 
@@ -54,7 +53,7 @@ async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRun
             f"the ring of {keys.base} needs a row count from 0 to 2**52 and a capacity >= 1, got {total} and {capacity}"
         )
 
-    async def send() -> list[Any]:
+    async def send() -> list[object]:
         async with client.pipeline(transaction=True) as pipe:
             runner.queue(pipe, "ring_total", [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv], [str(total), str(capacity)])
             runner.queue(pipe, "prio_build", build_keys(keys), ["reset"])
@@ -73,7 +72,7 @@ async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRun
     return True
 
 
-async def read_tree(client: AsyncClient, keys: StoreKeys) -> list[Any]:
+async def read_tree(client: AsyncClient, keys: StoreKeys) -> list[object]:
     """The settings, the four priority keys, the flags and the cursor, in one snapshot."""
 
     def build(pipe: AsyncPipeline) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -170,7 +170,7 @@ def _draw(store: TensorDictStore, n: int, generator: torch.Generator | None) -> 
     for _ in range(_REDRAWS):
         u = torch.rand(need + max(8, need // 4), dtype=torch.float64, generator=generator)
         args = [str(need), *map(repr, u.tolist())]
-        reply = conn.run(lambda c, args=args: _io.call(c, conn.runner, "prio_draw", _io.draw_keys(keys), args))
+        reply = cast("list[Any]", conn.run(lambda c, args=args: _io.call(c, conn.runner, "prio_draw", _io.draw_keys(keys), args)))
         status = int(reply[0])
         if status == 0:
             raise ValueError(f"sample(prioritized=True) from {where}: priorities are off; call enable_priorities() first")
@@ -239,9 +239,9 @@ def sample(store: TensorDictStore, n: int, *, generator: torch.Generator | None 
         p_min, beta = min(p_min, d.p_min), d.beta
         batch = store[d.rows]
         rows = d.rows.tolist()
-        gen_blob, flags = conn.run(
+        gen_blob, flags = cast("list[Any]", conn.run(
             lambda c, rows=rows: _io.call(c, conn.runner, "prio_check", [keys.flags, keys.prio_gens, keys.ring], rows)
-        )
+        ))
         try:
             now = _gens(gen_blob, len(rows), where)
         except CorruptMetadataError:
@@ -310,7 +310,9 @@ def update(store: TensorDictStore, index: Any, priority: Any, generation: Any = 
     conn = store._conn
     keys = conn.keys
     try:
-        reply = conn.run(lambda c: _io.call(c, conn.runner, "prio_update", [keys.meta, keys.ring, *keys.replay_keys()], args))
+        reply = cast("list[Any]", conn.run(
+            lambda c: _io.call(c, conn.runner, "prio_update", [keys.meta, keys.ring, *keys.replay_keys()], args)
+        ))
     except StoreNotFoundError:
         raise store._not_found() from None
     status = int(reply[0])
@@ -379,7 +381,7 @@ def tree_report(store: TensorDictStore, rel: float = 1e-9) -> dict[str, Any] | N
     damaged), "max" (float, or None when no priority was given yet), "flags" (bytes or
     None), "problems" (list of str: empty when consistent)}``; None when priorities are off."""
     conn = store._conn
-    raw, leaves_b, tree_b, gens_b, max_b, flags, _cursor = conn.run(lambda c: _io.read_tree(c, conn.keys))
+    raw, leaves_b, tree_b, gens_b, max_b, flags, _cursor = cast("list[Any]", conn.run(lambda c: _io.read_tree(c, conn.keys)))
     if raw is None:
         return None
     where = store._where()
