@@ -105,7 +105,9 @@ def round_trip(kind: str, rows: int, repeat: int) -> None:
     schema = {"obs": ([84, 84, 3], torch.uint8), "action": ([], torch.int64), "reward": ([], torch.float32)}
     with start_server(kind) as srv:
         client = srv.sync_client(unix=True)
-        store = TensorDictStore.from_schema(schema, batch_size=[rows], **srv.connection_kwargs(unix=True))
+        store = TensorDictStore.from_schema(
+            schema, batch_size=[rows], chunk_bytes=64 * 2**20, **srv.connection_kwargs(unix=True)
+        )
         chunk = 256
         batch = TensorDict(
             obs=torch.randint(0, 255, (chunk, 84, 84, 3), dtype=torch.uint8), action=torch.zeros(chunk, dtype=torch.int64),
@@ -113,6 +115,8 @@ def round_trip(kind: str, rows: int, repeat: int) -> None:
         )
         for _ in range(rows // chunk):
             store.extend(batch)
+        if rows % chunk:
+            store.extend(batch[: rows % chunk])
         store.enable_priorities(alpha=0.6, beta=0.4)
         g = torch.Generator().manual_seed(0)
         for _ in range(16):

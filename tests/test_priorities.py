@@ -323,6 +323,29 @@ def test_plan_without_new_rows_is_unchanged():
     assert [c for c in b if c[0] != "EVAL"] == a and ("EVAL", "x", 0, 3, 2) in b
 
 
+def test_the_steps_survive_a_script_flush(server, make):
+    """The append's MULTI sends prio_new as EVAL (a MULTI does not roll back: an EVALSHA there
+    answered NOSCRIPT would leave rows written without priorities); the other steps load
+    their scripts again."""
+    store = _ring(make, 8, 4)
+    store.enable_priorities(alpha=1.0, beta=1.0)
+    client = server.sync_client()
+    try:
+        client.script_flush()
+        store.extend(w.rows([5]))
+        assert P.tree_report(store)["gens"][4] == 5
+        client.script_flush()
+        assert store.update_priority([0], [3.0]).all()
+        client.script_flush()
+        _batch, info = store.sample(4, prioritized=True, return_info=True)
+        assert info["index"].numel() == 4
+        client.script_flush()
+        store.set_ring_total(2)
+        assert P.tree_report(store)["leaves"].tolist() == [1.0, 1.0] + [0.0] * 6
+    finally:
+        client.close()
+
+
 def _check_seen(seen, logs, store):
     """The rows the learners drew: whole (both entries one token), each (row, generation) one
     token, each token at the row its append got and one generation, generations moving with
