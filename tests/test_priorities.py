@@ -328,7 +328,7 @@ def test_the_steps_survive_a_script_flush(server, make):
     answered NOSCRIPT would leave rows written without priorities); the other steps load
     their scripts again."""
     store = _ring(make, 8, 4)
-    store.enable_priorities(alpha=1.0, beta=1.0)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
     client = server.sync_client()
     try:
         client.script_flush()
