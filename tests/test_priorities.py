@@ -21,6 +21,7 @@ from fixtures import PoolSpec
 from tdstore._backend.append import AppendPlan, Reservation
 from tdstore.errors import CorruptMetadataError
 from tdstore.replay import priorities as P
+from tdstore.testing.counts import record
 
 POOL = PoolSpec(workers=6, warm_up=w.warm_up, warm_up_arg=0.5)
 
@@ -415,16 +416,19 @@ def test_processes_keep_the_tree_consistent(race_server, pool, request):
     report = P.tree_report(store)
     assert report["problems"] == []
     seen = [s for r in results for s in r["seen"]]
-    _check_seen(seen, logs, store)
     final = report["gens"]
-    for row, gen in (d for r in results for d in r["dropped"]):
-        assert final[row] != gen, f"the update of row {row} at its generation {gen} was left alone"
-    assert sum(r["bad_weights"] for r in results) == 0
+    dropped = [d for r in results for d in r["dropped"]]
+    wrongly_dropped = sum(int(final[row]) == gen for row, gen in dropped)
     appended = sum(len(log) for log in logs)
-    request.node.user_properties.append(("prio_race", {
-        "appended": appended, "drawn": len(seen), "samples": sum(r["samples"] for r in results),
-        "updates_applied": sum(r["applied"] for r in results), "updates_dropped": sum(len(r["dropped"]) for r in results),
-    }))
+    record(
+        request, appended=appended, drawn=len(seen), samples=sum(r["samples"] for r in results),
+        updates_applied=sum(r["applied"] for r in results), updates_dropped=len(dropped),
+        torn_rows=sum(a != b for _r, _g, a, b in seen), unwritten_rows=sum(g < 1 for _r, g, _a, _b in seen),
+        wrongly_dropped=wrongly_dropped, bad_weights=sum(r["bad_weights"] for r in results), tree_problems=len(report["problems"]),
+    )
+    _check_seen(seen, logs, store)
+    assert wrongly_dropped == 0, "an update was left alone though its row's generation had not moved"
+    assert sum(r["bad_weights"] for r in results) == 0
     assert appended > 0 and seen and math.isfinite(report["leaves"].sum())
     store.clear_redis()
     store.close()
