@@ -432,3 +432,21 @@ def test_processes_keep_the_tree_consistent(race_server, pool, request):
     assert appended > 0 and seen and math.isfinite(report["leaves"].sum())
     store.clear_redis()
     store.close()
+
+
+@pytest.mark.parametrize("race_server", ["redis", "valkey", "cluster"], indirect=True)
+def test_a_round_on_every_deployment(race_server, stores):
+    """Enable, append, sample, update and empty on the real servers and on a Redis Cluster
+    (every key of the store in one slot; the IO-loop driver sends the append's EVAL there)."""
+    store = stores(race_server, "from_schema", w.SCHEMA, batch_size=[16])
+    store.extend(w.rows(list(range(10))))
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.extend(w.rows([20, 21]))
+    assert store.update_priority([0, 11], [4.0, 2.0]).all()
+    batch, info = store.sample(32, prioritized=True, return_info=True)
+    assert batch["a"].tolist() == [([*range(10), 20, 21])[i] for i in info["index"].tolist()]
+    report = P.tree_report(store)
+    assert report["problems"] == [] and report["gens"][10:12].tolist() == [11, 12] and report["max"] == 4.0
+    store.set_ring_total(0)
+    assert P.tree_report(store)["leaves"].sum() == 0
+    store.clear_redis()
