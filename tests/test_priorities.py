@@ -450,3 +450,42 @@ def test_a_round_on_every_deployment(race_server, stores):
     store.set_ring_total(0)
     assert P.tree_report(store)["leaves"].sum() == 0
     store.clear_redis()
+
+
+@pytest.mark.multiprocess
+def test_sigkill_of_appenders_and_learners_leaves_the_tree_consistent(race_server, stores, request):
+    """Appenders and learners forked and killed (SIGKILL) at random moments: every change to
+    the tree is one server step, so after each kill it is consistent and the store samples."""
+    import multiprocessing
+    import os
+    import random
+    import signal
+
+    conn = race_server.connection_kwargs()
+    store = stores(race_server, "from_schema", w.SCHEMA, batch_size=[256])
+    store.extend(w.rows(list(range(64))))
+    store.enable_priorities(alpha=0.6, beta=0.4)
+    ctx = multiprocessing.get_context("fork")  # (no re-import per kill)
+    rng = random.Random(5)
+    kills = 0
+    for _ in range(4):
+        total = store.ring_state().total
+        procs = [ctx.Process(target=w.appender, args=(conn, store.td_id, 7, 30.0))]
+        procs.append(ctx.Process(target=w.learner, args=(conn, store.td_id, 3, 30.0)))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 20
+        while store.ring_state().total == total:  # the appender is appending
+            assert time.monotonic() < deadline, "the appender did not start"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.05, 0.4))
+        for p in procs:
+            assert p.pid is not None
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            kills += 1
+        report = P.tree_report(store)
+        assert report["problems"] == []
+        _batch, info = store.sample(16, prioritized=True, return_info=True)
+        assert info["index"].numel() == 16
+    record(request, kills=kills, rows_appended=store.ring_state().total, tree_problems=0)
