@@ -489,3 +489,45 @@ def test_sigkill_of_appenders_and_learners_leaves_the_tree_consistent(race_serve
         _batch, info = store.sample(16, prioritized=True, return_info=True)
         assert info["index"].numel() == 16
     record(request, kills=kills, rows_appended=store.ring_state().total, tree_problems=0)
+
+
+def test_rows_appended_to_between_the_draw_and_the_check_are_drawn_again(server, make, monkeypatch):
+    store = _ring(make, 4, 4)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    real = P._draw
+    calls = []
+
+    def draw_then_append(s, n, generator):
+        got = real(s, n, generator)
+        calls.append(n)
+        if len(calls) == 1:  # every row drawn is appended to before it is read and checked
+            store.extend(w.rows([10, 11, 12, 13]))
+        return got
+
+    monkeypatch.setattr(P, "_draw", draw_then_append)
+    batch, info = store.sample(8, prioritized=True, return_info=True)
+    assert calls == [8, 8]
+    assert batch["a"].tolist() == [10 + i for i in info["index"].tolist()]
+    assert info["generation"].tolist() == [5 + i for i in info["index"].tolist()]
+
+
+def test_a_sample_partly_drawn_again_keeps_its_order(server, make, monkeypatch):
+    store = _ring(make, 8, 8)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.update_priority([0, 1], [5.0, 5.0])  # rows 0 and 1 drawn most
+    real = P._draw
+    calls = []
+
+    def draw_then_append(s, n, generator):
+        got = real(s, n, generator)
+        calls.append(n)
+        if len(calls) == 1:
+            store.extend(w.rows([20, 21]))  # rows 0 and 1 only
+        return got
+
+    monkeypatch.setattr(P, "_draw", draw_then_append)
+    batch, info = store.sample(64, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(2))
+    assert len(calls) == 2 and 0 < calls[1] < 64
+    new = {0: (20, 9), 1: (21, 10)}
+    for i, (row, a, gen) in enumerate(zip(info["index"].tolist(), batch["a"].tolist(), info["generation"].tolist(), strict=True)):
+        assert (a, gen) == new.get(row, (row, 0)), i
