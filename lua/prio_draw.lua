@@ -22,7 +22,7 @@ ARGV[2..] uniforms in [0, 1), at least n of them (the extra ones replace rejecte
 
 Flags: no-writes
 
-Returns: {1, rows (0-based), their p as '%.17g' text joined by spaces, their generations
+Returns: {1, rows (0-based), their p as stored (lua/lib/prio.lua) joined by spaces, their generations
           (16 digits each, back to back), the least positive p of the tree as text, the
           settings JSON}: fewer than n rows when the uniforms ran out;
          {0} when priorities are off; {-1} when no row has a positive p
@@ -65,7 +65,7 @@ return protect(function()
     if u == nil or u ~= u or u < 0 or u >= 1 then
       return fail('TDS_BADARG', 'a uniform must be in [0, 1), got ' .. tostring(ARGV[next_u - 1]))
     end
-    local mass, node, value = u * total, 0, 0
+    local mass, node, value = u * total, 0, ''
     for l = t.depth, 1, -1 do
       -- the children's sums, parsed lazily (a draw reads about half of them)
       local below = l - 1
@@ -98,7 +98,8 @@ return protect(function()
           .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
       end
       mass = mass - before
-      value = group[pick]
+      -- (the leaf's text as stored: exact, and no format per draw)
+      value = string.sub(raw, (pick - 1) * width + 1, (pick - 1) * width + PW)
       node = node * k + pick - 1
     end
     local ok
@@ -109,7 +110,7 @@ return protect(function()
     end
     if ok then
       rows[#rows + 1] = node
-      values[#values + 1] = string.format('%.17g', value)
+      values[#values + 1] = value
       gens[#gens + 1] = rcall('GETRANGE', t.pg, int_str(node * GW), int_str(node * GW + GW - 1))
     end
   end

@@ -159,7 +159,7 @@ def test_draw_follows_the_uniforms_and_rejects_rows_not_written(r: ClockRedis, l
     us = [0.0, 1.5 / 55, 10.5 / 55, 54.9 / 55]
     got = r.run("prio_draw", BUILD_KEYS, ["4", *map(repr, us)], lua_version)
     assert got[0] == 1 and got[1] == [0, 1, 4, 9]
-    assert got[2] == b"1 2 5 10" and got[3] == b"0" * 64 and got[4] == b"1" and json.loads(got[5])["k"] == 4
+    assert [float(v) for v in got[2].split()] == [1, 2, 5, 10] and got[3] == b"0" * 64 and got[4] == b"1" and json.loads(got[5])["k"] == 4
     r.data[FLAGS] = b"\x01\x00" + b"\x01" * 8  # row 1 in flight: the next uniform replaces it
     got = r.run("prio_draw", BUILD_KEYS, ["2", repr(1.5 / 55), "0.0", "0.5"], lua_version)
     assert got[1] == [0, 6]  # (0.5 * 55 = 27.5: row 6 holds 21..28)
