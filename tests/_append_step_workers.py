@@ -116,7 +116,7 @@ def cursor_setter(conn: dict[str, Any], td_id: str, rounds: int, duration: float
     from 0 to twice the capacity, ``rounds`` times or for ``duration`` seconds; returns how many."""
     import random
 
-    from tdstore._backend import ops as _backend
+    from tdstore._backend import priorities as _backend
 
     rng = random.Random(seed)
     store = TensorDictStore.from_store(td_id=td_id, **conn)

@@ -216,9 +216,9 @@ def test_the_cursor_set_meanwhile_is_followed(store, real_server):
 
 
 async def _set_total(client, store, total):
-    from tdstore._backend import ops
+    from tdstore._backend import priorities
 
-    assert await ops.set_ring_total(client, store._conn.keys, store._conn.runner, total, CAP)
+    assert await priorities.set_ring_total(client, store._conn.keys, store._conn.runner, total, CAP)
 
 
 def test_armed_appends_keep_the_store_expiry(stores, real_server, admin):

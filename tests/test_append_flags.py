@@ -117,7 +117,7 @@ def test_a_layout_change_between_the_steps_rewrites_the_same_rows(server, monkey
 def test_a_cursor_set_by_the_client_counts_its_rows_as_written(store):
     """torchrl's load_state_dict sets the cursor (set_ring_total): those rows are valid,
     and stay so after the next append."""
-    from tdstore._backend import ops as _backend
+    from tdstore._backend import priorities as _backend
 
     conn = store._conn
     store[0:5] = batch(3.0, 5)
@@ -136,7 +136,7 @@ def _set_total_elsewhere(server, store, total: int) -> None:
     import asyncio
     import threading
 
-    from tdstore._backend import ops as _backend
+    from tdstore._backend import priorities as _backend
 
     got: list[object] = []
 
@@ -187,7 +187,7 @@ def test_a_cursor_set_keeps_the_store_expiry(store, server):
     """The keys that setting the cursor writes expire with the store, whether or not they
     existed (here: a store never appended to). Before, the cursor key lost its expiry and
     outlived the store."""
-    from tdstore._backend import ops as _backend
+    from tdstore._backend import priorities as _backend
 
     store.expire(60)
     conn = store._conn
@@ -206,7 +206,7 @@ def test_a_cursor_set_keeps_the_store_expiry(store, server):
 
 
 def test_a_cursor_set_on_a_deleted_store_writes_nothing(store, server):
-    from tdstore._backend import ops as _backend
+    from tdstore._backend import priorities as _backend
 
     store.extend(batch(1.0, 2))
     other = TensorDictStore.from_store(td_id=store.td_id, **server.connection_kwargs())

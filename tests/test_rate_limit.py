@@ -49,6 +49,26 @@ def test_a_sample_waits_for_min_size_and_gives_up_in_time(ring):
     assert (ring.rate_limit().inserts, ring.rate_limit().samples) == (4, 5)
 
 
+@pytest.mark.parametrize("filled", [0, 3], ids=["empty", "short"])
+def test_a_prioritized_sample_is_held_and_counted_like_a_uniform_one(ring, filled):
+    ring.enable_priorities(alpha=1.0, beta=0.5)
+    ring.set_rate_limit(min_size=4, timeout=0.1)
+    if filled:
+        ring.extend(rows(filled))
+    with pytest.raises(RateLimitTimeoutError, match=r"sample\(2\) on "):
+        ring.sample(2, prioritized=True)
+    assert ring.rate_limit().samples == 0  # nothing counted
+    ring.extend(rows(4 - filled))
+    batch, info = ring.sample(5, prioritized=True, return_info=True)
+    assert batch.batch_size == torch.Size([5]) and info["index"].lt(4).all()
+    assert (ring.rate_limit().inserts, ring.rate_limit().samples) == (4, 5)  # (counted once, as 5 samples)
+    ring.set_rate_limit(min_size=1, samples_per_insert=1.0, error_buffer=2, timeout=0.0)  # (counts from 0 again)
+    ring.sample(1, prioritized=True)  # 0 * 1 - 1 = -1 >= 1 - 2
+    with pytest.raises(RateLimitTimeoutError):
+        ring.sample(2, prioritized=True)  # -3 would leave the buffer
+    assert ring.rate_limit().samples == 1
+
+
 def test_an_append_held_back_writes_nothing(ring):
     ring.set_rate_limit(min_size=2, samples_per_insert=1.0, error_buffer=2, timeout=0.0)
     ring.extend(rows(4))  # (0 + 4) * 1 - 0 = 4 <= 2 + 2

@@ -50,7 +50,7 @@ the commands come from :class:`AppendPlan`, which does no I/O), and two drivers 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,15 +140,20 @@ class AppendPlan:
     """The commands of one append try and the meaning of their replies (no I/O).
 
     ``groups``: ``(path, row bytes, payload)`` per tensor entry, ``payload`` the ``n`` rows'
-    bytes back to back; ``sub``: the path of the sub-store appended to (its append counter).
+    bytes back to back; ``sub``: the path of the sub-store appended to (its append counter);
+    ``new_rows``: for a store with priorities on (``tdstore/replay/priorities.py``), the
+    command giving the rows their priority and generation from the cursor value they start
+    at and their count (an EVAL of ``lua/prio_new.lua``), sent in the MULTI that sets their flags; None
+    (priorities off): the MULTI carries nothing more.
     """
 
     def __init__(
         self, keys: StoreKeys, groups: Sequence[tuple[tuple[str, ...], int, Any]], *, lv: int, n: int,
         capacity: int, sub: tuple[str, ...], reservation: Reservation,
+        new_rows: Callable[[int, int], Command] | None = None,
     ) -> None:
         self.keys, self.groups, self.lv, self.n, self.capacity = keys, groups, lv, n, capacity
-        self.sub, self.res = sub, reservation
+        self.sub, self.res, self.new_rows = sub, reservation, new_rows
         self.rate_timeout = ""  #: the rate limiter's timeout in ms, when it held this append back
         if reservation.held and (reservation.n, reservation.capacity) != (n, capacity):
             reservation.held = False  # another capacity: the old rows cannot be written
@@ -218,6 +223,8 @@ class AppendPlan:
         out.append(("SETRANGE", keys.flags, row0, b"\x01" * first))
         if first < n:
             out.append(("SETRANGE", keys.flags, 0, b"\x01" * (n - first)))
+        if self.new_rows is not None:
+            out.append(self.new_rows(start, n))  # (priorities on: the rows' priority and generation)
         if armed:
             out.append(("INCRBY", keys.ring, n))
         out.append(("INCR", keys.wv))

@@ -97,7 +97,10 @@ async def wipe(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, *, cl
     between the steps (possible only where there was no meta hash to seal).
     """
     await runner.call(client, "clear", [keys.meta], ["seal"])
-    fixed = [keys.wv, keys.ring, keys.flags, keys.inflight, keys.fence, keys.appends, keys.rl, keys.rate]
+    fixed = [
+        keys.wv, keys.ring, keys.flags, keys.inflight, keys.fence, keys.appends, keys.rl, keys.rate,
+        *keys.replay_keys(),
+    ]
     named = await _registry_data_keys(client, keys)
     await runner.call(client, "clear", [keys.meta, keys.reg, *fixed, *named], ["doom", str(CLEAR_GRACE_MS)])
     own = {keys.meta, keys.reg, *fixed}
@@ -127,7 +130,8 @@ async def expire(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, lay
         await runner.call(
             client,
             "expire",
-            [keys.meta, keys.reg, keys.wv, keys.ring, keys.flags, keys.inflight, keys.fence, keys.appends, keys.rate, *data_keys],
+            [keys.meta, keys.reg, keys.wv, keys.ring, keys.flags, keys.inflight, keys.fence, keys.appends, keys.rate,
+             *keys.replay_keys(), *data_keys],
             [str(layout.lv), str(len(layout.entries)), "" if ttl_ms is None else str(int(ttl_ms))],
         )
     )

@@ -31,7 +31,7 @@ from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.step import _exec, read_snapshot
 from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
-from tdstore._core.keys import CURSOR_MAX, StoreKeys, decode_path, encode_path
+from tdstore._core.keys import StoreKeys, decode_path, encode_path
 from tdstore._core.layout import (
     SCRIPT_META_FIELDS,
     Command,
@@ -61,7 +61,6 @@ __all__ = [
     "registry_lost",
     "SCRIPT_META_FIELDS",
     "ttl_ms",
-    "set_ring_total",
 ]
 
 #: Version of the on-server format; written into every new store's meta hash.
@@ -89,31 +88,6 @@ async def read_layout_version(client: AsyncClient, keys: StoreKeys) -> int | Non
 async def ttl_ms(client: AsyncClient, keys: StoreKeys) -> int:
     """The store's remaining lifetime in ms (``PTTL`` of its meta hash): -1 none, -2 no store."""
     return int(await client.pttl(keys.meta))
-
-
-async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, total: int, capacity: int) -> bool:
-    """Sets the ring cursor (rows ever appended) to ``total``, in one step (``lua/ring_total.lua``);
-    False, with nothing written, when there is no store.
-
-    The first ``min(total, capacity)`` rows then count as written: they are flagged, except
-    rows whose flag is clear (a reservation in flight there keeps its record). The same step
-    bumps the fence, so that an append between its two steps checks its rows against the new
-    cursor before it writes them, and the write version; the keys written keep the store's
-    expiry.
-    """
-    from tdstore.errors import StoreNotFoundError
-
-    total, capacity = int(total), int(capacity)
-    if not 0 <= total <= CURSOR_MAX or capacity < 1:
-        raise ValueError(
-            f"the ring of {keys.base} needs a row count from 0 to 2**52 and a capacity >= 1, got {total} and {capacity}"
-        )
-    try:
-        await runner.call(client, "ring_total", [keys.meta, keys.ring, keys.flags, keys.fence, keys.wv, keys.rate],
-                          [str(total), str(capacity)])
-    except StoreNotFoundError:
-        return False
-    return True
 
 
 if TYPE_CHECKING:

@@ -13,6 +13,11 @@ Redis Cluster slot and every script and transaction over them stays legal::
     <prefix>:{<td_id>}:fence         string: bumped when a reservation in flight is taken over
     <prefix>:{<td_id>}:ac            hash: append counters, "a:<path>" per sub-store
     <prefix>:{<td_id>}:rl            hash: readers' leases on the layout (see tdstore/_backend/lease.py)
+    <prefix>:{<td_id>}:pl            string: prioritized replay, one priority value per ring row
+    <prefix>:{<td_id>}:pt            string: prioritized replay, the inner levels of the sum/min tree
+    <prefix>:{<td_id>}:pg            string: prioritized replay, the generation of each ring row
+    <prefix>:{<td_id>}:pm            string: prioritized replay, the max priority given so far
+                                     (the four: lua/lib/prio.lua, tdstore/replay/priorities.py)
     <prefix>:{<td_id>}:d:<path>      string: the raw bytes of one entry
     <prefix>:{<td_id>}:c:<k>:<path>  string: chunk k of a chunked entry (see tdstore._core.chunks)
     <prefix>:{<td_id>}:tmp:<nonce>   string: bytes in flight inside one MULTI (never outlives it)
@@ -117,7 +122,10 @@ def new_td_id() -> str:
 class StoreKeys:
     """Builds the server keys of one store."""
 
-    __slots__ = ("prefix", "td_id", "base", "meta", "reg", "wv", "ring", "rl", "flags", "inflight", "fence", "appends", "rate", "chunks")
+    __slots__ = (
+        "prefix", "td_id", "base", "meta", "reg", "wv", "ring", "rl", "flags", "inflight", "fence", "appends", "rate",
+        "chunks", "prio_leaves", "prio_tree", "prio_gens", "prio_max",
+    )
 
     def __init__(self, prefix: str, td_id: str) -> None:
         self.prefix = validate_prefix(prefix)
@@ -136,9 +144,18 @@ class StoreKeys:
         self.appends = f"{self.base}:ac"
         #: the ring's rate limiter (lua/lib/rate.lua, tdstore/replay/rate_limit.py)
         self.rate = f"{self.base}:rate"
+        #: prioritized replay (lua/lib/prio.lua): the leaves, the inner levels, the generations, the max priority
+        self.prio_leaves = f"{self.base}:pl"
+        self.prio_tree = f"{self.base}:pt"
+        self.prio_gens = f"{self.base}:pg"
+        self.prio_max = f"{self.base}:pm"
         #: the chunking of each chunked entry of the layout last cached (see tdstore._core.chunks);
         #: replaced as a whole with every new layout
         self.chunks: dict[tuple[str, ...], Chunking] = {}
+
+    def replay_keys(self) -> list[str]:
+        """The keys of prioritized replay, in the order of the ``prio_*`` scripts' KEYS."""
+        return [self.prio_leaves, self.prio_tree, self.prio_gens, self.prio_max]
 
     def data(self, path: tuple[str, ...]) -> str:
         """The one string of an entry that is not chunked."""

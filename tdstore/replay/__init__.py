@@ -1,1 +1,9 @@
-"""Replay-service collaborators of a ring buffer, kept on the server: rate limits (``rate_limit``)."""
+"""Replay-buffer services kept on the server, beside a store's ring buffer (issue 26).
+
+- :mod:`tdstore.replay.priorities`: proportional prioritized sampling (``enable_priorities``,
+  ``sample(prioritized=True)``, ``update_priority``);
+- :mod:`tdstore.replay.rate_limit`: Reverb's rate limiters (``set_rate_limit``).
+
+The store's methods delegate to these modules, which take the store: they are
+collaborators of ``TensorDictStore``, not bases.
+"""

@@ -50,6 +50,7 @@ from tdstore.errors import (
     StoreNotFoundError,
 )
 from tdstore.lazy.core import LazyStackedTensorDictStore
+from tdstore.replay import priorities as _priorities
 from tdstore.replay import rate_limit as _rate_limit
 from tdstore.store import lifetime as _lifetime
 from tdstore.store import ring as _ring
@@ -685,7 +686,9 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         """
         return _ring.set_ring_total(self, total)
 
-    def sample(self, n: int, *, generator: torch.Generator | None = None) -> Any:
+    def sample(
+        self, n: int, *, generator: torch.Generator | None = None, prioritized: bool = False, return_info: bool = False
+    ) -> Any:
         """Reads ``n`` random rows (with replacement) among the valid ones; one consistent snapshot.
 
         Only rows flagged as written by an append are drawn (never one reserved by an
@@ -693,10 +696,50 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         flags are read first, then the rows in one snapshot: a row once flagged always
         holds a whole appended row, as an append writes its rows in one MULTI.
 
+        ``prioritized=True`` (after :meth:`enable_priorities`): the rows are drawn in
+        proportion to their priority values on the server, and each row returned holds the
+        bytes of the generation returned with it (docs/replay.md). ``return_info=True``
+        returns ``(batch, info)``: ``info["index"]`` the rows, and when prioritized
+        ``info["_weight"]`` (TorchRL's importance weights, float32) and ``info["generation"]``.
+
         Raises:
-            ValueError: when no row was appended yet.
+            ValueError: when no row was appended yet (or, prioritized, priorities are off).
         """
-        return _ring.sample(self, n, generator=generator)
+        return _ring.sample(self, n, generator=generator, prioritized=prioritized, return_info=return_info)
+
+    # ------------------------------------------------------------------ prioritized replay: tdstore/replay/priorities.py
+    def enable_priorities(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-8, *, arity: int = 8) -> None:
+        """Turns on proportional prioritized sampling of the ring, for every process, in one step.
+
+        TorchRL's ``PrioritizedSampler`` semantics: a row of priority ``q`` holds
+        ``p = (q + eps) ** alpha`` and is drawn with probability ``p / sum(p)``; new rows get
+        the max priority given so far (1 while none was). The rows written now get priority 1.
+        The settings are kept on the server. Called again with the same ``alpha``, ``eps``
+        and ``arity``, only ``beta`` changes (the priorities are kept); else the tree is
+        rebuilt. See docs/replay.md.
+
+        Raises:
+            ValueError: a setting out of range, or a store without a first batch dim.
+        """
+        _priorities.enable(self, alpha, beta, eps, arity)
+
+    def disable_priorities(self) -> bool:
+        """Turns prioritized sampling off (its tree is deleted); False when it was off."""
+        return _priorities.disable(self)
+
+    def priority_settings(self) -> _priorities.PrioritySettings | None:
+        """The prioritized-replay settings kept on the server, or None when they are off."""
+        return _priorities.settings(self)
+
+    def update_priority(self, index: Any, priority: Any, generation: Any = None) -> torch.Tensor:
+        """Sets the priority of rows ``index`` (one step, from any process); returns which were applied.
+
+        ``priority``: one per row, or one for all (finite, >= 0). ``generation``: the
+        ``info["generation"]`` of the sample the rows came from; a row appended to since then
+        is left alone (its entry of the returned bool tensor is False). A bad argument
+        raises ValueError and changes nothing.
+        """
+        return _priorities.update(self, index, priority, generation)
 
     # ------------------------------------------------------------------ rate limits: tdstore/replay/rate_limit.py
     def set_rate_limit(

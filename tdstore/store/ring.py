@@ -16,12 +16,12 @@ from tensordict import TensorDictBase
 from tensordict.utils import is_non_tensor, is_tensorclass
 
 from tdstore._backend import append as _append_mod
-from tdstore._backend import ops as _ops
 from tdstore._backend.optimistic import optimistic
 from tdstore._core import codec as _codec
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.planner import check_tensor
 from tdstore.errors import CorruptMetadataError, SchemaError, StaleLayoutError
+from tdstore.replay import priorities as _priorities
 from tdstore.replay import rate_limit as _rate
 
 if TYPE_CHECKING:
@@ -109,7 +109,8 @@ def extend(store: TensorDictStore, td: Any) -> torch.Tensor:
             keep.append(flat)
             groups.append((path, row_bytes, view))
         plan = _append_mod.AppendPlan(
-            conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=store._path, reservation=reservation
+            conn.keys, groups, lv=layout.lv, n=n, capacity=capacity, sub=store._path, reservation=reservation,
+            new_rows=_priorities.new_rows(store, layout),  # (None unless priorities are on)
         )
         start = conn.append(plan)
         if start == _append_mod.RATE_BLOCKED:
@@ -173,17 +174,23 @@ def ring_state(store: TensorDictStore) -> RingState:
 
 def set_ring_total(store: TensorDictStore, total: int) -> None:
     """:meth:`TensorDictStore.set_ring_total` (its documentation is there)."""
-    conn = store._conn
     capacity = store.batch_size[0] if store.batch_dims else 0
     if capacity < 1:
         raise ValueError(f"set_ring_total() on {store._where()}: a ring needs a first batch dim of at least 1 row")
-    if not conn.run(lambda c: _ops.set_ring_total(c, conn.keys, conn.runner, total, capacity)):
+    # (with the priority tree's rebuild in the same MULTI: a no-op where priorities are off)
+    if not _priorities.set_ring_total(store, total, capacity):
         raise store._not_found()
 
-def sample(store: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> Any:
+def sample(
+    store: TensorDictStore, n: int, *, generator: torch.Generator | None = None, prioritized: bool = False,
+    return_info: bool = False,
+) -> Any:
     """:meth:`TensorDictStore.sample` (its documentation is there)."""
+    if prioritized:
+        batch, info = _priorities.sample(store, n, generator=generator)
+        return (batch, info) if return_info else batch
     idx = draw_written(store, n, generator)
-    return store[idx]
+    return (store[idx], {"index": idx}) if return_info else store[idx]
 
 def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | None) -> torch.Tensor:
     """``n`` rows drawn uniformly (with replacement) among those flagged as written."""

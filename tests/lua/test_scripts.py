@@ -1425,10 +1425,12 @@ def test_every_script_and_declared_error_code_has_a_test() -> None:
         **ERROR_TESTS, "expire": EXPIRE_ERROR_TESTS, "reserve": RESERVE_ERROR_TESTS, "ring_total": RING_TOTAL_ERROR_TESTS,
     }
     from .test_lease import COMMIT_BUSY_TESTS, LEASE_ERROR_TESTS
+    from .test_priorities import PRIO_ERROR_TESTS  # (test_priorities imports this module)
     from .test_rate import RATE_LIMIT_ERROR_TESTS, RATE_SAMPLE_ERROR_TESTS
 
     error_tests.update(lease=LEASE_ERROR_TESTS, commit={**ERROR_TESTS["commit"], **COMMIT_BUSY_TESTS})
     error_tests.update(rate_limit=RATE_LIMIT_ERROR_TESTS, rate_sample=RATE_SAMPLE_ERROR_TESTS)
+    error_tests.update(PRIO_ERROR_TESTS)
     assert set(error_tests) == set(script_names()), "a script without behaviour tests"
     for name, tests in error_tests.items():
         assert set(tests) == set(get_script(name).header.errors), f"{name}: the error tests and its header disagree"

@@ -1,0 +1,122 @@
+--[[ prio_draw
+Draws rows in proportion to their priority values p (lua/lib/prio.lua), with replacement,
+among the rows flagged as written: the first step of a prioritized sample. No row byte
+passes through this script; the client then reads the rows and checks their generations
+(lua/prio_check.lua).
+
+Each uniform u of ARGV gives the mass u * (sum of p), found by a descent of the tree; a
+drawn row whose flag is clear (an append in flight, or one that died between its two steps)
+is rejected and the next uniform is used, so the rows returned are drawn in proportion to p
+among the written rows.
+
+KEYS[1]   meta hash of the store ("lv", "prio", "lim")
+KEYS[2]   ring cursor
+KEYS[3]   row flags
+KEYS[4]   priority leaves
+KEYS[5]   priority tree (inner levels)
+KEYS[6]   generations
+KEYS[7]   max priority
+
+ARGV[1]   n: the number of rows wanted
+ARGV[2..] uniforms in [0, 1), at least n of them (the extra ones replace rejected draws)
+
+Flags: no-writes
+
+Returns: {1, rows (0-based), their p as stored (lua/lib/prio.lua) joined by spaces, their generations
+          (16 digits each, back to back), the least positive p of the tree as text, the
+          settings JSON, lim}: fewer than n rows when the uniforms ran out;
+         {0} when priorities are off; {-1, lim} when no row has a positive p.
+         lim is 1 when the ring has a rate limiter (the meta hash's "lim": the client counts
+         the sample against it, lua/rate_sample.lua), else 0
+
+Errors:
+  TDS_NOSTORE  the store does not exist
+  TDS_BADARG   n or a uniform is not a number of the range
+  TDS_CORRUPT  the settings or the tree are damaged
+]]
+--@include lib/common.lua
+--@include lib/prio.lua
+
+return protect(function()
+  if not rcall('HGET', KEYS[1], 'lv') then
+    return fail('TDS_NOSTORE', 'no store at ' .. KEYS[1])
+  end
+  local s = prio_settings(KEYS[1])
+  if not s then return {0} end
+  local want = tonumber(ARGV[1])
+  if want == nil or want ~= want or want < 0 or want ~= math.floor(want) or want > #ARGV - 1 then
+    return fail('TDS_BADARG', 'need a number of rows and at least as many uniforms, got ' .. tostring(ARGV[1]))
+  end
+  local t = prio_tree(s, KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+  prio_check_sizes(t)
+  local lim = 0
+  if rcall('HGET', KEYS[1], 'lim') then lim = 1 end
+  local root, low = prio_read(t, t.depth, 0, 0, true)
+  local total = root[1]
+  if not (total > 0) then return {-1, lim} end
+
+  local flagged = rcall('EXISTS', KEYS[3]) == 1
+  local counted = 0
+  if not flagged then counted = math.min(tonumber(rcall('GET', KEYS[2]) or '0') or 0, t.cap) end
+  local k = t.k
+  local cache = {}
+  for l = 0, t.depth do cache[l] = {} end
+  local rows, values, gens = {}, {}, {}
+  local next_u = 2
+  while #rows < want and next_u <= #ARGV do
+    local u = tonumber(ARGV[next_u])
+    next_u = next_u + 1
+    if u == nil or u ~= u or u < 0 or u >= 1 then
+      return fail('TDS_BADARG', 'a uniform must be in [0, 1), got ' .. tostring(ARGV[next_u - 1]))
+    end
+    local mass, node, value = u * total, 0, ''
+    for l = t.depth, 1, -1 do
+      -- the children's sums, parsed lazily (a draw reads about half of them)
+      local below = l - 1
+      local group = cache[below][node]
+      if not group then
+        local first = node * k
+        local count = math.min(first + k, t.sizes[below]) - first
+        local width, key, base = NW, t.pt, 0
+        if below == 0 then width, key = PW, t.pl else base = t.offs[below] end
+        local raw = rcall('GETRANGE', key, int_str(base + first * width), int_str(base + (first + count) * width - 1))
+        group = {raw = raw, count = count, width = width, key = key}
+        cache[below][node] = group
+      end
+      local pick, before, acc = nil, 0, 0
+      local raw, width = group.raw, group.width
+      for i = 1, group.count do
+        local v = group[i]
+        if v == nil then
+          v = pnum(string.sub(raw, (i - 1) * width + 1, (i - 1) * width + PW), group.key)
+          group[i] = v
+        end
+        if v > 0 then
+          pick, before = i, acc
+          acc = acc + v
+          if mass < acc then break end
+        end
+      end
+      if not pick then
+        tds_error('TDS_CORRUPT', 'the priority tree ' .. t.pt .. ' has a node with a positive sum and no positive child'
+          .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
+      end
+      mass = mass - before
+      -- (the leaf's text as stored: exact, and no format per draw)
+      value = string.sub(raw, (pick - 1) * width + 1, (pick - 1) * width + PW)
+      node = node * k + pick - 1
+    end
+    local ok
+    if flagged then
+      ok = rcall('GETRANGE', KEYS[3], int_str(node), int_str(node)) == '\1'
+    else
+      ok = node < counted
+    end
+    if ok then
+      rows[#rows + 1] = node
+      values[#values + 1] = value
+      gens[#gens + 1] = rcall('GETRANGE', t.pg, int_str(node * GW), int_str(node * GW + GW - 1))
+    end
+  end
+  return {1, rows, table.concat(values, ' '), table.concat(gens), string.format('%.17g', low[1]), s.raw, lim}
+end)

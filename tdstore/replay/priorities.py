@@ -1,0 +1,408 @@
+"""Proportional prioritized replay on the server (issue 26, item 1; docs/replay.md).
+
+The semantics are those of TorchRL's ``PrioritizedSampler`` (Schaul et al. 2016): a row of
+priority ``q`` holds the value ``p = (q + eps) ** alpha``, is drawn with probability
+``p / sum(p)``, and comes with the importance weight ``(p / min(p)) ** -beta`` (the weight
+``(N * P(i)) ** -beta`` divided by the largest weight of the buffer). A new row gets the max
+priority given so far (1 while none was), in the MULTI that writes it.
+
+The tree, the generations and the max priority live in four strings of the store
+(``StoreKeys.replay_keys()``, laid out in ``lua/lib/prio.lua``), the settings in the meta
+field ``"prio"``. Every change is one script step (``lua/prio_*.lua``): a sample draws its
+rows in one EVALSHA, an update of any number of rows is one EVALSHA, and an append's new
+rows get their priority inside the append's MULTI (``AppendPlan(new_rows=...)``). No row
+byte passes through Lua.
+
+A prioritized sample is three steps: the draw (rows, their generations, their values),
+the read of the rows (one snapshot, as ``store[idx]``), and the check of their generations
+and flags (``lua/prio_check.lua``). A row whose generation moved or whose flag was cleared
+in between (an append came round to it) is drawn again, so every row returned holds the
+bytes of the generation returned with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import numpy as np
+import torch
+
+from tdstore._backend import priorities as _io
+from tdstore.errors import CorruptMetadataError, StaleLayoutError, StoreNotFoundError
+from tdstore.replay import rate_limit as _rate
+
+if TYPE_CHECKING:
+    from tdstore.store import TensorDictStore
+
+__all__ = [
+    "PrioritySettings", "DEFAULT_ARITY", "enable", "disable", "settings", "sample", "draw", "update",
+    "new_rows", "set_ring_total", "tree_problems", "tree_report",
+]
+
+#: The arity of the tree (children per inner node): measured best (benchmarks/bench_priority_structures.py).
+DEFAULT_ARITY = 8
+#: Width in bytes of a value, an inner node and a generation in the tree's strings (lua/lib/prio.lua).
+_PW, _NW, _GW = 23, 46, 16
+#: Draw steps before a sample gives up on rows that keep being appended to under it.
+_REDRAWS = 32
+
+
+class PrioritySettings(NamedTuple):
+    """The settings of a store's prioritized replay, as kept on the server."""
+
+    alpha: float
+    beta: float
+    eps: float
+    arity: int  #: children per inner node of the tree
+    capacity: int  #: the ring's rows the tree covers
+
+
+def _capacity(store: TensorDictStore, what: str) -> int:
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    if capacity < 1:
+        raise ValueError(f"{what} on {store._where()}: a ring needs a first batch dim of at least 1 row")
+    return capacity
+
+
+def _real(value: Any, name: str, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) or float(value) < 0:
+        raise ValueError(f"{what}: {name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def enable(store: TensorDictStore, alpha: float, beta: float, eps: float = 1e-8, arity: int = DEFAULT_ARITY) -> None:
+    """:meth:`TensorDictStore.enable_priorities` (its documentation is there)."""
+    what = f"enable_priorities() on {store._where()}"
+    capacity = _capacity(store, "enable_priorities()")
+    a, b, e = _real(alpha, "alpha", what), _real(beta, "beta", what), _real(eps, "eps", what)
+    if a > 1e6 or b > 1e6:
+        raise ValueError(f"{what}: alpha and beta must be at most 1e6, got {alpha!r} and {beta!r}")
+    if isinstance(arity, bool) or not isinstance(arity, numbers.Integral) or not 2 <= int(arity) <= 64:
+        raise ValueError(f"{what}: arity must be an int from 2 to 64, got {arity!r}")
+    text = json.dumps({"alpha": a, "beta": b, "eps": e, "k": int(arity), "cap": capacity})
+    conn = store._conn
+    try:
+        conn.run(lambda c: _io.call(c, conn.runner, "prio_build", _io.build_keys(conn.keys), ["enable", text]))
+    except StoreNotFoundError:
+        raise store._not_found() from None
+    conn.layout = None  # the layout version moved (the appends re-plan with the tree's command)
+
+
+def disable(store: TensorDictStore) -> bool:
+    """:meth:`TensorDictStore.disable_priorities` (its documentation is there)."""
+    conn = store._conn
+    try:
+        done = conn.run(lambda c: _io.call(c, conn.runner, "prio_build", _io.build_keys(conn.keys), ["off"]))
+    except StoreNotFoundError:
+        raise store._not_found() from None
+    conn.layout = None
+    return bool(done)
+
+
+def _parse_settings(raw: Any, where: str) -> PrioritySettings:
+    try:
+        got = json.loads(raw)
+        out = PrioritySettings(float(got["alpha"]), float(got["beta"]), float(got["eps"]), int(got["k"]), int(got["cap"]))
+    except (ValueError, TypeError, KeyError) as err:
+        raise CorruptMetadataError(f"the priority settings of {where} are damaged: {raw!r:.100}") from err
+    return out
+
+
+def settings(store: TensorDictStore) -> PrioritySettings | None:
+    """:meth:`TensorDictStore.priority_settings` (its documentation is there)."""
+    raw = store._layout(refresh=True).meta.get("prio")
+    return None if raw is None else _parse_settings(raw, store._where())
+
+
+def new_rows(store: TensorDictStore, layout: Any) -> Any:
+    """The ``new_rows`` command builder of an append under ``layout`` (:class:`AppendPlan`):
+    None when priorities are off there (memoized per layout: nothing more to send)."""
+    memo = layout.memo.get("prio_new")
+    if memo is None:
+        conn = store._conn
+        memo = layout.memo["prio_new"] = (
+            _io.new_rows_command(conn.keys, conn.runner) if layout.meta.get("prio") is not None else False
+        )
+    return memo or None
+
+
+def set_ring_total(store: TensorDictStore, total: int, capacity: int) -> bool:
+    """The ring's cursor set and the tree rebuilt (its rows at the initial priority), one MULTI."""
+    conn = store._conn
+    return bool(conn.run(lambda c: _io.set_ring_total(c, conn.keys, conn.runner, total, capacity)))
+
+
+# --------------------------------------------------------------------------- #
+# sampling
+# --------------------------------------------------------------------------- #
+
+
+def _gens(blob: Any, count: int, where: str) -> torch.Tensor:
+    """``count`` generations from their 16-digit text, back to back."""
+    raw = np.frombuffer(bytes(blob), dtype=np.uint8)
+    if raw.size != count * _GW or ((raw < 48) | (raw > 57)).any():
+        raise CorruptMetadataError(f"the generations of {where} are damaged (not {count} counts of 16 digits)")
+    digits = (raw.reshape(count, _GW).astype(np.int64) - 48)
+    return torch.from_numpy(digits @ (10 ** np.arange(_GW - 1, -1, -1, dtype=np.int64)))
+
+
+class _Drawn(NamedTuple):
+    rows: torch.Tensor  # int64
+    values: torch.Tensor  # float64: p of each row
+    gens: torch.Tensor  # int64
+    p_min: float
+    beta: float
+
+
+def _draw(
+    store: TensorDictStore, n: int, generator: torch.Generator | None, acquire: Callable[[], bool] | None = None,
+) -> _Drawn:
+    """``n`` rows drawn by the server (one EVALSHA each round; a round that drew rows being
+    appended to asks again for the rest).
+
+    ``acquire``: where the draw says the ring has a rate limiter, called once before any row
+    is kept (it counts the sample, waiting while the limiter holds it back); when it had to
+    wait, the rows are drawn again from the tree as it is now."""
+    conn = store._conn
+    keys = conn.keys
+    where = store._where()
+    rows: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    gens: list[torch.Tensor] = []
+    need = n
+    p_min, beta = math.inf, 0.0
+    for _ in range(_REDRAWS):
+        u = torch.rand(need + max(8, need // 4), dtype=torch.float64, generator=generator)
+        args = [str(need), *map(repr, u.tolist())]
+        reply = cast("list[Any]", conn.run(lambda c, args=args: _io.call(c, conn.runner, "prio_draw", _io.draw_keys(keys), args)))
+        status = int(reply[0])
+        if status == 0:
+            raise ValueError(f"sample(prioritized=True) from {where}: priorities are off; call enable_priorities() first")
+        if acquire is not None and int(reply[-1]) == 1:
+            waited, acquire = acquire(), None
+            if waited:
+                continue  # (held back a while: the ring moved on meanwhile)
+        if status < 0:
+            raise ValueError(f"sample(prioritized=True) from {where}: no row with a priority to draw (extend() first)")
+        got = torch.tensor([int(r) for r in reply[1]], dtype=torch.int64)
+        k = got.numel()
+        try:
+            vals = torch.tensor([float(v) for v in bytes(reply[2]).split()], dtype=torch.float64)
+            # (the least over the rounds: every row drawn is worth at least it, its weight at most 1)
+            p_min = min(p_min, float(reply[4]))
+            beta = _parse_settings(reply[5], where).beta
+        except ValueError as err:
+            raise CorruptMetadataError(f"sample(prioritized=True) from {where}: the server's draw is damaged: {err}") from err
+        if vals.numel() != k:
+            raise CorruptMetadataError(f"sample(prioritized=True) from {where}: the server's draw is damaged")
+        rows.append(got)
+        values.append(vals)
+        gens.append(_gens(reply[3], k, where))
+        need -= k
+        if need == 0:
+            return _Drawn(torch.cat(rows), torch.cat(values), torch.cat(gens), p_min, beta)
+    raise StaleLayoutError(
+        f"sample(prioritized=True) from {where}: kept drawing rows not written yet ({need} of {n} after "
+        f"{_REDRAWS} draws); appends may be failing between their two steps"
+    )
+
+
+def _weights(values: torch.Tensor, p_min: float, beta: float) -> torch.Tensor:
+    """TorchRL's importance weights: ``(p / min(p)) ** -beta``, as float32."""
+    if not 0 < p_min < math.inf:
+        return torch.ones_like(values, dtype=torch.float32)
+    return torch.pow(values / p_min, -beta).to(torch.float32)
+
+
+def draw(store: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """``n`` rows drawn by priority, without reading them: ``{"index", "_weight", "generation"}``.
+
+    The rows were flagged as written when drawn; their bytes are not read, so nothing says
+    they still hold that generation (:func:`sample` checks it)."""
+    _check_n(store, n)
+    d = _draw(store, int(n), generator)
+    return {"index": d.rows, "_weight": _weights(d.values, d.p_min, d.beta), "generation": d.gens}
+
+
+def _check_n(store: TensorDictStore, n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"sample() from {store._where()}: n must be an int >= 1, got {n!r}")
+
+
+def sample(store: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """:meth:`TensorDictStore.sample` with ``prioritized=True``: ``(batch, info)``."""
+    _check_n(store, n)
+    n = int(n)
+    conn = store._conn
+    keys = conn.keys
+    where = store._where()
+    index = torch.empty(n, dtype=torch.int64)
+    gens = torch.empty(n, dtype=torch.int64)
+    values = torch.empty(n, dtype=torch.float64)
+    todo = torch.arange(n)
+    parts: list[tuple[torch.Tensor, Any]] = []
+    p_min, beta = math.inf, 0.0
+    capacity = _capacity(store, "sample()")
+    acquire: Callable[[], bool] | None = lambda: _rate.acquire_samples(store, n, capacity)  # noqa: E731
+    for _ in range(_REDRAWS):
+        d, acquire = _draw(store, todo.numel(), generator, acquire), None  # (a sample counts once)
+        p_min, beta = min(p_min, d.p_min), d.beta
+        batch = store[d.rows]
+        rows = d.rows.tolist()
+        gen_blob, flags = cast("list[Any]", conn.run(
+            lambda c, rows=rows: _io.call(c, conn.runner, "prio_check", [keys.flags, keys.prio_gens, keys.ring], rows)
+        ))
+        try:
+            now = _gens(gen_blob, len(rows), where)
+        except CorruptMetadataError:
+            now = torch.full((len(rows),), -1, dtype=torch.int64)  # (the tree went: drawn again, or refused)
+        ok = (now == d.gens) & (torch.frombuffer(bytearray(flags), dtype=torch.uint8) == ord("1"))
+        positions = todo[ok]
+        index[positions], gens[positions], values[positions] = d.rows[ok], d.gens[ok], d.values[ok]
+        parts.append((positions, batch if bool(ok.all()) else batch[ok]))
+        todo = todo[~ok]
+        if todo.numel() == 0:
+            break
+    else:
+        raise StaleLayoutError(
+            f"sample(prioritized=True) from {where}: the rows drawn kept being appended to before they were read "
+            f"({todo.numel()} of {n} after {_REDRAWS} draws)"
+        )
+    if len(parts) == 1:
+        out = parts[0][1]
+    else:
+        order = torch.cat([p for p, _ in parts])
+        out = torch.cat([b for _, b in parts])[torch.argsort(order)]
+    return out, {"index": index, "_weight": _weights(values, p_min, beta), "generation": gens}
+
+
+# --------------------------------------------------------------------------- #
+# updates
+# --------------------------------------------------------------------------- #
+
+
+def update(store: TensorDictStore, index: Any, priority: Any, generation: Any = None) -> torch.Tensor:
+    """:meth:`TensorDictStore.update_priority` (its documentation is there)."""
+    what = f"update_priority() on {store._where()}"
+    capacity = _capacity(store, "update_priority()")
+    idx = torch.as_tensor(index)
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise ValueError(f"{what}: index must hold integers, got dtype {idx.dtype}")
+    idx = idx.reshape(-1).to(torch.int64)
+    pri = torch.as_tensor(priority)
+    if pri.is_complex() or pri.dtype == torch.bool:
+        raise ValueError(f"{what}: priority must hold real numbers, got dtype {pri.dtype}")
+    pri = pri.detach().reshape(-1).to(torch.float64).cpu()
+    if pri.numel() == 1 and idx.numel() != 1:
+        pri = pri.expand(idx.numel())
+    if pri.numel() != idx.numel():
+        raise ValueError(f"{what}: {idx.numel()} rows and {pri.numel()} priorities; give one priority per row (or one for all)")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= capacity):
+        bad = idx[(idx < 0) | (idx >= capacity)][0].item()
+        raise ValueError(f"{what}: row {bad} is out of the ring's range 0 to {capacity - 1}")
+    if not bool(torch.isfinite(pri).all()) or bool((pri < 0).any()):
+        bad_p = pri[~torch.isfinite(pri) | (pri < 0)][0].item()
+        raise ValueError(f"{what}: priorities must be finite and >= 0, got {bad_p}")
+    gen_arg = ""
+    if generation is not None:
+        gen = torch.as_tensor(generation)
+        if gen.dtype == torch.bool or gen.is_floating_point() or gen.is_complex():
+            raise ValueError(f"{what}: generation must hold integers, got dtype {gen.dtype}")
+        gen = gen.reshape(-1).to(torch.int64)
+        if gen.numel() != idx.numel():
+            raise ValueError(f"{what}: {idx.numel()} rows and {gen.numel()} generations; give one generation per row")
+        if gen.numel() and int(gen.min()) < 0:
+            raise ValueError(f"{what}: generations are counts >= 0, got {int(gen.min())}")
+        gen_arg = " ".join(map(str, gen.tolist()))
+    if idx.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    args = [" ".join(map(str, idx.tolist())), " ".join(map(repr, pri.tolist())), gen_arg]
+    conn = store._conn
+    keys = conn.keys
+    try:
+        reply = cast("list[Any]", conn.run(
+            lambda c: _io.call(c, conn.runner, "prio_update", [keys.meta, keys.ring, *keys.replay_keys()], args)
+        ))
+    except StoreNotFoundError:
+        raise store._not_found() from None
+    status = int(reply[0])
+    if status == 0:
+        raise ValueError(f"{what}: priorities are off; call enable_priorities() first")
+    if status < 0:
+        why = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+        raise ValueError(f"{what}: {why}; nothing was changed")
+    return torch.frombuffer(bytearray(reply[1]), dtype=torch.uint8) == ord("1")
+
+
+# --------------------------------------------------------------------------- #
+# the checker
+# --------------------------------------------------------------------------- #
+
+
+def _values(blob: bytes, width: int, what: str) -> np.ndarray:
+    if len(blob) % width:
+        raise CorruptMetadataError(f"{what} is {len(blob)} bytes, not a multiple of {width}")
+    try:
+        return np.frombuffer(blob, dtype=f"S{width}").astype(np.float64)
+    except ValueError as err:
+        raise CorruptMetadataError(f"{what} holds text that is not numbers: {err}") from err
+
+
+def tree_problems(s: PrioritySettings, leaves_b: bytes, tree_b: bytes, rel: float = 1e-9) -> tuple[np.ndarray, list[str]]:
+    """The leaves of a tree's raw strings, and what is wrong with it (empty: consistent):
+    every inner node must equal the sum of its children (to ``rel``) and hold their least
+    positive value (lua/lib/prio.lua)."""
+    problems: list[str] = []
+    leaves = _values(leaves_b, _PW, "the leaves")
+    if leaves.size != s.capacity:
+        return leaves, [f"{leaves.size} leaves for {s.capacity} rows"]
+    sizes = [s.capacity]
+    while sizes[-1] > 1 or len(sizes) == 1:
+        sizes.append(-(-sizes[-1] // s.arity))
+    inner = _values(tree_b, _PW, "the inner levels").reshape(-1, 2) if tree_b else np.zeros((0, 2))
+    if inner.shape[0] != sum(sizes[1:]):
+        return leaves, [f"{inner.shape[0]} inner nodes, expected {sum(sizes[1:])}"]
+    offsets: dict[int, int] = {}  # (the inner levels lie root first)
+    off = 0
+    for level in range(len(sizes) - 1, 0, -1):
+        offsets[level] = off
+        off += sizes[level]
+    below_sum, below_min = leaves, np.where(leaves > 0, leaves, 0.0)
+    for level in range(1, len(sizes)):
+        nodes = inner[offsets[level] : offsets[level] + sizes[level]]
+        for j in range(sizes[level]):
+            kids_s = below_sum[j * s.arity : (j + 1) * s.arity]
+            kids_m = below_min[j * s.arity : (j + 1) * s.arity]
+            want_s = float(sum(kids_s.tolist()))
+            pos = kids_m[kids_m > 0]
+            want_m = float(pos.min()) if pos.size else 0.0
+            if not math.isclose(nodes[j, 0], want_s, rel_tol=rel, abs_tol=1e-300):
+                problems.append(f"level {level} node {j}: sum {nodes[j, 0]!r}, children sum to {want_s!r}")
+            if not math.isclose(nodes[j, 1], want_m, rel_tol=rel, abs_tol=1e-300):
+                problems.append(f"level {level} node {j}: min {nodes[j, 1]!r}, children's least {want_m!r}")
+        below_sum, below_min = nodes[:, 0], nodes[:, 1]
+    return leaves, problems[:20]
+
+
+def tree_report(store: TensorDictStore, rel: float = 1e-9) -> dict[str, Any] | None:
+    """The tree read in one snapshot and checked (:func:`tree_problems`); for tests and diagnosis.
+
+    Returns ``{"settings", "leaves" (float64 array), "gens" (int64 tensor, or None when
+    damaged), "max" (float, or None when no priority was given yet), "flags" (bytes or
+    None), "problems" (list of str: empty when consistent)}``; None when priorities are off."""
+    conn = store._conn
+    raw, leaves_b, tree_b, gens_b, max_b, flags, _cursor = cast("list[Any]", conn.run(lambda c: _io.read_tree(c, conn.keys)))
+    if raw is None:
+        return None
+    where = store._where()
+    s = _parse_settings(raw, where)
+    leaves, problems = tree_problems(s, bytes(leaves_b or b""), bytes(tree_b or b""), rel)
+    gens = _gens(gens_b, s.capacity, where) if gens_b and len(gens_b) == s.capacity * _GW else None
+    if gens is None:
+        problems.append("the generations are not one 16-digit count per row")
+    text = bytes(max_b or b"").strip()
+    return {"settings": s, "leaves": leaves, "gens": gens, "max": float(text) if text else None, "flags": flags, "problems": problems}

@@ -1,0 +1,266 @@
+"""The prioritized-replay scripts (lua/prio_*.lua, lua/lib/prio.lua) on the in-memory shim,
+under Lua 5.1 and 5.4: the tree they build and keep (checked node by node with
+tdstore.replay.priorities.tree_problems), the draws of chosen uniforms, the rejection of
+rows not written, stale generations, and bad arguments and damage refused with the key
+space unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tdstore.replay.priorities import PrioritySettings, tree_problems
+
+from .conftest import with_neighbour
+from .test_expire import NOW, ClockRedis
+from .test_scripts import META, OTHER, RING, expect_error, make_store
+
+pytestmark = pytest.mark.lua
+
+FLAGS = b"td:{s}:rf"
+PL, PT, PG, PM = b"td:{s}:pl", b"td:{s}:pt", b"td:{s}:pg", b"td:{s}:pm"
+BUILD_KEYS = [META, RING, FLAGS, PL, PT, PG, PM]
+UPDATE_KEYS = [META, RING, PL, PT, PG, PM]
+NEW_KEYS = [META, PL, PT, PG, PM]
+CHECK_KEYS = [FLAGS, PG, RING]
+
+
+@pytest.fixture
+def r() -> ClockRedis:
+    return with_neighbour(ClockRedis())
+
+
+def settings(cap: int = 10, k: int = 4, alpha: float = 1.0, beta: float = 1.0, eps: float = 0.0) -> str:
+    return json.dumps({"alpha": alpha, "beta": beta, "eps": eps, "k": k, "cap": cap})
+
+
+def ring(r: ClockRedis, flags: bytes | None, cursor: int) -> None:
+    make_store(r, cursor=cursor)
+    if flags is not None:
+        r.data[FLAGS] = flags
+
+
+def leaves(r: ClockRedis) -> list[float]:
+    raw = r.data[PL]
+    return [float(raw[i : i + 23]) for i in range(0, len(raw), 23)]
+
+
+def gens(r: ClockRedis) -> list[int]:
+    raw = r.data[PG]
+    return [int(raw[i : i + 16]) for i in range(0, len(raw), 16)]
+
+
+def consistent(r: ClockRedis, cap: int = 10, k: int = 4) -> None:
+    _leaves, problems = tree_problems(PrioritySettings(1.0, 1.0, 0.0, k, cap), r.data[PL], r.data[PT])
+    assert problems == []
+
+
+def build(r: ClockRedis, lua_version: str, **kw: Any) -> Any:
+    return r.run("prio_build", BUILD_KEYS, ["enable", settings(**kw)], lua_version)
+
+
+def neighbour_unchanged(r: ClockRedis) -> None:
+    assert {k: r.data[k] for k in OTHER} == OTHER
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 16])
+def test_enable_builds_the_tree_over_the_written_rows(r: ClockRedis, lua_version: str, k: int) -> None:
+    ring(r, b"\x01\x01\x00\x01\x01\x01\x01", 7)
+    assert build(r, lua_version, k=k, alpha=0.5, eps=3.0) == 2
+    assert leaves(r) == [2.0, 2.0, 0.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0]  # (1 + 3) ** 0.5
+    assert gens(r) == [0] * 10 and r.data[PM] == b" " * 23
+    assert r.data[META][b"lv"] == b"3" and json.loads(r.data[META][b"prio"])["k"] == k
+    consistent(r, k=k)
+    neighbour_unchanged(r)
+
+
+def test_enable_without_flags_counts_the_cursor_rows(r: ClockRedis, lua_version: str) -> None:
+    ring(r, None, 3)
+    build(r, lua_version)
+    assert leaves(r) == [1.0] * 3 + [0.0] * 7
+    consistent(r)
+
+
+def test_enable_again_with_the_same_alpha_keeps_the_priorities(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version)
+    r.run("prio_update", UPDATE_KEYS, ["4", "9", ""], lua_version)
+    assert build(r, lua_version, beta=0.3) == 1
+    assert leaves(r)[4] == 9.0 and json.loads(r.data[META][b"prio"])["beta"] == 0.3
+    assert r.data[META][b"lv"] == b"3"  # (only the settings: no new layout version)
+    assert build(r, lua_version, alpha=2.0) == 2  # another alpha: rebuilt
+    assert leaves(r)[4] == 1.0
+
+
+def test_enable_gives_the_keys_the_store_expiry(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 4, 4)
+    r.data[META][b"exp"] = str(NOW + 5000).encode()
+    build(r, lua_version)
+    assert all(r.ttls[key] == 5000 for key in (PL, PT, PG, PM))
+
+
+@pytest.mark.parametrize("bad", ["{", '{"alpha": -1, "beta": 1, "eps": 0, "k": 4, "cap": 10}',
+                                 '{"alpha": 1, "beta": 1, "eps": 0, "k": 1, "cap": 10}', '[]'])
+def test_enable_refuses_bad_settings_unchanged(r: ClockRedis, lua_version: str, bad: str) -> None:
+    ring(r, b"\x01" * 4, 4)
+    expect_error(r, "TDS_CORRUPT", "prio_build", BUILD_KEYS, ["enable", bad], lua_version)
+
+
+def test_build_refuses_a_missing_store_and_a_bad_mode(r: ClockRedis, lua_version: str) -> None:
+    expect_error(r, "TDS_NOSTORE", "prio_build", BUILD_KEYS, ["enable", settings()], lua_version)
+    ring(r, b"\x01" * 4, 4)
+    expect_error(r, "TDS_BADARG", "prio_build", BUILD_KEYS, ["sideways"], lua_version)
+
+
+def test_reset_rebuilds_and_off_deletes(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    assert r.run("prio_build", BUILD_KEYS, ["reset"], lua_version) == 0  # (off: nothing)
+    assert PL not in r.data
+    build(r, lua_version)
+    r.run("prio_update", UPDATE_KEYS, ["1 2", "5 6", ""], lua_version)
+    r.data[FLAGS] = b"\x01\x01"  # (the cursor set to 2, as ring_total.lua does in the same MULTI)
+    assert r.run("prio_build", BUILD_KEYS, ["reset"], lua_version) == 1
+    assert leaves(r) == [1.0, 1.0] + [0.0] * 8 and r.data[PM] == b" " * 23
+    assert r.run("prio_build", BUILD_KEYS, ["off"], lua_version) == 1
+    assert not any(key in r.data for key in (PL, PT, PG, PM)) and b"prio" not in r.data[META]
+    assert r.data[META][b"lv"] == b"4"
+
+
+def test_new_rows_get_the_max_priority_and_their_generation(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version, alpha=1.0, eps=0.5)
+    assert r.run("prio_new", NEW_KEYS, ["10", "3"], lua_version) == 3  # rows 0-2 (positions 10-12)
+    assert leaves(r)[:4] == [1.5, 1.5, 1.5, 1.5]  # (1 + 0.5): none given yet
+    r.run("prio_update", UPDATE_KEYS, ["5", "7", ""], lua_version)
+    assert r.run("prio_new", NEW_KEYS, ["18", "4"], lua_version) == 4  # rows 8, 9, 0, 1: the ring comes round
+    assert leaves(r) == [7.5, 7.5, 1.5, 1.5, 1.5, 7.5, 1.5, 1.5, 7.5, 7.5]
+    assert gens(r) == [21, 22, 13, 0, 0, 0, 0, 0, 19, 20]
+    consistent(r)
+
+
+def test_new_rows_off_and_bad(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    assert r.run("prio_new", NEW_KEYS, ["0", "1"], lua_version) == 0
+    build(r, lua_version)
+    expect_error(r, "TDS_BADARG", "prio_new", NEW_KEYS, ["0", "11"], lua_version)
+    expect_error(r, "TDS_BADARG", "prio_new", NEW_KEYS, ["-1", "1"], lua_version)
+    r.data[PT] = r.data[PT][:-1]
+    expect_error(r, "TDS_CORRUPT", "prio_new", NEW_KEYS, ["0", "1"], lua_version)
+
+
+def test_draw_follows_the_uniforms_and_rejects_rows_not_written(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version)
+    r.run("prio_update", UPDATE_KEYS, [" ".join(map(str, range(10))), "1 2 3 4 5 6 7 8 9 10", ""], lua_version)
+    # the masses 0..55: u * 55 falls in row i when sum(1..i) <= mass < sum(1..i+1)
+    us = [0.0, 1.5 / 55, 10.5 / 55, 54.9 / 55]
+    got = r.run("prio_draw", BUILD_KEYS, ["4", *map(repr, us)], lua_version)
+    assert got[0] == 1 and got[1] == [0, 1, 4, 9]
+    assert [float(v) for v in got[2].split()] == [1, 2, 5, 10] and got[3] == b"0" * 64 and got[4] == b"1" and json.loads(got[5])["k"] == 4
+    assert got[6] == 0  # (no rate limiter on the ring)
+    r.data[META][b"lim"] = b"1"
+    assert r.run("prio_draw", BUILD_KEYS, ["1", "0.0"], lua_version)[6] == 1  # (one: the client counts the sample)
+    del r.data[META][b"lim"]
+    r.data[FLAGS] = b"\x01\x00" + b"\x01" * 8  # row 1 in flight: the next uniform replaces it
+    got = r.run("prio_draw", BUILD_KEYS, ["2", repr(1.5 / 55), "0.0", "0.5"], lua_version)
+    assert got[1] == [0, 6]  # (0.5 * 55 = 27.5: row 6 holds 21..28)
+    got = r.run("prio_draw", BUILD_KEYS, ["2", repr(1.5 / 55), "0.0"], lua_version)
+    assert got[1] == [0]  # (the uniforms ran out: fewer rows)
+
+
+def test_draw_off_empty_and_bad(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"", 0)
+    assert r.run("prio_draw", BUILD_KEYS, ["1", "0.5"], lua_version) == [0]
+    build(r, lua_version)
+    assert r.run("prio_draw", BUILD_KEYS, ["1", "0.5"], lua_version) == [-1, 0]
+    r.data[META][b"lim"] = b"1"
+    assert r.run("prio_draw", BUILD_KEYS, ["1", "0.5"], lua_version) == [-1, 1]
+    del r.data[META][b"lim"]
+    r.data[FLAGS] = b"\x01" * 10
+    r.run("prio_build", BUILD_KEYS, ["reset"], lua_version)
+    expect_error(r, "TDS_BADARG", "prio_draw", BUILD_KEYS, ["2", "0.5"], lua_version)
+    expect_error(r, "TDS_BADARG", "prio_draw", BUILD_KEYS, ["1", "1.0"], lua_version)
+    r.data[PT] = b"x" * len(r.data[PT])
+    expect_error(r, "TDS_CORRUPT", "prio_draw", BUILD_KEYS, ["1", "0.5"], lua_version)
+
+
+def test_update_applies_drops_stale_generations_and_keeps_the_max(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version, alpha=0.5, eps=0.0)
+    r.run("prio_new", NEW_KEYS, ["10", "2"], lua_version)  # rows 0, 1 at generations 11, 12
+    got = r.run("prio_update", UPDATE_KEYS, ["0 1 2 2", "4 9 16 25", "11 5 0 0"], lua_version)
+    assert got == [1, b"1011"]  # row 1's generation moved (12, not 5); row 2 twice: the last wins
+    assert leaves(r)[:3] == [2.0, 1.0, 5.0] and float(r.data[PM]) == 25.0
+    r.run("prio_update", UPDATE_KEYS, ["3", "1", ""], lua_version)
+    assert float(r.data[PM]) == 25.0  # (a smaller priority: the max stays)
+    consistent(r)
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["0 1", "1", ""], "2 rows, 1 priorities"),
+    (["0", "1", "3 4"], "2 generations"),
+    (["10", "1", ""], "not a row appended"),
+    (["-1", "1", ""], "not a row appended"),
+    (["0.5", "1", ""], "not a row appended"),
+    (["0", "-2", ""], "not a finite number"),
+    (["0", "nan", ""], "not a finite number"),
+    (["0", "1e400", ""], "not a finite number"),
+    (["0", "1", "x"], "not a count"),
+])
+def test_update_refuses_bad_arguments_unchanged(r: ClockRedis, lua_version: str, argv: list[str], why: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version)
+    before = r.snapshot()
+    got = r.run("prio_update", UPDATE_KEYS, argv, lua_version)
+    assert got[0] == -1 and why in got[1].decode()
+    assert r.snapshot() == before
+
+
+def test_update_past_the_rows_written_is_refused(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01" * 4, 4)
+    build(r, lua_version)
+    assert r.run("prio_update", UPDATE_KEYS, ["4", "1", ""], lua_version)[0] == -1
+
+
+def test_check_reads_generations_and_flags(r: ClockRedis, lua_version: str) -> None:
+    ring(r, b"\x01\x00\x01" + b"\x01" * 7, 10)
+    build(r, lua_version)
+    r.run("prio_new", NEW_KEYS, ["12", "1"], lua_version)  # row 2 at generation 13
+    got = r.run("prio_check", CHECK_KEYS, ["0", "1", "2"], lua_version)
+    assert got == [b"0" * 32 + b"0" * 14 + b"13", b"101"]
+    expect_error(r, "TDS_BADARG", "prio_check", CHECK_KEYS, ["x"], lua_version)
+
+
+def test_draw_and_update_refuse_a_missing_store_and_damage(r: ClockRedis, lua_version: str) -> None:
+    expect_error(r, "TDS_NOSTORE", "prio_draw", BUILD_KEYS, ["1", "0.5"], lua_version)
+    expect_error(r, "TDS_NOSTORE", "prio_update", UPDATE_KEYS, ["0", "1", ""], lua_version)
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version)
+    r.data[PL] = b"nonsense".ljust(23) + r.data[PL][23:]
+    expect_error(r, "TDS_CORRUPT", "prio_update", UPDATE_KEYS, ["1", "1", ""], lua_version)
+    r.data[RING] = b"lots"
+    expect_error(r, "TDS_CORRUPT", "prio_update", UPDATE_KEYS, ["1", "1", ""], lua_version)
+
+
+#: the behaviour tests of each script's error codes (tests/lua/test_scripts.py checks them all)
+PRIO_ERROR_TESTS = {
+    "prio_build": {
+        "TDS_NOSTORE": test_build_refuses_a_missing_store_and_a_bad_mode,
+        "TDS_BADARG": test_build_refuses_a_missing_store_and_a_bad_mode,
+        "TDS_CORRUPT": test_enable_refuses_bad_settings_unchanged,
+    },
+    "prio_new": {"TDS_BADARG": test_new_rows_off_and_bad, "TDS_CORRUPT": test_new_rows_off_and_bad},
+    "prio_draw": {
+        "TDS_NOSTORE": test_draw_and_update_refuse_a_missing_store_and_damage,
+        "TDS_BADARG": test_draw_off_empty_and_bad,
+        "TDS_CORRUPT": test_draw_off_empty_and_bad,
+    },
+    "prio_update": {
+        "TDS_NOSTORE": test_draw_and_update_refuse_a_missing_store_and_damage,
+        "TDS_CORRUPT": test_draw_and_update_refuse_a_missing_store_and_damage,
+    },
+    "prio_check": {"TDS_BADARG": test_check_reads_generations_and_flags},
+}

@@ -1,0 +1,533 @@
+"""Prioritized replay on the server (issue 26, item 1): tdstore/replay/priorities.py and lua/prio_*.lua.
+
+On every backend (fakeredis included): the statistics of the draws against
+p_i^alpha / sum(p^alpha) (chi-square over 200,000 draws), TorchRL's importance weights, new
+rows at the max priority, stale updates left alone by generation, bad input refused with the
+tree unchanged, the rebuild of set_ring_total(), clear_redis() and the store's lifetime over
+the new keys, damaged tree keys. On the real servers, appenders and learners in processes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import _prio_workers as w
+import pytest
+import torch
+from fixtures import PoolSpec
+
+from tdstore._backend.append import AppendPlan, Reservation
+from tdstore.errors import CorruptMetadataError
+from tdstore.replay import priorities as P
+from tdstore.testing.counts import record
+
+POOL = PoolSpec(workers=6, warm_up=w.warm_up, warm_up_arg=0.5)
+
+
+def _ring(make, cap: int, filled: int, **kw):
+    store = make("from_schema", w.SCHEMA, batch_size=[cap], **kw)
+    if filled:
+        store.extend(w.rows(list(range(filled))))
+    return store
+
+
+def _keys(store) -> list[str]:
+    return store._conn.keys.replay_keys()
+
+
+def _raw(server, store) -> dict[str, bytes | None]:
+    client = server.sync_client()
+    try:
+        return {k: client.get(k) for k in _keys(store)} | {"prio": client.hget(store._conn.keys.meta, "prio")}
+    finally:
+        client.close()
+
+
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """The chi-square test's p-value: Q(df/2, stat/2), the regularized upper incomplete gamma
+    function (torch.special.gammaincc), df = cells - 1."""
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    df = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_chi_square_p_is_right():
+    # 21 cells of 10 expected, one off by sqrt(300): statistic 30 on 20 degrees of freedom, whose
+    # survival is scipy.stats.chi2.sf(30, 20) = 0.0698536...; and chi2.sf(60, 20) = 7.12175e-06
+    expected = torch.full((21,), 10.0, dtype=torch.float64)
+    observed = expected.clone()
+    observed[0] += math.sqrt(300)
+    assert chi_square_p(observed, expected) == pytest.approx(0.0698536, rel=1e-5)
+    observed[0] = 10 + math.sqrt(600)
+    assert chi_square_p(observed, expected) == pytest.approx(7.12175e-06, rel=1e-4)
+
+
+def test_enable_builds_the_tree_and_another_handle_sees_the_settings(server, make):
+    store = _ring(make, 40, 25)
+    assert store.priority_settings() is None
+    store.enable_priorities(alpha=0.7, beta=0.5, eps=1e-3)
+    other = make("from_store", td_id=store.td_id)
+    assert other.priority_settings() == P.PrioritySettings(0.7, 0.5, 1e-3, P.DEFAULT_ARITY, 40)
+    report = P.tree_report(other)
+    assert report["problems"] == []
+    # the rows written get priority 1, the others none
+    p1 = (1 + 1e-3) ** 0.7
+    assert report["leaves"][:25].tolist() == pytest.approx([p1] * 25, rel=1e-15)
+    assert report["leaves"][25:].tolist() == [0.0] * 15
+    assert report["gens"].tolist() == [0] * 40 and report["max"] is None
+    # same alpha and eps: only beta changes, the priorities stay
+    store.update_priority([3], [9.0])
+    other.enable_priorities(alpha=0.7, beta=0.9, eps=1e-3)
+    assert store.priority_settings().beta == 0.9
+    assert P.tree_report(store)["leaves"][3] == pytest.approx((9 + 1e-3) ** 0.7)
+    assert store.disable_priorities() is True and store.priority_settings() is None
+    assert _raw(server, store) == dict.fromkeys([*_keys(store), "prio"])
+    assert store.disable_priorities() is False
+
+
+@pytest.mark.parametrize("arity", [2, 16])
+def test_draw_frequencies_match_the_priorities(server, make, arity):
+    cap = 40
+    store = _ring(make, cap, cap)
+    alpha, beta, eps = 0.7, 0.5, 1e-3
+    store.enable_priorities(alpha=alpha, beta=beta, eps=eps, arity=arity)
+    g = torch.Generator().manual_seed(1)
+    q = torch.rand(cap, generator=g, dtype=torch.float64) * 5
+    q[7] = 0.0  # priority 0: p = eps ** alpha, still drawn
+    assert store.update_priority(torch.arange(cap), q).all()
+    p = (q + eps) ** alpha
+    counts = torch.zeros(cap, dtype=torch.float64)
+    draws = 0
+    while draws < 200_000:
+        info = P.draw(store, 5000, generator=g)
+        counts += torch.bincount(info["index"], minlength=cap).double()
+        draws += 5000
+        # TorchRL's weights: (p_i / min p) ** -beta, to 1e-5
+        want = (p[info["index"]] / p.min()) ** -beta
+        torch.testing.assert_close(info["_weight"].double(), want, atol=1e-5, rtol=0)
+        assert info["generation"].tolist() == [0] * 5000
+    expected = p / p.sum() * draws
+    assert chi_square_p(counts, expected) > 0.001
+    assert P.tree_report(store)["problems"] == []
+
+
+def test_sample_returns_the_rows_drawn_with_their_weights(server, make):
+    store = _ring(make, 16, 12)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.update_priority([0, 1, 2], [8.0, 2.0, 1.0])
+    batch, info = store.sample(64, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(0))
+    assert batch["a"].tolist() == info["index"].tolist() == batch["b"][:, 1].tolist()
+    assert info["_weight"].dtype == torch.float32 and info["generation"].dtype == torch.int64
+    # every row has p 1 but rows 0 (8) and 1 (2): min p is 1
+    want = {0: 1 / 8, 1: 1 / 2}
+    assert info["_weight"].tolist() == pytest.approx([want.get(i, 1.0) for i in info["index"].tolist()])
+    assert set(info["index"].tolist()) <= set(range(12))
+    # without return_info: the batch alone; the uniform sample's info holds the index
+    assert store.sample(4, prioritized=True).batch_size == torch.Size([4])
+    uniform, uinfo = store.sample(5, return_info=True)
+    assert uniform["a"].tolist() == uinfo["index"].tolist()
+
+
+def test_new_rows_get_the_max_priority_and_a_new_generation(server, make):
+    store = _ring(make, 8, 4)
+    alpha, eps = 0.5, 0.01
+    store.enable_priorities(alpha=alpha, beta=0.4, eps=eps)
+    store.extend(w.rows([10, 11]))  # rows 4, 5: none given yet, so priority 1
+    report = P.tree_report(store)
+    assert report["leaves"][4:6].tolist() == pytest.approx([(1 + eps) ** alpha] * 2)
+    assert report["gens"].tolist() == [0, 0, 0, 0, 5, 6, 0, 0]
+    store.update_priority([0, 1], [7.0, 0.2])
+    store.update_priority([2], [3.0])  # (smaller: the max stays 7)
+    assert P.tree_report(store)["max"] == 7.0
+    store.extend(w.rows([12, 13, 14]))  # rows 6, 7, 0 (the ring comes round)
+    report = P.tree_report(store)
+    assert report["problems"] == []
+    assert report["leaves"][[6, 7, 0]].tolist() == pytest.approx([(7 + eps) ** alpha] * 3)
+    assert report["gens"].tolist() == [9, 0, 0, 0, 5, 6, 7, 8]
+
+
+def test_stale_updates_are_left_alone(server, make):
+    store = _ring(make, 8, 8)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    _batch, info = store.sample(32, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(3))
+    rows, gens = info["index"][:8], info["generation"][:8]
+    store.extend(w.rows([100, 101]))  # rows 0 and 1 move to generations 9 and 10
+    moved = (rows == 0) | (rows == 1)
+    ok = store.update_priority(rows, torch.full((8,), 5.0), generation=gens)
+    assert ok.tolist() == (~moved).tolist()
+    leaves = P.tree_report(store)["leaves"]
+    assert leaves[0] == leaves[1] == 1.0  # the new rows keep their own (max) priority
+    for r in set(rows[~moved].tolist()):
+        assert leaves[r] == 5.0
+    # with the new generations, the update applies
+    assert store.update_priority([0, 1], [2.0, 3.0], generation=[9, 10]).all()
+    assert P.tree_report(store)["leaves"][:2].tolist() == [2.0, 3.0]
+
+
+def test_bad_input_raises_and_leaves_the_tree_as_it_was(server, make):
+    store = _ring(make, 8, 5)
+    store.enable_priorities(alpha=0.6, beta=0.4)
+    store.update_priority([0, 1], [2.0, 3.0])
+    client = server.sync_client()
+    try:
+        before = {k: client.get(k) for k in _keys(store)}
+        bad = [
+            (([0, 1], [1.0, -1.0]), "finite and >= 0"),
+            (([0, 1], [1.0, float("nan")]), "finite and >= 0"),
+            (([0, 1], [1.0, float("inf")]), "finite and >= 0"),
+            (([0, 8], [1.0, 1.0]), "out of the ring's range"),
+            (([-1], [1.0]), "out of the ring's range"),
+            (([0, 1, 2], [1.0, 2.0]), "3 rows and 2 priorities"),
+            (([0.5], [1.0]), "integers"),
+            (([6], [1.0]), "not a row appended"),  # (past the rows written: the server's check)
+        ]
+        for args, words in bad:
+            with pytest.raises(ValueError, match=words) as err:
+                store.update_priority(*args)
+            assert store.td_id in str(err.value)
+        with pytest.raises(ValueError, match="2 rows and 1 generations"):
+            store.update_priority([0, 1], [1.0, 1.0], generation=[0])
+        with pytest.raises(ValueError, match="alpha"):
+            store.enable_priorities(alpha=-1.0, beta=0.4)
+        with pytest.raises(ValueError, match="arity"):
+            store.enable_priorities(alpha=1.0, beta=0.4, arity=1)
+        with pytest.raises(ValueError, match="n must be"):
+            store.sample(0, prioritized=True)
+        assert {k: client.get(k) for k in _keys(store)} == before
+    finally:
+        client.close()
+
+
+def test_priorities_off_sample_and_update_refuse(server, make):
+    store = _ring(make, 8, 5)
+    with pytest.raises(ValueError, match="enable_priorities"):
+        store.sample(4, prioritized=True)
+    with pytest.raises(ValueError, match="enable_priorities"):
+        store.update_priority([0], [1.0])
+    empty = _ring(make, 8, 0)
+    empty.enable_priorities(alpha=1.0, beta=1.0)
+    with pytest.raises(ValueError, match="no row"):
+        empty.sample(4, prioritized=True)
+
+
+def test_set_ring_total_rebuilds_the_tree(server, make):
+    store = _ring(make, 8, 8)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.update_priority([0, 1], [5.0, 6.0])
+    store.set_ring_total(0)  # the replay buffer's empty()
+    report = P.tree_report(store)
+    assert report["problems"] == [] and report["leaves"].tolist() == [0.0] * 8 and report["max"] is None
+    with pytest.raises(ValueError, match="no row"):
+        store.sample(2, prioritized=True)
+    store.extend(w.rows([1, 2]))
+    assert P.tree_report(store)["leaves"][:3].tolist() == [1.0, 1.0, 0.0]
+    store.set_ring_total(5)  # (load_state_dict: the first 5 rows count as written, at priority 1)
+    report = P.tree_report(store)
+    assert report["leaves"].tolist() == [1.0] * 5 + [0.0] * 3 and report["problems"] == []
+
+
+def test_clear_redis_deletes_the_priority_keys(server, make):
+    store = _ring(make, 8, 5)
+    store.enable_priorities(alpha=1.0, beta=1.0)
+    store.update_priority([0], [2.0])
+    client = server.sync_client()
+    try:
+        assert all(client.exists(k) for k in _keys(store))
+        base = store._conn.keys.base
+        store.clear_redis()
+        assert [k for k in client.keys("*") if k.decode().startswith(base)] == []
+    finally:
+        client.close()
+
+
+def test_the_lifetime_covers_the_priority_keys(server, make):
+    store = _ring(make, 8, 5, expire=1000)
+    store.enable_priorities(alpha=1.0, beta=1.0)  # created with the store's expiry
+    client = server.sync_client()
+    try:
+        meta_ttl = client.pttl(store._conn.keys.meta)
+        for k in _keys(store):
+            assert 0 < client.pttl(k) <= meta_ttl + 1, k
+        store.persist()
+        assert [client.pttl(k) for k in _keys(store)] == [-1] * 4
+        store.expire(500)
+        assert all(0 < client.pttl(k) <= 500_000 for k in _keys(store))
+        store.update_priority([1], [3.0])
+        store.extend(w.rows([7]))
+        assert all(0 < client.pttl(k) <= 500_000 for k in _keys(store))  # (writes keep the expiry)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("damage", ["leaves", "tree", "settings", "gens"])
+def test_a_damaged_tree_gives_one_clear_error(server, make, damage):
+    store = _ring(make, 8, 5)
+    store.enable_priorities(alpha=1.0, beta=1.0)
+    keys = store._conn.keys
+    client = server.sync_client()
+    try:
+        if damage == "leaves":
+            client.setrange(keys.prio_leaves, 3 * 23, b"garbage")
+        elif damage == "tree":
+            client.set(keys.prio_tree, b"short")
+        elif damage == "settings":
+            client.hset(keys.meta, "prio", b"{not json")
+        else:
+            client.delete(keys.prio_gens)
+    finally:
+        client.close()
+    with pytest.raises(CorruptMetadataError, match="rebuild it"):
+        P.draw(store, 8)
+    with pytest.raises(CorruptMetadataError, match="rebuild it"):
+        store.update_priority([0], [1.0])
+    # disable_priorities() and enable_priorities() build it again
+    store.disable_priorities()
+    store.enable_priorities(alpha=1.0, beta=1.0)
+    assert P.tree_report(store)["problems"] == []
+    assert P.draw(store, 8)["index"].numel() == 8
+
+
+def test_appends_without_priorities_carry_nothing_more(server, make, monkeypatch):
+    store = _ring(make, 8, 0)
+    plans: list[AppendPlan] = []
+    conn = store._conn
+    original = conn.append
+
+    def spy(plan: AppendPlan) -> int:
+        plans.append(plan)
+        return original(plan)
+
+    monkeypatch.setattr(conn, "append", spy)
+    for _ in range(3):
+        store.extend(w.rows([1, 2]))
+    assert [p.new_rows for p in plans] == [None] * 3
+    for armed in (False, True):
+        assert not any(c[0] == "EVAL" for c in plans[0].write_commands(0, "", armed=armed))
+    store.enable_priorities(alpha=1.0, beta=1.0)
+    store.extend(w.rows([3]))
+    assert plans[-1].new_rows is not None
+    for armed in (False, True):
+        assert sum(c[0] == "EVAL" for c in plans[-1].write_commands(6, "", armed=armed)) == 1
+
+
+def test_plan_without_new_rows_is_unchanged():
+    from tdstore._core.keys import StoreKeys
+
+    keys = StoreKeys("td", "s")
+    groups = [(("x",), 4, b"\0" * 8)]
+    plain = AppendPlan(keys, groups, lv=1, n=2, capacity=8, sub=(), reservation=Reservation())
+    with_rows = AppendPlan(keys, groups, lv=1, n=2, capacity=8, sub=(), reservation=Reservation(),
+                           new_rows=lambda start, n: ("EVAL", "x", 0, start, n))
+    a, b = plain.write_commands(3, ""), with_rows.write_commands(3, "")
+    assert [c for c in b if c[0] != "EVAL"] == a and ("EVAL", "x", 0, 3, 2) in b
+
+
+def test_the_steps_survive_a_script_flush(server, make):
+    """The append's MULTI sends prio_new as EVAL (a MULTI does not roll back: an EVALSHA there
+    answered NOSCRIPT would leave rows written without priorities); the other steps load
+    their scripts again."""
+    store = _ring(make, 8, 4)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    client = server.sync_client()
+    try:
+        client.script_flush()
+        store.extend(w.rows([5]))
+        assert P.tree_report(store)["gens"][4] == 5
+        client.script_flush()
+        assert store.update_priority([0], [3.0]).all()
+        client.script_flush()
+        _batch, info = store.sample(4, prioritized=True, return_info=True)
+        assert info["index"].numel() == 4
+        client.script_flush()
+        store.set_ring_total(2)
+        assert P.tree_report(store)["leaves"].tolist() == [1.0, 1.0] + [0.0] * 6
+    finally:
+        client.close()
+
+
+def _check_seen(seen, logs, store):
+    """The rows the learners drew: whole (both entries one token), each (row, generation) one
+    token, each token at the row its append got and one generation, generations moving with
+    each appender's appends to a row."""
+    where = {tok: row for log in logs for tok, row in log}
+    by_gen: dict[tuple[int, int], int] = {}
+    gen_of: dict[int, int] = {}
+    for row, gen, a, b in seen:
+        assert b == a, f"torn row {row}: {a} and {b}"
+        assert gen >= 1, f"row {row} drawn with generation {gen}: no append's priority"
+        assert (gen - 1) % store.batch_size[0] == row
+        assert where[a] == row, f"token {a} drawn at row {row}, appended at {where[a]}"
+        assert by_gen.setdefault((row, gen), a) == a, f"row {row} generation {gen} drawn with two tokens"
+        assert gen_of.setdefault(a, gen) == gen, f"token {a} drawn with two generations"
+    for log in logs:  # one appender's tokens to one row: later ones, higher generations
+        last: dict[int, tuple[int, int]] = {}
+        for tok, row in log:
+            if tok in gen_of:
+                prev = last.get(row)
+                assert prev is None or gen_of[tok] > prev[1], f"token {tok} of row {row} older than {prev}"
+                last[row] = (tok, gen_of[tok])
+
+
+def test_threads_never_draw_a_row_without_its_priority(server, make):
+    store = _ring(make, 64, 0)
+    store.enable_priorities(alpha=0.6, beta=0.4)
+    conn = server.connection_kwargs()
+    logs: list[list[tuple[int, int]]] = [[], []]
+    results: list[dict] = [{}, {}]
+
+    def run_appender(i: int) -> None:
+        logs[i] = w.appender(conn, store.td_id, i + 1, 2.0)
+
+    def run_learner(i: int) -> None:
+        results[i] = w.learner(conn, store.td_id, i, 2.0, batch=16)
+
+    threads = [threading.Thread(target=run_appender, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=run_learner, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    seen = [s for r in results for s in r["seen"]]
+    assert seen and sum(len(log) for log in logs) > 0
+    _check_seen(seen, logs, store)
+    assert sum(r["bad_weights"] for r in results) == 0
+    assert P.tree_report(store)["problems"] == []
+
+
+@pytest.mark.slow
+def test_processes_keep_the_tree_consistent(race_server, pool, request):
+    """4 appending processes and 2 learners (sampling by priority, updating with generations)
+    for 6 s: the tree is consistent after, no torn or unwritten row was drawn, and every
+    update left alone was for a generation that had moved."""
+    conn = race_server.connection_kwargs()
+    from tdstore import TensorDictStore
+
+    store = TensorDictStore.from_schema(w.SCHEMA, batch_size=[512], **conn)
+    store.enable_priorities(alpha=0.6, beta=0.4)
+    duration = 6.0
+    t0 = time.time()
+    appenders = [pool.submit(w.appender, conn, store.td_id, i + 1, duration) for i in range(4)]
+    learners = [pool.submit(w.learner, conn, store.td_id, i, duration) for i in range(2)]
+    logs = [f.result(120) for f in appenders]
+    results = [f.result(120) for f in learners]
+    assert time.time() - t0 < 60
+    report = P.tree_report(store)
+    assert report["problems"] == []
+    seen = [s for r in results for s in r["seen"]]
+    final = report["gens"]
+    dropped = [d for r in results for d in r["dropped"]]
+    wrongly_dropped = sum(int(final[row]) == gen for row, gen in dropped)
+    appended = sum(len(log) for log in logs)
+    record(
+        request, appended=appended, drawn=len(seen), samples=sum(r["samples"] for r in results),
+        updates_applied=sum(r["applied"] for r in results), updates_dropped=len(dropped),
+        torn_rows=sum(a != b for _r, _g, a, b in seen), unwritten_rows=sum(g < 1 for _r, g, _a, _b in seen),
+        wrongly_dropped=wrongly_dropped, bad_weights=sum(r["bad_weights"] for r in results), tree_problems=len(report["problems"]),
+    )
+    _check_seen(seen, logs, store)
+    assert wrongly_dropped == 0, "an update was left alone though its row's generation had not moved"
+    assert sum(r["bad_weights"] for r in results) == 0
+    assert appended > 0 and seen and math.isfinite(report["leaves"].sum())
+    store.clear_redis()
+    store.close()
+
+
+@pytest.mark.parametrize("race_server", ["redis", "valkey", "cluster"], indirect=True)
+def test_a_round_on_every_deployment(race_server, stores):
+    """Enable, append, sample, update and empty on the real servers and on a Redis Cluster
+    (every key of the store in one slot; the IO-loop driver sends the append's EVAL there)."""
+    store = stores(race_server, "from_schema", w.SCHEMA, batch_size=[16])
+    store.extend(w.rows(list(range(10))))
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.extend(w.rows([20, 21]))
+    assert store.update_priority([0, 11], [4.0, 2.0]).all()
+    batch, info = store.sample(32, prioritized=True, return_info=True)
+    assert batch["a"].tolist() == [([*range(10), 20, 21])[i] for i in info["index"].tolist()]
+    report = P.tree_report(store)
+    assert report["problems"] == [] and report["gens"][10:12].tolist() == [11, 12] and report["max"] == 4.0
+    store.set_ring_total(0)
+    assert P.tree_report(store)["leaves"].sum() == 0
+    store.clear_redis()
+
+
+@pytest.mark.multiprocess
+def test_sigkill_of_appenders_and_learners_leaves_the_tree_consistent(race_server, stores, request):
+    """Appenders and learners forked and killed (SIGKILL) at random moments: every change to
+    the tree is one server step, so after each kill it is consistent and the store samples."""
+    import multiprocessing
+    import os
+    import random
+    import signal
+
+    conn = race_server.connection_kwargs()
+    store = stores(race_server, "from_schema", w.SCHEMA, batch_size=[256])
+    store.extend(w.rows(list(range(64))))
+    store.enable_priorities(alpha=0.6, beta=0.4)
+    ctx = multiprocessing.get_context("fork")  # (no re-import per kill)
+    rng = random.Random(5)
+    kills = 0
+    for _ in range(4):
+        total = store.ring_state().total
+        procs = [ctx.Process(target=w.appender, args=(conn, store.td_id, 7, 30.0))]
+        procs.append(ctx.Process(target=w.learner, args=(conn, store.td_id, 3, 30.0)))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 20
+        while store.ring_state().total == total:  # the appender is appending
+            assert time.monotonic() < deadline, "the appender did not start"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.05, 0.4))
+        for p in procs:
+            assert p.pid is not None
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            kills += 1
+        report = P.tree_report(store)
+        assert report["problems"] == []
+        _batch, info = store.sample(16, prioritized=True, return_info=True)
+        assert info["index"].numel() == 16
+    record(request, kills=kills, rows_appended=store.ring_state().total, tree_problems=0)
+
+
+def test_rows_appended_to_between_the_draw_and_the_check_are_drawn_again(server, make, monkeypatch):
+    store = _ring(make, 4, 4)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    real = P._draw
+    calls = []
+
+    def draw_then_append(s, n, generator, acquire=None):
+        got = real(s, n, generator, acquire)
+        calls.append(n)
+        if len(calls) == 1:  # every row drawn is appended to before it is read and checked
+            store.extend(w.rows([10, 11, 12, 13]))
+        return got
+
+    monkeypatch.setattr(P, "_draw", draw_then_append)
+    batch, info = store.sample(8, prioritized=True, return_info=True)
+    assert calls == [8, 8]
+    assert batch["a"].tolist() == [10 + i for i in info["index"].tolist()]
+    assert info["generation"].tolist() == [5 + i for i in info["index"].tolist()]
+
+
+def test_a_sample_partly_drawn_again_keeps_its_order(server, make, monkeypatch):
+    store = _ring(make, 8, 8)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.update_priority([0, 1], [5.0, 5.0])  # rows 0 and 1 drawn most
+    real = P._draw
+    calls = []
+
+    def draw_then_append(s, n, generator, acquire=None):
+        got = real(s, n, generator, acquire)
+        calls.append(n)
+        if len(calls) == 1:
+            store.extend(w.rows([20, 21]))  # rows 0 and 1 only
+        return got
+
+    monkeypatch.setattr(P, "_draw", draw_then_append)
+    batch, info = store.sample(64, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(2))
+    assert len(calls) == 2 and 0 < calls[1] < 64
+    new = {0: (20, 9), 1: (21, 10)}
+    for i, (row, a, gen) in enumerate(zip(info["index"].tolist(), batch["a"].tolist(), info["generation"].tolist(), strict=True)):
+        assert (a, gen) == new.get(row, (row, 0)), i
