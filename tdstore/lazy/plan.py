@@ -441,7 +441,7 @@ def _new_td(source: dict[str, object], batch_size: Any, device: torch.device | N
         return TensorDict(source, batch_size=batch_size, device=device)
 
 
-def decode_nontensor(meta: Entry, data: bytes, n: int, owner_bs: torch.Size, path: tuple[str, ...], where: str, policy: _codec.PicklePolicy, device: torch.device | None) -> list[object]:
+def decode_nontensor(meta: Entry, data: bytes | torch.Tensor, n: int, owner_bs: torch.Size, path: tuple[str, ...], where: str, policy: _codec.PicklePolicy, device: torch.device | None) -> list[object]:
     """The ``n`` elements' values of a non-tensor leaf."""
     items = _codec.decode_non_tensor(meta.enc or "", bytes(data), policy)
     if not isinstance(items, list) or len(items) != n:

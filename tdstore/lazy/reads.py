@@ -103,7 +103,7 @@ class LazyReads(LazyBase):
         return self._decode(layout, [(path, how, chunks) for (path, _), how, chunks in zip(plans, spans, replies, strict=True)], members)
 
     def _decode(
-        self, layout: _backend.Layout, items: list[tuple[tuple[str, ...], _How, Sequence[bytes | None]]], members: list[int]
+        self, layout: _backend.Layout, items: list[tuple[tuple[str, ...], _How, Sequence[bytes | torch.Tensor | None]]], members: list[int]
     ) -> _Values:
         """Element values from the bytes read: ``(path, how, chunks)`` per leaf, where ``how`` is
         None (a non-tensor leaf, read whole), "gather" (the members' bytes in order) or the runs read."""
@@ -150,7 +150,7 @@ class LazyReads(LazyBase):
             out[path] = found
         return out
 
-    def _buffer(self, data: bytes | memoryview | bytearray | None, expected: int, path: tuple[str, ...]) -> torch.Tensor:
+    def _buffer(self, data: bytes | memoryview | bytearray | torch.Tensor | None, expected: int, path: tuple[str, ...]) -> torch.Tensor:
         if data is None or len(data) != expected:
             raise DataLostError(
                 f"entry {path!r} of {self._where()}: expected {expected} bytes, the server holds "
@@ -208,7 +208,7 @@ class LazyReads(LazyBase):
         conn = self._conn
 
         def once(attempt: int) -> tuple[LazyStackedTensorDict, _backend.Layout, str]:
-            by_path: dict[tuple[str, ...], bytes] | None = None
+            by_path: dict[tuple[str, ...], bytes | None] | None = None
             snap: _backend.Layout | None = None
             if attempt >= ONE_STEP_AFTER:
                 # writers keep changing the layout between the layout read and the data read:
@@ -223,7 +223,7 @@ class LazyReads(LazyBase):
                 layout = snap
                 bs, s = self._root(layout)
                 paths = [p for p, m in self._descendants(layout) if m.has_data]
-                blobs = [by_path.get(p) for p in paths]
+                blobs: list[bytes | torch.Tensor | None] = [by_path.get(p) for p in paths]
             else:
                 layout = self._layout()
                 bs, s = self._root(layout)
@@ -233,7 +233,7 @@ class LazyReads(LazyBase):
                     raise self._not_found()
                 if snap.lv != layout.lv:
                     raise Retry(stale=True)  # back off, refresh, read again
-            items: list[tuple[tuple[str, ...], _How, Sequence[bytes | None]]] = []
+            items: list[tuple[tuple[str, ...], _How, Sequence[bytes | torch.Tensor | None]]] = []
             for path, blob in zip(paths, blobs, strict=True):
                 if layout.entries[path].kind == "lnt":
                     items.append((path, None, [blob]))
