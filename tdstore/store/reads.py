@@ -92,7 +92,7 @@ class StoreReads(DenseBase):
         layout = self._layout()
         if lv != layout.lv:
             layout = self._layout(refresh=True)
-        out = []
+        out: list[object] = []
         for path, meta, blob in zip(paths, metas, blobs, strict=True):
             if meta is None:
                 raise self._key_error(path)

@@ -434,7 +434,7 @@ def _store(host: StoreWrites) -> TensorDictStore:
     return cast("TensorDictStore", host)
 
 
-def planner_for(store: TensorDictStore, layout: _backend.Layout, *, inplace: bool) -> WritePlanner:
+def planner_for(store: StoreWrites, layout: _backend.Layout, *, inplace: bool) -> WritePlanner:
     """A :class:`~tdstore._core.planner.WritePlanner` with the settings of ``store``: its name
     in errors, its pickle policy, its connection's size limits."""
     conn = store._conn
@@ -448,7 +448,7 @@ async def _noop(client: AsyncClient) -> None:
     return None
 
 
-def _planner(store: TensorDictStore, layout: _backend.Layout) -> WritePlanner:
+def _planner(store: StoreWrites, layout: _backend.Layout) -> WritePlanner:
     store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
     return planner_for(store, layout, inplace=False)
 
