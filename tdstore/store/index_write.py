@@ -195,7 +195,7 @@ def _check_parents(layout: _backend.Layout, path: tuple[str, ...], where: str) -
 
 
 def _nontensor_update(
-    path: tuple[str, ...], value: object, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str,
+    path: tuple[str, ...], value: NonTensorData | NonTensorStack, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str,
     policy: _codec.PicklePolicy | None,
 ) -> _Update:
     def update(old_meta: Entry | None, old: bytes | None) -> tuple[Entry, bytes]:
