@@ -45,7 +45,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -54,9 +54,16 @@ from tdstore._core.keys import new_td_id, validate_td_id
 from tdstore.errors import FormatVersionError, StoreNotFoundError
 from tdstore.store import TensorDictStore
 
+if TYPE_CHECKING:
+    from tensordict import NestedKey
+    from tensordict.utils import IndexType
+
+    from tdstore.base.views import StoreKeysView
+
 __all__ = ["ShardedStore"]
 
 T = TypeVar("T")
+_I = TypeVar("_I")
 
 #: Blocks are read and written by up to this many threads at once (their round trips overlap).
 MAX_PARALLEL_BLOCKS = 8
@@ -81,7 +88,7 @@ def _after_fork() -> None:  # a forked child has no pool threads: start a new po
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def _each(fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+def _each(fn: Callable[[_I], T], items: Sequence[_I]) -> list[T]:
     """``[fn(item) for item in items]``, the first item alone, then the others in parallel.
 
     The first call runs before any other starts, so input that every block would refuse
@@ -120,7 +127,7 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _check_layout(batch_size: Any, block_rows: Any, where: str) -> tuple[torch.Size, int]:
+    def _check_layout(batch_size: Sequence[int] | torch.Size | None, block_rows: object, where: str) -> tuple[torch.Size, int]:
         size = torch.Size(batch_size if batch_size is not None else [])
         if len(size) == 0:
             raise ValueError(f"{where}: a sharded buffer needs a batch size with a first dimension, got {list(size)}")
@@ -129,7 +136,7 @@ class ShardedStore:
         return size, int(block_rows)
 
     @classmethod
-    def _build(cls, td_id: str | None, size: torch.Size, block_rows: int, make_block: Any, conn: dict[str, Any]) -> ShardedStore:
+    def _build(cls, td_id: str | None, size: torch.Size, block_rows: int, make_block: Callable[[str, int, int], TensorDictStore], conn: dict[str, Any]) -> ShardedStore:
         td_id = validate_td_id(td_id) if td_id is not None else new_td_id()
         rows = int(size[0])
         nblocks = max(1, -(-rows // block_rows))
@@ -153,7 +160,7 @@ class ShardedStore:
     @classmethod
     def from_schema(
         cls,
-        schema: Mapping[Any, tuple[Sequence[int] | torch.Size, torch.dtype]],
+        schema: Mapping[NestedKey, tuple[Sequence[int] | torch.Size, torch.dtype]],
         *,
         batch_size: Sequence[int] | torch.Size,
         block_rows: int,
@@ -246,7 +253,7 @@ class ShardedStore:
     def __len__(self) -> int:
         return int(self._batch_size[0])
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False) -> Any:
+    def keys(self, include_nested: bool = False, leaves_only: bool = False) -> StoreKeysView:
         return self._blocks[0].keys(include_nested=include_nested, leaves_only=leaves_only)
 
     def __repr__(self) -> str:
@@ -259,7 +266,7 @@ class ShardedStore:
         return f"ShardedStore(td_id={self.td_id!r}, {len(self)} rows)"
 
     # ------------------------------------------------------------------ index math
-    def _rows(self, idx: Any) -> tuple[torch.Tensor, bool]:
+    def _rows(self, idx: IndexType) -> tuple[torch.Tensor, bool]:
         """Row numbers (an int64 tensor) selected by ``idx``, and whether ``idx`` was a single row."""
         n = len(self)
         if isinstance(idx, numbers.Integral) and not isinstance(idx, bool):
@@ -290,7 +297,7 @@ class ShardedStore:
             f"a slice, a list or 1-D integer tensor, or a boolean mask; got {type(idx).__name__}"
         )
 
-    def _split(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, Any]]:
+    def _split(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, slice | torch.Tensor]]:
         """``(block, positions in rows, index inside the block)`` for each block that ``rows`` touch."""
         block_ids = torch.div(rows, self._block_rows, rounding_mode="floor")
         local = rows - block_ids * self._block_rows
@@ -304,11 +311,11 @@ class ShardedStore:
                 yield block, positions, loc
 
     @staticmethod
-    def _is_key(idx: Any) -> bool:
+    def _is_key(idx: object) -> bool:
         return isinstance(idx, str) or (isinstance(idx, tuple) and bool(idx) and all(isinstance(k, str) for k in idx))
 
     # ------------------------------------------------------------------ reads
-    def __getitem__(self, idx: Any) -> Any:
+    def __getitem__(self, idx: IndexType) -> torch.Tensor | TensorDictBase:
         """An entry (all rows, one read per block) or rows (a TensorDict)."""
         if self._is_key(idx):
             return torch.cat(_each(lambda block: block.get(idx), self._blocks))
@@ -327,7 +334,7 @@ class ShardedStore:
             return out
         return out[torch.argsort(order_t)]
 
-    def get(self, key: Any) -> torch.Tensor:
+    def get(self, key: NestedKey) -> torch.Tensor:
         return self[key]
 
     def to_tensordict(self) -> TensorDict:
@@ -335,7 +342,7 @@ class ShardedStore:
         return torch.cat(_each(lambda block: block.to_tensordict(), self._blocks))
 
     # ------------------------------------------------------------------ writes
-    def __setitem__(self, idx: Any, value: Any) -> None:
+    def __setitem__(self, idx: IndexType, value: Any) -> None:
         """Writes an entry (all rows) or rows; one atomic step per block touched."""
         if self._is_key(idx):
             self._set_entry(idx, value)
@@ -346,13 +353,13 @@ class ShardedStore:
             row = int(rows[0])
             self._blocks[row // self._block_rows][row % self._block_rows] = value
             return
-        def write(piece: tuple[int, torch.Tensor, Any]) -> None:
+        def write(piece: tuple[int, torch.Tensor, slice | torch.Tensor]) -> None:
             block, positions, local = piece
             self._blocks[block][local] = value[positions]
 
         _each(write, list(self._split(rows)))
 
-    def _as_rows(self, value: Any, rows: torch.Tensor, single: bool) -> TensorDictBase:
+    def _as_rows(self, value: object, rows: torch.Tensor, single: bool) -> TensorDictBase:
         """Checks that ``value`` holds one item per selected row, before any block is written."""
         expected = [] if single else [int(rows.numel())]
         if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
@@ -376,7 +383,7 @@ class ShardedStore:
         # a value the first block refuses (checked before that block writes) reaches no block
         return value
 
-    def _set_entry(self, key: Any, value: Any) -> None:
+    def _set_entry(self, key: NestedKey, value: object) -> None:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"entry {key!r} of {self._where()} must be a tensor of {len(self)} rows, got {type(value).__name__}")
         if value.ndim == 0 or value.shape[0] != len(self):
@@ -405,5 +412,5 @@ class ShardedStore:
     def __enter__(self) -> ShardedStore:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -25,9 +25,10 @@ Examples:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
@@ -46,6 +47,10 @@ except ImportError as exc:  # pragma: no cover - exercised by the main env, whic
         "tdstore.torchrl needs TorchRL: pip install 'tdstore[torchrl]' (torchrl>=0.14.1, which "
         f"pins tensordict<0.15,>=0.14.3); importing torchrl failed: {exc}"
     ) from exc
+
+if TYPE_CHECKING:
+    from tensordict import NestedKey
+    from tensordict.utils import IndexType
 
 __all__ = ["TensorDictStoreStorage", "TensorDictStoreWriter"]
 
@@ -68,12 +73,12 @@ def _is_leaf(cls: type) -> bool:
 class _StateDictCheckpointer(StorageCheckpointerBase):
     """``rb.dumps(path)`` / ``rb.loads(path)``: the storage's state_dict in ``path/storage.pt``."""
 
-    def dumps(self, storage: Any, path: Any) -> None:
+    def dumps(self, storage: Storage, path: str | os.PathLike[str]) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         torch.save(storage.state_dict(), path / "storage.pt")
 
-    def loads(self, storage: Any, path: Any) -> None:
+    def loads(self, storage: Storage, path: str | os.PathLike[str]) -> None:
         state = torch.load(Path(path) / "storage.pt", weights_only=True)
         storage.load_state_dict(state)
 
@@ -164,7 +169,7 @@ class TensorDictStoreStorage(TensorStorage):
         if self._storage is not None:
             return self._storage
         nb = 1 if batched else 0
-        schema: dict[Any, Any] = {}
+        schema: dict[NestedKey, tuple[list[int], torch.dtype]] = {}
         for key, value in data.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
             if not isinstance(value, torch.Tensor):
                 raise SchemaError(
@@ -225,7 +230,7 @@ class TensorDictStoreStorage(TensorStorage):
         self._bump_mutation_revision()
         return index
 
-    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:  # type: ignore[override]
+    def set(self, cursor: int | slice | list[int] | tuple[int, ...] | torch.Tensor, data: object, *, set_cursor: bool = True) -> None:  # type: ignore[override]
         """Writes ``data`` at rows ``cursor`` (an int, a slice, a sequence or a tensor of rows), atomically."""
         data = _as_tensordict(data, "set")
         single = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
@@ -241,7 +246,7 @@ class TensorDictStoreStorage(TensorStorage):
         self._bump_mutation_revision()
 
     # ------------------------------------------------------------------ reads
-    def get(self, index: Any) -> Any:
+    def get(self, index: IndexType) -> TensorDictBase:
         """Reads rows among the valid ones (as ``storage[:len(storage)][index]``) into memory."""
         if self._storage is None:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
@@ -274,7 +279,7 @@ class TensorDictStoreStorage(TensorStorage):
         # append reserved and has not written yet (see TensorDictStore.sample)
         return _ring.draw_written(self._storage, batch_size, self._rng)
 
-    def contains(self, item: Any) -> Any:
+    def contains(self, item: object) -> bool | torch.Tensor:
         valid = len(self)
         if isinstance(item, int):
             item = item + valid if item < 0 else item
@@ -295,7 +300,7 @@ class TensorDictStoreStorage(TensorStorage):
                 pass  # a store deleted meanwhile holds no rows: nothing to empty, and nothing is written
         self._bump_mutation_revision()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The rows (an in-memory snapshot) and the row counter, as TorchRL checkpoints expect."""
         if self._storage is None:
             return {"_storage": {}, "initialized": False, "_len": 0, "total": 0}
@@ -327,13 +332,13 @@ class TensorDictStoreStorage(TensorStorage):
         self._local_len = int(state_dict["_len"])
         self._bump_mutation_revision()
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         # Storage.__getstate__ swaps the shared counters for plain values; the store pickles by td_id
         state = Storage.__getstate__(self)
         state.pop("_len_value", None)
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         Storage.__setstate__(self, state)
 
     def __repr__(self) -> str:
@@ -372,13 +377,13 @@ class TensorDictStoreWriter(Writer):
         self._mark_update_entities(index[0])
         return int(index[0])
 
-    def extend(self, data: Any) -> torch.Tensor:
+    def extend(self, data: object) -> torch.Tensor:
         index = self._storage.extend(data)
         self._write_count += index.numel()
         self._mark_update_entities(index)
         return index
 
-    def write_at(self, index: Any, data: Any) -> Any:
+    def write_at(self, index: int | Sequence[int] | torch.Tensor, data: object) -> int | Sequence[int] | torch.Tensor:
         """Writes ``data`` at explicit rows, without moving the shared cursor."""
         self._storage.set(index, data, set_cursor=False)
         n = 1 if isinstance(index, int) else torch.as_tensor(index).numel()
@@ -386,7 +391,7 @@ class TensorDictStoreWriter(Writer):
         self._mark_update_entities(index)
         return index
 
-    def _mark_update_entities(self, index: Any) -> None:
+    def _mark_update_entities(self, index: int | Sequence[int] | torch.Tensor) -> None:
         for entity in self._storage._attached_entities_iter():
             entity.mark_update(index)
 
@@ -394,14 +399,14 @@ class TensorDictStoreWriter(Writer):
         if empty_write_count:
             self._write_count = 0
 
-    def dumps(self, path: Any) -> None:
+    def dumps(self, path: str | os.PathLike[str]) -> None:
         return None  # the cursor lives on the server, with the rows
 
-    def loads(self, path: Any) -> None:
+    def loads(self, path: str | os.PathLike[str]) -> None:
         return None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         return {"_write_count": self._write_count}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, int]) -> None:
         self._write_count = int(state_dict.get("_write_count", 0))

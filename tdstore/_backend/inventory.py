@@ -158,7 +158,9 @@ async def read_stores(client: AsyncClient, candidates: list[tuple[str, str]]) ->
     return readings
 
 
-async def read_details(client: AsyncClient, keys: StoreKeys, *extra_keys: str) -> tuple[Any, ...]:
+async def read_details(
+    client: AsyncClient, keys: StoreKeys, *extra_keys: str
+) -> tuple[_backend.Layout | None, bytes | str | None, bytes | str | None, int | None, list[int], list[bytes | str | None]]:
     """(layout, write version, ring counter, PTTL, data bytes per entry in creation order, then
     the values of ``extra_keys``) of one store; all None and [] when there is no store.
 

@@ -35,6 +35,7 @@ from tdstore._core.keys import StoreKeys, decode_path, encode_path
 from tdstore._core.layout import (
     SCRIPT_META_FIELDS,
     Command,
+    Entry,
     Layout,
     Op,
     ZeroBytes,
@@ -110,9 +111,15 @@ def _big_entries(paths: Sequence[tuple[str, ...]], options: ReadOptions) -> tupl
     return {p: n for p, n in large.items() if n >= _large.READ_MIN and p in paths}, options.get("device")
 
 
+#: What :func:`read_entries` gives: the layout version (None: no store); each path's registry
+#: metadata and bytes (None when absent; a flat uint8 tensor for an entry read in pieces); the
+#: layout, when asked for.
+EntriesRead: TypeAlias = "tuple[int | None, list[Entry | None], list[bytes | torch.Tensor | None], Layout | None]"
+
+
 async def read_entries(
     client: AsyncClient, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = False, **options: Unpack[ReadOptions]
-) -> tuple[int | None, list[Any], list[Any], Layout | None]:
+) -> EntriesRead:
     """Reads entries whole, with their metadata, in one snapshot.
 
     ``large``: the byte size the caller expects of some tensor entries (from its cached
@@ -137,7 +144,7 @@ async def read_entries(
     # the bytes if that differs (the entry was re-created meanwhile)
     chunking = _chunking_of(keys, paths, under)
 
-    async def once(big: Mapping[tuple[str, ...], int]) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
+    async def once(big: Mapping[tuple[str, ...], int]) -> EntriesRead | None:
         nonlocal chunking
         for attempt in range(1, _CHUNK_TRIES + 1):
             got = await _read_entries_once(client, _EntriesTry(keys, paths, with_layout, big, device, chunking, under))
@@ -163,7 +170,7 @@ async def read_entries(
 
 def read_entries_direct(
     client: SyncClient, keys: StoreKeys, paths: Sequence[tuple[str, ...]], with_layout: bool = True, **options: Unpack[ReadOptions]
-) -> tuple[int | None, list[Any], list[Any], Layout | None] | None:
+) -> EntriesRead | None:
     """One try of :func:`read_entries` on a blocking ``redis.Redis`` (see ``Connection.read``):
     the same MULTI, without the hop to the IO loop, and large entries received straight into
     their tensors (:func:`tdstore._backend.large.read_pieces_direct`). None when that try
@@ -203,11 +210,11 @@ class _Pieces:
     """A read whose large entries are still to be read in pieces into ``result``'s buffers."""
 
     read: _large.PieceRead
-    result: tuple[int | None, list[Any], list[Any], Layout | None]
+    result: EntriesRead
 
 
 #: What one try of :func:`read_entries` gives (see :meth:`_EntriesTry.parse`).
-_EntriesResult: TypeAlias = "tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | _Pieces | None"
+_EntriesResult: TypeAlias = "EntriesRead | dict[tuple[str, ...], Chunking | None] | _Pieces | None"
 
 
 @dataclass
@@ -314,7 +321,7 @@ class _EntriesTry:
             else:
                 blobs.append(None if any(g is None for g in got) else b"".join(got))
         if big and lv is not None:
-            pieces: list[tuple[tuple[str, ...], Any, Any]] = []
+            pieces: list[tuple[tuple[str, ...], torch.Tensor, Chunking | None]] = []
             for i, (path, meta) in enumerate(zip(paths, metas, strict=True)):
                 if path not in big:
                     continue
@@ -337,7 +344,7 @@ def _hash(reply: Any) -> Any:
 
 async def _read_entries_once(
     client: AsyncClient, attempt: _EntriesTry
-) -> tuple[int | None, list[Any], list[Any], Layout | None] | dict[tuple[str, ...], Any] | None:
+) -> EntriesRead | dict[tuple[str, ...], Chunking | None] | None:
     """One try of :func:`read_entries`: None when a large entry changed meanwhile; the
     chunking read from the server when it differs."""
     got = await _step.run_async(client, attempt.keys, None, attempt.step())
@@ -357,7 +364,7 @@ READ_ALL_MAX_BYTES = 64 * 2**20
 
 async def read_all(
     client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, max_bytes: int | None = None
-) -> tuple[Layout | None, dict[tuple[str, ...], Any] | None]:
+) -> tuple[Layout | None, dict[tuple[str, ...], bytes | None] | None]:
     """The layout and the bytes of every entry kept as one string, in one step (the
     ``read_all`` script): what a whole-store read falls back to when writers keep changing
     the layout between its optimistic layout and data reads. Chunked entries (and nested
@@ -395,7 +402,7 @@ def _raise_first_error(replies: list[Any]) -> None:
             raise reply
 
 
-def _nbytes(payload: Any) -> int:
+def _nbytes(payload: object) -> int:
     return payload.nbytes if isinstance(payload, memoryview) else len(payload) if isinstance(payload, bytes) else 0
 
 
@@ -577,6 +584,6 @@ async def commit(
     return int(result)
 
 
-def _stale_keys(keys: StoreKeys, path: tuple[str, ...], old: Any, new: Any) -> list[str]:
+def _stale_keys(keys: StoreKeys, path: tuple[str, ...], old: Chunking | None, new: Chunking | None) -> list[str]:
     """The strings of the entry at ``path`` chunked as ``old`` that chunked as ``new`` it does not have."""
     return sorted(set(keys.entry_keys(path, old)) - set(keys.entry_keys(path, new)))

@@ -25,11 +25,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from tdstore._core.keys import StoreKeys
     from tdstore._core.layout import Entry
+
+    #: ``(path, runs (offset, length) in the entry, their bytes back to back)`` of a row write
+    RunGroup: TypeAlias = "tuple[tuple[str, ...], Sequence[tuple[int, int]], bytes | bytearray | memoryview]"
 
 __all__ = [
     "Chunking", "MIN_CHUNK_BYTES", "annotate", "chunk_size", "check_chunk_bytes", "chunk_map", "of_meta", "pieces",
@@ -59,7 +64,7 @@ class Chunking:
         return max(0, min(self.size, self.nbytes - k * self.size))
 
 
-def check_chunk_bytes(value: Any, where: str) -> int | None:
+def check_chunk_bytes(value: object, where: str) -> int | None:
     """Validates the ``chunk_bytes=`` argument (None: entries are never chunked)."""
     if value is None:
         return None
@@ -160,20 +165,20 @@ def _chunking(keys: StoreKeys, path: tuple[str, ...], extra: Mapping[tuple[str, 
 
 
 def key_groups(
-    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Chunking | None] | None = None
-) -> list[tuple[str, list[tuple[int, int]], Any]]:
+    keys: StoreKeys, groups: Sequence[RunGroup], extra: Mapping[tuple[str, ...], Chunking | None] | None = None
+) -> list[tuple[str, list[tuple[int, int]], bytes | bytearray | memoryview]]:
     """``(key, runs, payload)`` groups of ``(path, runs, payload)`` groups: a chunked entry's
     runs split into the pieces each chunk holds (a group per stretch of pieces in one chunk).
 
     ``extra``: the chunking of entries the same step creates (path -> Chunking or None)."""
-    out: list[tuple[str, list[tuple[int, int]], Any]] = []
+    out: list[tuple[str, list[tuple[int, int]], bytes | bytearray | memoryview]] = []
     for path, runs, payload in groups:
         chunking = _chunking(keys, path, extra)
         if chunking is None:
             out.append((keys.plain(path), list(runs), payload))
             continue
         last_k = -1
-        parts: list[Any] = []
+        parts: list[bytes | memoryview] = []
         local_runs: list[tuple[int, int]] = []
         for k, offset, data in write_pieces(keys, path, runs, payload, chunking):
             if k != last_k and local_runs:
@@ -188,8 +193,8 @@ def key_groups(
 
 
 def write_pieces(
-    keys: StoreKeys, path: tuple[str, ...], runs: Sequence[tuple[int, int]], payload: Any, chunking: Chunking | None = None
-) -> Iterator[tuple[int, int, Any]]:
+    keys: StoreKeys, path: tuple[str, ...], runs: Sequence[tuple[int, int]], payload: bytes | bytearray | memoryview, chunking: Chunking | None = None
+) -> Iterator[tuple[int, int, bytes | memoryview]]:
     """``(chunk, offset in the chunk, bytes)`` of the runs of a chunked entry (``payload``: their bytes back to back)."""
     chunking = chunking if chunking is not None else keys.chunks[path]
     view = payload if isinstance(payload, (bytes, memoryview)) else memoryview(payload)
@@ -201,8 +206,8 @@ def write_pieces(
 
 
 def setrange_commands(
-    keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Chunking | None] | None = None
-) -> Iterator[tuple[str, int, Any]]:
+    keys: StoreKeys, groups: Sequence[RunGroup], extra: Mapping[tuple[str, ...], Chunking | None] | None = None
+) -> Iterator[tuple[str, int, bytes | bytearray | memoryview]]:
     """``(key, offset, bytes)`` of one SETRANGE per run (per piece of a run, in a chunked entry)."""
     for path, runs, payload in groups:
         chunking = _chunking(keys, path, extra)
@@ -218,7 +223,7 @@ def setrange_commands(
                 yield keys.chunk(path, k), offset, data
 
 
-def written_keys(keys: StoreKeys, groups: Sequence[Any], extra: Mapping[tuple[str, ...], Chunking | None] | None = None) -> set[str]:
+def written_keys(keys: StoreKeys, groups: Sequence[RunGroup], extra: Mapping[tuple[str, ...], Chunking | None] | None = None) -> set[str]:
     """The keys the runs of ``groups`` write to."""
     out: set[str] = set()
     for path, runs, _ in groups:

@@ -214,7 +214,7 @@ def set_pickle_policy(*, allow: bool | None = None, key: bytes | str | None = No
 _SIGNED = b"TDSH1"
 
 
-def encode_non_tensor(value: Any, policy: PicklePolicy | None = None) -> tuple[str, bytes]:
+def encode_non_tensor(value: object, policy: PicklePolicy | None = None) -> tuple[str, bytes]:
     """Encodes a non-tensor value: JSON when it round-trips exactly, pickle otherwise."""
     if is_json_faithful(value):
         return "json", json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()

@@ -11,10 +11,15 @@ merging consecutive rows into one run.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    # what TensorDict's own indexing takes (tensordict.utils.IndexType); named for the type checker only
+    from tensordict.utils import IndexType
 
 __all__ = [
     "normalize_index", "select_rows", "contiguous_rows", "row_runs", "RowSpans", "is_full_index", "consumed_dims",
@@ -26,7 +31,7 @@ __all__ = [
 _INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.uint8, torch.bool})
 
 
-def normalize_index(index: Any) -> Any:
+def normalize_index(index: IndexType) -> IndexType:
     """Converts lists, ranges and numpy arrays in an index to tensors, as TensorDict does.
 
     Refuses what TensorDict refuses, with its exception types: a tensor index of a dtype
@@ -45,7 +50,7 @@ def normalize_index(index: Any) -> Any:
     return _normalize_one(index)
 
 
-def _normalize_one(index: Any) -> Any:
+def _normalize_one(index: IndexType) -> IndexType:
     if isinstance(index, (list, range)):
         return torch.as_tensor(list(index)) if len(index) else torch.zeros(0, dtype=torch.long)
     if isinstance(index, np.ndarray):
@@ -66,7 +71,7 @@ def _normalize_one(index: Any) -> Any:
     return index
 
 
-def consumed_dims(index: Any, ndim: int) -> int:
+def consumed_dims(index: IndexType, ndim: int) -> int:
     """How many leading dims of a tensor with ``ndim`` dims ``index`` selects over.
 
     An ``Ellipsis`` makes the index reach the last dim, so it consumes all ``ndim``.
@@ -85,7 +90,7 @@ def consumed_dims(index: Any, ndim: int) -> int:
     return count
 
 
-def leaf_dims(index: Any, nb: int, ndim: int) -> int:
+def leaf_dims(index: IndexType, nb: int, ndim: int) -> int:
     """How many leading dims of a leaf with ``ndim`` dims (``nb`` of them batch dims) an index reaches.
 
     ``nb`` when it stays in the batch dims; more when it indexes the leaf's own feature dims,
@@ -100,14 +105,14 @@ def leaf_dims(index: Any, nb: int, ndim: int) -> int:
     return max(nb, min(consumed_dims(items, ndim), ndim))
 
 
-def expand_ellipsis(index: Any, nb: int) -> Any:
+def expand_ellipsis(index: IndexType, nb: int) -> IndexType:
     """``index`` over ``nb`` batch dims with its ``...`` spelled out as slices, so that it selects the
     same leading dims of a tensor with more dims (a nested tensordict's)."""
     items = index if isinstance(index, tuple) else (index,)
     if not any(i is Ellipsis for i in items):
         return index
     rest = tuple(i for i in items if i is not Ellipsis)
-    out: list[Any] = []
+    out: list[object] = []
     for item in items:
         if item is Ellipsis:
             out.extend([slice(None)] * max(nb - consumed_dims(rest, nb), 0))
@@ -116,7 +121,7 @@ def expand_ellipsis(index: Any, nb: int) -> Any:
     return tuple(out)
 
 
-def check_index_dtype(index: Any, value: Any, dtype: torch.dtype | None, key: Any, where: str) -> None:
+def check_index_dtype(index: IndexType, value: object, dtype: torch.dtype | None, key: object, where: str) -> None:
     """Raises what torch raises for ``leaf[index] = value`` when ``index`` holds a list, a tensor or a
     mask and ``value`` is a tensor of another dtype (torch casts only for ints, slices and ``...``,
     and a 0-dim value under a lone mask, which is a fill)."""
@@ -136,7 +141,7 @@ def check_index_dtype(index: Any, value: Any, dtype: torch.dtype | None, key: An
     )
 
 
-def is_full_index(index: Any, ndim: int) -> bool:
+def is_full_index(index: IndexType, ndim: int) -> bool:
     """Whether ``index`` selects the whole batch in order (``...``, ``:``, ``()``)."""
     items = index if isinstance(index, tuple) else (index,)
     if len(items) > ndim + (1 if any(i is Ellipsis for i in items) else 0):
@@ -144,7 +149,7 @@ def is_full_index(index: Any, ndim: int) -> bool:
     return all(i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in items)
 
 
-def select_rows(index: Any, batch_shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+def select_rows(index: IndexType, batch_shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """Flat row numbers selected by ``index``, shaped like the indexed batch.
 
     An int, a slice or an integer tensor over the first dim is resolved directly; any
@@ -169,7 +174,7 @@ def select_rows(index: Any, batch_shape: torch.Size | tuple[int, ...]) -> torch.
     return rows[index]
 
 
-def contiguous_rows(index: Any, batch_shape: Any) -> tuple[int, int, tuple[int, ...]] | None:
+def contiguous_rows(index: IndexType, batch_shape: Sequence[int]) -> tuple[int, int, tuple[int, ...]] | None:
     """``(first row, row count, result shape)`` when ``index`` selects one block of consecutive rows.
 
     The fast path of :func:`select_rows` for an int or a slice with step 1 over the first
@@ -196,7 +201,7 @@ def contiguous_rows(index: Any, batch_shape: Any) -> tuple[int, int, tuple[int, 
     return None
 
 
-def _first_dim_rows(index: Any, batch_shape: tuple[int, ...]) -> torch.Tensor | None:
+def _first_dim_rows(index: IndexType, batch_shape: tuple[int, ...]) -> torch.Tensor | None:
     """The selected rows of dim 0 for the common indices, or None (then torch decides)."""
     if not batch_shape:
         return None

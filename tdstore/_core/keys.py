@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tdstore.errors import KeyTypeError  # defined there with the other errors; importable here too
 
@@ -67,7 +67,7 @@ def _unescape(component: str) -> str:
     return component.replace("%2E", ".").replace("%25", "%")
 
 
-def as_path(key: Any) -> tuple[str, ...]:
+def as_path(key: object) -> tuple[str, ...]:
     if isinstance(key, str):
         return (key,)
     if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, TypeGuard, cast
+from typing import Any, Literal, NamedTuple, TypeGuard, TypeVar, cast
 
 from tdstore._core.chunks import MAX_CHUNKS, Chunking
 from tdstore._core.keys import decode_path
 from tdstore.errors import CorruptMetadataError
+
+_T = TypeVar("_T")
 
 __all__ = [
     "Arg", "Command", "Entry", "Kind", "KINDS", "Layout", "SCRIPT_META_FIELDS", "registry_lost", "parse_layout", "parse_entry",
@@ -50,7 +52,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 }  # fmt: skip
 
 
-def is_dims(value: Any) -> TypeGuard[list[int]]:
+def is_dims(value: object) -> TypeGuard[list[int]]:
     """Whether ``value`` is a plausible shape or batch size: a list of at most
     :data:`MAX_DIMS` non-negative ints (booleans are not ints here) below :data:`MAX_DIM`."""
     return (
@@ -60,14 +62,14 @@ def is_dims(value: Any) -> TypeGuard[list[int]]:
     )
 
 
-def is_names(value: Any, ndim: int) -> bool:
+def is_names(value: object, ndim: int) -> bool:
     """Whether ``value`` is a plausible list of ``ndim`` dim names (or None: no names)."""
     return value is None or (
         isinstance(value, (list, tuple)) and len(value) == ndim and all(n is None or isinstance(n, str) for n in value)
     )
 
 
-def _dims(value: Any) -> tuple[int, ...] | None:
+def _dims(value: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
@@ -106,15 +108,15 @@ class Entry(NamedTuple):
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def tensor(cls, dtype: str, shape: Any, order: Any, chunk: int | None = None) -> Entry:
+    def tensor(cls, dtype: str, shape: Iterable[int], order: Iterable[int] | None, chunk: int | None = None) -> Entry:
         return cls("t", _dims(order), dtype=dtype, shape=tuple(shape), chunk=chunk)
 
     @classmethod
-    def node(cls, batch_size: Any, names: Any, order: Any) -> Entry:
+    def node(cls, batch_size: Iterable[int], names: Iterable[str | None] | None, order: Iterable[int] | None) -> Entry:
         return cls("td", _dims(order), batch_size=tuple(batch_size), names=None if names is None else tuple(names))
 
     @classmethod
-    def non_tensor(cls, enc: str, stack: int, order: Any) -> Entry:
+    def non_tensor(cls, enc: str, stack: int, order: Iterable[int] | None) -> Entry:
         return cls("nt", _dims(order), enc=enc, stack=stack)
 
     # ------------------------------------------------------------------ what callers ask
@@ -173,9 +175,9 @@ class Entry(NamedTuple):
         return self.order or (0, 0)
 
     # ------------------------------------------------------------------ the wire format
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, object]:
         """The JSON object of the registry field (the fields in the order they were always written)."""
-        out: dict[str, Any] = {"k": self.kind}
+        out: dict[str, object] = {"k": self.kind}
         if self.kind in ("t", "lt"):
             out["dtype"] = self.dtype
             if self.shapes is not None:
@@ -199,7 +201,7 @@ class Entry(NamedTuple):
         return json.dumps(self.to_wire(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, path: tuple[str, ...], raw: Any, where: str = "the store") -> Entry:
+    def from_json(cls, path: tuple[str, ...], raw: object, where: str = "the store") -> Entry:
         """Parses and validates a registry field's value (bytes, a str, or an already decoded
         JSON object). Raises :class:`~tdstore.errors.CorruptMetadataError` naming the entry,
         the store (``where``) and the field, for every value a hand edit (or damage) may leave:
@@ -275,7 +277,7 @@ class Entry(NamedTuple):
         return cls(kind, _dims(order), enc=enc, stack=stack)
 
 
-def _list(value: tuple[Any, ...] | None) -> list[Any] | None:
+def _list(value: tuple[_T, ...] | None) -> list[_T] | None:
     return None if value is None else list(value)
 
 
@@ -332,11 +334,15 @@ def _s(value: bytes | str | None) -> str | None:
 #: Registry entries already parsed, by their raw field and value: every read of a layout parses
 #: the whole registry, which rarely changes (3-4 us an entry to validate). Entries are
 #: immutable, so every layout may share them; only valid ones are kept.
-_PARSED: dict[tuple[Any, Any], tuple[tuple[str, ...], Entry]] = {}
+_PARSED: dict[tuple[bytes | str, bytes | str], tuple[tuple[str, ...], Entry]] = {}
 _PARSED_MAX = 8192
 
 
-def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout | None:
+def parse_layout(
+    meta_raw: Mapping[bytes | str, bytes | str] | Exception | None,
+    reg_raw: Mapping[bytes | str, bytes | str] | Exception,
+    base: str = "the store",
+) -> Layout | None:
     """Builds a :class:`Layout` from the raw HGETALL replies of meta and registry.
 
     Damaged data (a key of the wrong type, bytes that are not UTF-8, a registry value that
@@ -356,7 +362,7 @@ def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout
         raise CorruptMetadataError(f"the meta hash of the store {base} holds bytes that are not UTF-8") from None
     if "clearing" in meta and "lv" not in meta:
         return None  # sealed by a clear_redis() (lua/clear.lua): deleted for every reader
-    entries: dict[tuple[str, ...], Any] = {}
+    entries: dict[tuple[str, ...], Entry] = {}
     for k, v in reg_raw.items():
         try:
             hit = _PARSED.get((k, v))
@@ -379,7 +385,7 @@ def parse_layout(meta_raw: Any, reg_raw: Any, base: str = "the store") -> Layout
     return Layout(lv, meta, entries)  # type: ignore[arg-type]
 
 
-def counter_damage(raw: Any, key: str, what: str = "the write version") -> CorruptMetadataError | None:
+def counter_damage(raw: object, key: str, what: str = "the write version") -> CorruptMetadataError | None:
     """None when ``raw`` (a GET reply) is no value or a decimal counter INCR can bump (what
     lib/common.lua's check_counter accepts), else the error naming ``key``."""
     if raw is None:
@@ -401,7 +407,7 @@ def data_key_commands(data_keys: list[str]) -> list[Command]:
     return [*(("STRLEN", key) for key in data_keys), ("EXISTS", *data_keys)]
 
 
-def data_key_damage(data_keys: list[str], replies: list[Any], base: str) -> tuple[CorruptMetadataError | None, bool]:
+def data_key_damage(data_keys: list[str], replies: Sequence[object], base: str) -> tuple[CorruptMetadataError | None, bool]:
     """(the error for a data key holding another type of value, or None; whether every data
     key exists) from the replies of :func:`data_key_commands`."""
     if not data_keys:
@@ -416,7 +422,7 @@ def data_key_damage(data_keys: list[str], replies: list[Any], base: str) -> tupl
     return None, exists == len(data_keys)
 
 
-def parse_lv(raw: Any, base: str = "the store") -> int | None:
+def parse_lv(raw: object, base: str = "the store") -> int | None:
     """The layout version of a meta hash's ``lv`` field as read (bytes, str or None: no store);
     anything but a decimal count (empty, garbage, an error reply) raises
     :class:`~tdstore.errors.CorruptMetadataError` naming the store."""
@@ -428,7 +434,7 @@ def parse_lv(raw: Any, base: str = "the store") -> int | None:
     return int(text)
 
 
-def parse_entry(path: tuple[str, ...], raw: Any, base: str = "the store") -> Entry:
+def parse_entry(path: tuple[str, ...], raw: object, base: str = "the store") -> Entry:
     """One registry value, parsed and validated (:meth:`Entry.from_json`), or
     :class:`~tdstore.errors.CorruptMetadataError` naming the entry and the field."""
     return Entry.from_json(path, raw, base)
@@ -455,7 +461,7 @@ class ZeroBytes:
     n: int
 
 
-def byte_view(payload: Any) -> memoryview:
+def byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
     """A flat byte view of a bytes-like payload (no copy)."""
     view = memoryview(payload)
     if view.ndim != 1 or view.format != "B":

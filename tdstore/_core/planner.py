@@ -6,7 +6,7 @@ Also holds the value checks shared by the write paths (which tensors can be stor
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["WritePlanner", "check_tensor", "tensor_like", "flatten_values"]
 
 
-def tensor_like(value: Any) -> bool:
+def tensor_like(value: object) -> bool:
     if isinstance(value, (numbers.Number, torch.Tensor)):
         return True
     try:
@@ -38,7 +38,7 @@ def tensor_like(value: Any) -> bool:
     return isinstance(value, (list, tuple))
 
 
-def flatten_values(value: Any) -> Iterator[Any]:
+def flatten_values(value: Iterable[object]) -> Iterator[object]:
     for item in value:
         if isinstance(item, (list, tuple)):
             yield from flatten_values(item)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tensordict.base import NO_DEFAULT  # the "argument left out" sentinel of TensorDictBase
@@ -21,13 +21,16 @@ from tdstore._core.layout import MAX_DIM, MAX_DIMS, MAX_ENTRY_BYTES, NONTENSOR_E
 from tdstore._core.layout import is_names as _is_names
 from tdstore.errors import CorruptMetadataError, DataLostError, SchemaError, UnsafePayloadError
 
+if TYPE_CHECKING:
+    from tensordict import NonTensorData, NonTensorStack
+
 __all__ = [
     "NO_DEFAULT", "is_no_default", "tensor_meta", "nontensor_parts", "decode_value", "decode_stored_non_tensor", "check_meta", "order_key",
     "is_dims", "MAX_DIM", "MAX_DIMS", "MAX_ENTRY_BYTES", "NONTENSOR_ENCODINGS",
 ]
 
 
-def is_no_default(value: Any) -> bool:
+def is_no_default(value: object) -> bool:
     """Whether ``value`` is TensorDict's NO_DEFAULT sentinel (an argument left out)."""
     return value is NO_DEFAULT
 
@@ -42,7 +45,7 @@ def node_meta(batch_size: torch.Size | list[int], names: list[str | None] | None
     return Entry.node(batch_size, names, order)
 
 
-def nontensor_parts(value: Any, order: list[int] | tuple[int, ...] | None, policy: _codec.PicklePolicy | None = None) -> tuple[Entry, bytes]:
+def nontensor_parts(value: NonTensorData | NonTensorStack, order: list[int] | tuple[int, ...] | None, policy: _codec.PicklePolicy | None = None) -> tuple[Entry, bytes]:
     """Metadata and payload of a NonTensorData / NonTensorStack value."""
     from tensordict import NonTensorStack
 
@@ -149,7 +152,7 @@ def to_device(tensor: torch.Tensor, device: torch.device, path: tuple[str, ...],
         ) from err
 
 
-def decode_stored_non_tensor(meta: Entry, payload: Any, policy: _codec.PicklePolicy | None, path: object, where: str) -> Any:
+def decode_stored_non_tensor(meta: Entry, payload: bytes | None, policy: _codec.PicklePolicy | None, path: object, where: str) -> object:
     """The value a non-tensor entry holds, read to be updated in place: its bytes gone raise
     :class:`~tdstore.errors.DataLostError`, bytes that do not decode
     :class:`~tdstore.errors.CorruptMetadataError` (an UnsafePayloadError as it is)."""
@@ -168,7 +171,7 @@ def decode_stored_non_tensor(meta: Entry, payload: Any, policy: _codec.PicklePol
 def decode_value(
     path: tuple[str, ...],
     meta: Entry,
-    data: Any,
+    data: bytes | bytearray | memoryview | torch.Tensor | None,
     *,
     owner_batch_size: torch.Size,
     device: torch.device | None,
@@ -230,14 +233,14 @@ def _flatten_nested(value: Any, ndim: int) -> list[Any]:
     return out
 
 
-def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
+def _nest(flat: list[object], shape: tuple[int, ...]) -> object:
     if not shape:
         return flat[0]
     step = len(flat) // shape[0] if shape[0] else 0
     return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-def _all_equal(values: list[Any]) -> bool:
+def _all_equal(values: list[object]) -> bool:
     try:
         return all(type(v) is type(values[0]) and bool(v == values[0]) for v in values[1:])
     except Exception:  # noqa: BLE001 - values without a plain truth value differ
@@ -248,7 +251,7 @@ def nontensor_after_index_write(
     path: tuple[str, ...],
     old_meta: Entry | None,
     old_payload: bytes | None,
-    value: Any,
+    value: NonTensorData | NonTensorStack,
     rows: torch.Tensor,
     batch_size: torch.Size,
     order: list[int] | tuple[int, ...] | None,
@@ -269,7 +272,7 @@ def nontensor_after_index_write(
     if old_meta is None:
         if isinstance(value, NonTensorData):
             return nontensor_parts(NonTensorData(data=value.data, batch_size=batch_size), order, policy)
-        flat: list[Any] = [None] * numel
+        flat: list[object] = [None] * numel
     else:
         old = decode_stored_non_tensor(old_meta, old_payload, policy, path, where)
         stack = old_meta.stack

@@ -16,16 +16,21 @@ is empty, so nothing changes there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import tensordict
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorDict, TensorDictBase
 
 from tdstore._core.keys import KeyTypeError
 from tdstore.base.handle import snapshot_of
 from tdstore.base.host import SharedBase
 from tdstore.errors import UnsupportedOperationError
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict.base import CompatibleType
+    from tensordict.utils import IndexType
 
 __all__ = ["NEEDS_COMPAT", "StoreCompat014", "TENSORDICT_VERSION"]
 
@@ -53,14 +58,14 @@ _ON_SNAPSHOT = (
 _UNSUPPORTED = ("_repeat", "_unbind", "_to_module", "_multithread_rebuild")
 
 
-def _is_nested_key(key: Any) -> bool:
+def _is_nested_key(key: object) -> bool:
     if isinstance(key, str):
         return True
     return isinstance(key, tuple) and bool(key) and all(_is_nested_key(k) for k in key)
 
 
-def _inplace(name: str) -> Callable[..., Any]:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _inplace(name: str) -> Callable[..., TensorDictBase]:
+    def method(self: TensorDictBase, *args: object, **kwargs: object) -> TensorDictBase:
         def run(td: TensorDictBase) -> TensorDictBase:
             getattr(td, name)(*args, **kwargs)
             return td
@@ -73,8 +78,8 @@ def _inplace(name: str) -> Callable[..., Any]:
     return method
 
 
-def _on_snapshot(name: str) -> Callable[..., Any]:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _on_snapshot(name: str) -> Callable[..., object]:
+    def method(self: TensorDictBase, *args: object, **kwargs: object) -> object:
         args = tuple(snapshot_of(a) for a in args)
         return getattr(self.to_tensordict(), name)(*args, **kwargs)
 
@@ -83,8 +88,8 @@ def _on_snapshot(name: str) -> Callable[..., Any]:
     return method
 
 
-def _unsupported(name: str) -> Callable[..., Any]:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _unsupported(name: str) -> Callable[..., object]:
+    def method(self: TensorDictBase, *args: object, **kwargs: object) -> object:
         raise UnsupportedOperationError(
             f"{type(self).__name__}.{name.lstrip('_')}() cannot work on data that lives on a server "
             f"({self._where()}). Call it on store.to_tensordict() for an in-memory result."
@@ -103,15 +108,15 @@ if NEEDS_COMPAT:
 
     class _Methods:
         @property
-        def names(self: Any) -> list[str | None]:
+        def names(self: TensorDictBase) -> list[str | None]:
             names = self._td_dim_names
             return [None] * self.batch_dims if names is None else list(names)
 
         @names.setter
-        def names(self: Any, value: Any) -> None:
+        def names(self: TensorDictBase, value: Sequence[str | None] | None) -> None:
             self._set_names(value)
 
-        def _apply_nest(self: Any, fn: Callable[..., Any], *others: Any, inplace: bool = False, **kwargs: Any) -> Any:
+        def _apply_nest(self: TensorDictBase, fn: Callable[..., object], *others: object, inplace: bool = False, **kwargs: object) -> TensorDictBase | None:
             others = tuple(snapshot_of(o) for o in others)
             if kwargs.get("out") is self:
                 kwargs.pop("out")
@@ -126,29 +131,31 @@ if NEEDS_COMPAT:
             run.__name__ = getattr(fn, "__name__", "apply_")
             return self._inplace_on_copies(run)
 
-        def _select(self: Any, *keys: Any, inplace: bool = False, strict: bool = True, set_shared: bool = True) -> Any:
+        def _select(self: TensorDictBase, *keys: NestedKey, inplace: bool = False, strict: bool = True, set_shared: bool = True) -> TensorDictBase:
             if inplace:  # as tensordict 0.15 does for every backend that reads copies
                 raise RuntimeError(f"Cannot call select inplace on {self._where()}; use del_ to remove entries")
             return self.to_tensordict()._select(*keys, inplace=False, strict=strict, set_shared=set_shared)
 
-        def _exclude(self: Any, *keys: Any, inplace: bool = False, set_shared: bool = True) -> Any:
+        def _exclude(self: TensorDictBase, *keys: NestedKey, inplace: bool = False, set_shared: bool = True) -> TensorDictBase:
             if inplace:
                 raise RuntimeError(f"Cannot call exclude inplace on {self._where()}; use del_ to remove entries")
             return self.to_tensordict()._exclude(*keys, inplace=False, set_shared=set_shared)
 
-        def _index_tensordict(self: Any, index: Any, new_batch_size: Any = None, names: Any = None) -> Any:
+        def _index_tensordict(
+            self: TensorDictBase, index: IndexType, new_batch_size: torch.Size | None = None, names: Sequence[str] | None = None
+        ) -> TensorDictBase:
             return self._read_index(index)
 
-        def _convert_to_tensordict(self: Any, dict_value: dict[str, Any], non_blocking: Any = None) -> TensorDict:
+        def _convert_to_tensordict(self: TensorDictBase, dict_value: Mapping[str, object], non_blocking: bool | None = None) -> TensorDict:
             return TensorDict(dict_value, batch_size=self.batch_size, device=self.device, names=self._maybe_names())
 
-        def _check_device(self: Any) -> None:
+        def _check_device(self: TensorDictBase) -> None:
             return None
 
-        def _check_is_shared(self: Any) -> bool:
+        def _check_is_shared(self: TensorDictBase) -> bool:
             return False
 
-        def _stack_onto_(self: Any, list_item: list[Any], dim: int) -> Any:
+        def _stack_onto_(self: TensorDictBase, list_item: list[CompatibleType], dim: int) -> TensorDictBase:
             import torch
 
             stacked = torch.stack([snapshot_of(td) for td in list_item], dim)
@@ -156,13 +163,13 @@ if NEEDS_COMPAT:
             return self
 
         @classmethod
-        def _load_memmap(cls, *args: Any, **kwargs: Any) -> Any:
+        def _load_memmap(cls, *args: object, **kwargs: object) -> TensorDictBase:
             raise UnsupportedOperationError(f"{cls.__name__} cannot be loaded from a memory-mapped folder")
 
-        def from_dict_instance(self: Any, input_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        def from_dict_instance(self: TensorDictBase, input_dict: Mapping[NestedKey, object], *args: object, **kwargs: object) -> TensorDict:
             return TensorDict.from_dict(input_dict, *args, **kwargs)
 
-        def set(self: Any, key: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
+        def set(self: TensorDictBase, key: object, item: CompatibleType, *args: object, **kwargs: object) -> TensorDictBase:
             # 0.14.3 turns a key such as 3 into () before the store sees it; 0.15 refuses it here
             if not _is_nested_key(key):
                 raise KeyTypeError(
@@ -171,7 +178,7 @@ if NEEDS_COMPAT:
                 )
             return TensorDictBase.set(self, key, item, *args, **kwargs)
 
-        def popitem(self: Any) -> tuple[Any, Any]:
+        def popitem(self: TensorDictBase) -> tuple[NestedKey, CompatibleType]:
             keys = list(self.keys())
             if not keys:
                 raise KeyError(f"popitem(): {self._where()} is empty")

@@ -14,7 +14,8 @@ The methods both refuse are made by :func:`tdstore.base.unsupported.refuse`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -27,6 +28,7 @@ from tdstore.base.layout_cache import LayoutCache
 from tdstore.base.views import StoreKeysView
 
 if TYPE_CHECKING:
+    from tensordict import NestedKey, TensorDictBase
     from typing_extensions import Self
 
     from tdstore._backend.connection import Connection
@@ -52,6 +54,8 @@ def entries_below(
             memo.sort(key=lambda item: order_key(item[1]))
         layout.memo[key] = memo
     return memo
+
+_T = TypeVar("_T")
 
 
 class StoreHandle(LayoutCache):
@@ -172,14 +176,18 @@ class StoreHandle(LayoutCache):
     def detach_(self) -> Self:
         return self  # type: ignore[return-value]
 
-    def _rename_subtds(self, names: Any) -> None:
+    def _rename_subtds(self, names: Sequence[str | None] | None) -> None:
         return None
 
     # ------------------------------------------------------------------ keys
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> StoreKeysView:
+    def keys(
+        self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Callable[[type], bool] | None = None, *, sort: bool = False
+    ) -> StoreKeysView:
         return StoreKeysView(self, include_nested, leaves_only, is_leaf, sort)  # type: ignore[arg-type]
 
-    def _key_list(self, include_nested: bool, leaves_only: bool, is_leaf: Any) -> list[Any]:
+    def _key_list(
+        self, include_nested: bool, leaves_only: bool, is_leaf: Callable[[type], bool] | None
+    ) -> list[str | tuple[str, ...]]:
         layout = self._fresh_layout()
         n = len(self._path)
         items = self._descendants(layout, self._path) if include_nested else self._children(layout, self._path)
@@ -196,7 +204,7 @@ class StoreHandle(LayoutCache):
             out.append(rel[0] if len(rel) == 1 else rel)
         return out
 
-    def _entry_or_default(self, path: tuple[str, ...], default: Any) -> Entry | None:
+    def _entry_or_default(self, path: tuple[str, ...], default: object) -> Entry | None:
         """The registry metadata of ``path``; for a missing entry, None when a ``default`` is
         given (the caller returns it), else the KeyError that names the store's keys."""
         meta = self._entry(path)
@@ -221,7 +229,7 @@ class StoreHandle(LayoutCache):
                     f"(key {path[len(self._path):]!r} of {self._where()})"
                 )
 
-    def entry_class(self, key: Any) -> type:
+    def entry_class(self, key: NestedKey) -> type:
         path = self._path + _as_path(key)
         meta = self._entry(path)
         if meta is None:
@@ -244,17 +252,17 @@ class StoreHandle(LayoutCache):
     def __enter__(self) -> Self:
         return self  # type: ignore[return-value]
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
+    def __eq__(self, other: object) -> TensorDictBase:  # type: ignore[override]
         return self.to_tensordict() == other
 
-    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
+    def __ne__(self, other: object) -> TensorDictBase:  # type: ignore[override]
         return self.to_tensordict() != other
 
 
-def snapshot_of(value: Any) -> Any:
+def snapshot_of(value: _T) -> _T | TensorDictBase:
     """``value``, or, for a store handle (dense or lazy), its in-memory snapshot
     (``to_tensordict()``: one atomic read). A store given as a value to write, an operand or
     a stack member is read once, whole, rather than entry by entry."""

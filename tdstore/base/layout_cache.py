@@ -11,7 +11,7 @@ read from the server goes through the host class's ``_check_layout`` before it i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
@@ -28,7 +28,7 @@ _T = TypeVar("_T")
 _CACHE_TRIES = 3
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
@@ -133,7 +133,7 @@ class LayoutCache(SharedBase):
                 f"or deleted by hand): it held {layout.meta['ne']} entries, {len(layout.entries)} remain"
             )
 
-    def _check_on_cleared(self, check: Any) -> None:
+    def _check_on_cleared(self, check: Callable[[_backend.Layout], object]) -> None:
         """After clear_redis() on this handle: runs ``check(layout)`` (a write's planning) against
         the empty store that the write would re-create, so that a write that fails validation
         raises before the store is re-created (nothing is sent). When another handle has
@@ -149,7 +149,7 @@ class LayoutCache(SharedBase):
                 raise
             self._cleared_meta = None
 
-    def _clear_store(self) -> dict[str, Any] | None:
+    def _clear_store(self) -> dict[str, str] | None:
         """Deletes every key of the store in one step (the clear script, retried while the
         layout changes under it); returns the meta hash it deleted, or None when there was
         no store.
@@ -160,7 +160,7 @@ class LayoutCache(SharedBase):
         (:func:`tdstore._backend.lifecycle.wipe`), so that users can always clean up."""
         conn = self._conn
 
-        def once(_attempt: int) -> dict[str, Any] | None:
+        def once(_attempt: int) -> dict[str, str] | None:
             layout: _backend.Layout | None
             try:
                 layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from tdstore.base.host import SharedBase
 from tdstore.errors import UnsupportedOperationError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
 
 __all__ = ["StoreUnsupported", "install", "refuse"]
 
@@ -32,8 +35,8 @@ _MEMORY_METHODS = (
 _ON_A_SERVER = "cannot work on data that lives on a server"
 
 
-def _unsupported(name: str, hint: str, why: str = _ON_A_SERVER) -> Any:
-    def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
+def _unsupported(name: str, hint: str, why: str = _ON_A_SERVER) -> Callable[..., NoReturn]:
+    def method(self: TensorDictBase, *args: object, **kwargs: object) -> NoReturn:
         raise UnsupportedOperationError(f"{type(self).__name__}.{name.lstrip('_')}() {why} ({self._where()}). {hint}")
 
     method.__name__ = name

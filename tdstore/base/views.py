@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from tdstore._core.keys import as_path
 
@@ -16,26 +16,28 @@ __all__ = ["StoreKeysView"]
 class StoreKeysView:
     """What ``keys()`` returns: a live view over the store's registry."""
 
-    def __init__(self, store: StoreHost, include_nested: bool, leaves_only: bool, is_leaf: Any, sort: bool) -> None:
+    def __init__(
+        self, store: StoreHost, include_nested: bool, leaves_only: bool, is_leaf: Callable[[type], bool] | None, sort: bool
+    ) -> None:
         self.tensordict = store
         self.include_nested = include_nested
         self.leaves_only = leaves_only
         self.is_leaf = is_leaf
         self.sort = sort
 
-    def _keys(self) -> list[Any]:
+    def _keys(self) -> list[str | tuple[str, ...]]:
         keys = self.tensordict._key_list(self.include_nested, self.leaves_only, self.is_leaf)
         if self.sort:
             keys.sort(key=lambda k: ".".join(k) if isinstance(k, tuple) else k)
         return keys
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[str | tuple[str, ...]]:
         return iter(self._keys())
 
     def __len__(self) -> int:
         return len(self._keys())
 
-    def __contains__(self, key: Any) -> bool:
+    def __contains__(self, key: object) -> bool:
         if isinstance(key, tuple) and len(key) == 1:
             key = key[0]
         if isinstance(key, tuple) and not self.include_nested:

@@ -20,18 +20,29 @@ import json
 import statistics
 import time
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import redis.asyncio
+    import redis.asyncio.cluster
+
     from tdstore.cli.commands import ConnOptions
+    from tdstore.store import TensorDictStore
+
+    #: the plain redis-py client that the raw cases use
+    _Client: TypeAlias = "redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster"
+
+_T = TypeVar("_T")
 
 __all__ = ["run_bench", "BENCH_PREFIX"]
 
 BENCH_PREFIX = "tdstore-bench"
 
 
-def _median_s(fn: Callable[[], Any], repeat: int, warmup: int = 1) -> float:
+def _median_s(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -63,11 +74,11 @@ class _Raw:
 
         self._io = _io
         self._opts = opts
-        self._client: Any = None
+        self._client: _Client | None = None
         self._timeout = opts.timeout * 4
 
-    def run(self, fn: Callable[[Any], Any]) -> Any:
-        async def call() -> Any:
+    def run(self, fn: Callable[[_Client], Awaitable[_T]]) -> _T:
+        async def call() -> _T:
             if self._client is None:
                 self._client = self._opts.async_client()
             return await fn(self._client)
@@ -77,13 +88,13 @@ class _Raw:
     def close(self) -> None:
         if self._client is not None:
 
-            async def close(c: Any) -> None:
+            async def close(c: _Client) -> None:
                 await c.aclose()
 
             self.run(close)
 
 
-def _cases(opts: ConnOptions, args: argparse.Namespace, raw: _Raw, stores: list[Any], keys: list[str]) -> list[dict[str, Any]]:
+def _cases(opts: ConnOptions, args: argparse.Namespace, raw: _Raw, stores: list[TensorDictStore], keys: list[str]) -> list[dict[str, Any]]:
     import torch
     from tensordict import TensorDict
 
@@ -96,7 +107,7 @@ def _cases(opts: ConnOptions, args: argparse.Namespace, raw: _Raw, stores: list[
     def cpu() -> float:
         return _server_cpu_s(raw.run(lambda c: c.info("cpu")))
 
-    def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
         """Median seconds of ``fn`` and the server's CPU µs per call (the warm-up call included)."""
         before = cpu()
         t = _median_s(fn, repeat)
@@ -131,7 +142,7 @@ def _cases(opts: ConnOptions, args: argparse.Namespace, raw: _Raw, stores: list[
     def store_set() -> None:
         store["x"] = tensor
 
-    async def raw_set(c: Any) -> None:
+    async def raw_set(c: _Client) -> None:
         await c.set(raw_key, view)
 
     async def raw_get(c: Any) -> torch.Tensor:
@@ -165,14 +176,14 @@ def _cases(opts: ConnOptions, args: argparse.Namespace, raw: _Raw, stores: list[
                           batch_size=[batch])
     new_view = new_rows["obs"].numpy().data.cast("B")
 
-    async def raw_rows_read(c: Any) -> torch.Tensor:
+    async def raw_rows_read(c: _Client) -> torch.Tensor:
         async with c.pipeline(transaction=True) as pipe:
             for i in idx_list:
                 pipe.getrange(rows_key, i * row_bytes, (i + 1) * row_bytes - 1)
             parts = await pipe.execute()
         return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).view(batch, row_bytes)
 
-    async def raw_rows_write(c: Any) -> None:
+    async def raw_rows_write(c: _Client) -> None:
         async with c.pipeline(transaction=True) as pipe:
             for n, i in enumerate(idx_list):
                 pipe.setrange(rows_key, i * row_bytes, new_view[n * row_bytes : (n + 1) * row_bytes])
@@ -253,7 +264,7 @@ def run_bench(opts: ConnOptions, args: argparse.Namespace, out: TextIO) -> int:
     if args.rows < 1 or args.row_bytes < 1 or args.batch < 1 or args.repeat < 1:
         raise CliError("tdstore bench: --rows, --row-bytes, --batch and --repeat must be positive", 2)
     raw = _Raw(opts)
-    stores: list[Any] = []
+    stores: list[TensorDictStore] = []
     keys: list[str] = []
     try:
         server = _server_version(raw.run(lambda c: c.info("server")))

@@ -24,11 +24,15 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tdstore._backend.credentials import login_kwargs
 from tdstore.cli.serve import SERVE_PORT
 from tdstore.errors import CliError
+
+if TYPE_CHECKING:
+    import redis.asyncio
+    import redis.asyncio.cluster
 
 __all__ = ["main", "ConnOptions", "CliError", "build_parser"]
 
@@ -90,7 +94,7 @@ class ConnOptions:
             kwargs.pop("db")
         return kwargs
 
-    def async_client(self) -> Any:
+    def async_client(self) -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:
         """A new ``redis.asyncio`` client (a ``RedisCluster`` with ``--cluster``); create it on the loop
         that will use it, and ``aclose()`` it."""
         import redis.asyncio

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from tdstore._backend import inventory as _inventory
 from tdstore._backend import ops as _backend
 from tdstore._core.keys import StoreKeys, encode_path
 
 if TYPE_CHECKING:
+    from tdstore._backend.protocols import AsyncClient
     from tdstore.cli.commands import ConnOptions
+    from tdstore.sharded import ShardedStore
+
+_T = TypeVar("_T")
 
 __all__ = ["list_store_infos", "store_info", "remove_stores", "format_ls", "format_info", "table"]
 
@@ -68,7 +73,7 @@ def table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set
     return "\n".join([line(headers), *(line(r) for r in rows)]) + "\n"
 
 
-def _shape(dims: Any) -> str:
+def _shape(dims: object) -> str:
     if isinstance(dims, dict) and "ragged" in dims:
         return "ragged " + " | ".join(_shape(d) for d in dims["ragged"])
     return "[" + ", ".join(str(d) for d in dims) + "]" if isinstance(dims, list) else "-"
@@ -81,7 +86,7 @@ def _text(value: object) -> str | None:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _ttl_seconds(pttl: Any) -> float | None:
+def _ttl_seconds(pttl: int | None) -> float | None:
     """PTTL reply -> seconds left, or None when the key has no expiry (-1) or is gone (-2)."""
     ms = int(pttl) if pttl is not None else -1
     return ms / 1000.0 if ms >= 0 else None
@@ -118,11 +123,11 @@ def store_kind(layout: _backend.Layout) -> str:
     return "store"
 
 
-def _run(opts: ConnOptions, fn: Any) -> Any:
+def _run(opts: ConnOptions, fn: Callable[..., Awaitable[_T]]) -> _T:
     """Runs ``fn(client)`` on tdstore's IO loop with a fresh ``redis.asyncio`` client."""
     from tdstore._backend import loop as _io
 
-    async def call() -> Any:
+    async def call() -> _T:
         client = opts.async_client()
         try:
             return await fn(client)
@@ -132,7 +137,7 @@ def _run(opts: ConnOptions, fn: Any) -> Any:
     return _io.sync(call(), opts.timeout * 4)
 
 
-async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
+async def _summaries(client: AsyncClient, prefix: str | None) -> list[dict[str, Any]]:
     now = time.time()
     candidates = await _inventory.scan_stores(client, prefix)
     out: list[dict[str, Any]] = []
@@ -160,7 +165,7 @@ async def _summaries(client: Any, prefix: str | None) -> list[dict[str, Any]]:
     return out
 
 
-def _damaged_summary(k: StoreKeys, err: BaseException, pttl: Any) -> dict[str, Any]:
+def _damaged_summary(k: StoreKeys, err: BaseException, pttl: object) -> dict[str, Any]:
     """The ``ls`` line of a store whose metadata cannot be read (``tdstore rm`` deletes it)."""
     return {
         "td_id": k.td_id, "prefix": k.prefix, "kind": "damaged", "batch_size": None, "entries": None,
@@ -188,7 +193,9 @@ def _parent_batch(layout: _backend.Layout, path: tuple[str, ...]) -> list[int]:
     return list(layout.batch_size)
 
 
-async def _details(client: Any, keys: StoreKeys) -> tuple[Any, ...]:
+async def _details(
+    client: AsyncClient, keys: StoreKeys
+) -> tuple[_backend.Layout | None, bytes | str | None, bytes | str | None, int | None, list[Any]]:
     layout, wv, ring, pttl, lengths, extra = await _inventory.read_details(client, keys, keys.data(SHARDED_MANIFEST))
     if layout is not None and store_kind(layout) != "sharded":
         extra = []
@@ -361,7 +368,7 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- deleting
-def _open(info: dict[str, Any], prefix: str, opts: ConnOptions) -> Any:
+def _open(info: dict[str, Any], prefix: str, opts: ConnOptions) -> ShardedStore:
     """The ShardedStore of ``info``, so that ``clear_redis()`` deletes its blocks too."""
     from tdstore import ShardedStore
 

@@ -20,7 +20,8 @@ Reads return in-memory objects: ``L[j]`` a ``TensorDict``, ``L[a:b]`` and ``L[[.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase
@@ -44,6 +45,19 @@ from tdstore.errors import (
 from tdstore.lazy import plan
 from tdstore.lazy.reads import LazyReads
 from tdstore.lazy.writes import LazyWrites
+
+if TYPE_CHECKING:
+    from tensordict.utils import DeviceType
+    from typing_extensions import TypedDict
+
+    from tdstore._backend.connection import Connection
+    from tdstore._backend.protocols import AsyncClient
+
+    class _PickleState(TypedDict):
+        conn: dict[str, object]
+        path: tuple[str, ...]
+        device: torch.device | None
+        cache_metadata: bool
 
 __all__ = ["LazyStackedTensorDictStore"]
 
@@ -73,7 +87,7 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_lazy_stack(cls, td: LazyStackedTensorDict, *, td_id: str | None = None, device: Any = None, **kwargs: Any) -> LazyStackedTensorDictStore:
+    def from_lazy_stack(cls, td: LazyStackedTensorDict, *, td_id: str | None = None, device: DeviceType | None = None, **kwargs: Any) -> LazyStackedTensorDictStore:
         """Uploads a ``LazyStackedTensorDict`` to a new store, every element in one atomic step.
 
         Keyword arguments are those of ``TensorDictStore`` (``host``, ``port``,
@@ -115,7 +129,7 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
         return cls(td_id=td_id, **kwargs)
 
     @classmethod
-    def from_dict(cls, *args: Any, **kwargs: Any) -> Any:
+    def from_dict(cls, *args: object, **kwargs: object) -> NoReturn:
         raise UnsupportedOperationError(
             "LazyStackedTensorDictStore.from_dict is not supported: build a LazyStackedTensorDict "
             "(e.g. LazyStackedTensorDict(*tds, stack_dim=0)) and call from_lazy_stack"
@@ -235,10 +249,10 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
         return self._full_bs(self._elem_bs(layout), layout)
 
     @batch_size.setter
-    def batch_size(self, value: Any) -> None:
+    def batch_size(self, value: torch.Size) -> None:
         raise UnsupportedOperationError(f"the batch size of the lazy store {self._where()} cannot be changed")
 
-    def _change_batch_size(self, new_size: Any) -> None:
+    def _change_batch_size(self, new_size: torch.Size) -> None:
         raise UnsupportedOperationError(f"the batch size of the lazy store {self._where()} cannot be changed")
 
     @property
@@ -254,7 +268,7 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
         return torch.device(dev) if dev else None
 
     @device.setter
-    def device(self, value: Any) -> None:
+    def device(self, value: DeviceType) -> None:
         raise RuntimeError("the device of a LazyStackedTensorDictStore cannot be set")
 
     def _has_names(self) -> bool:
@@ -263,7 +277,7 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
     def _erase_names(self) -> None:
         return None
 
-    def _set_names(self, names: Any) -> None:
+    def _set_names(self, names: Sequence[str | None] | None) -> None:
         raise UnsupportedOperationError(f"dimension names are not supported on the lazy store {self._where()}")
 
     @property
@@ -276,7 +290,7 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
         return {"td": LazyStackedTensorDictStore, "lnt": NonTensorStack}.get(meta.kind, torch.Tensor)
 
     # ------------------------------------------------------------------ whole-store
-    def _clone(self, recurse: bool = True, **kwargs: Any) -> Any:
+    def _clone(self, recurse: bool = True, **kwargs: object) -> LazyStackedTensorDictStore:
         if not recurse:
             return type(self)._handle(self._conn, self._path, self._device_override, self._cache_metadata)
         td = self.to_tensordict()
@@ -285,11 +299,11 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
         store._create(td, self.device)
         return store
 
-    def clone(self, recurse: bool = True, **kwargs: Any) -> Any:
+    def clone(self, recurse: bool = True, **kwargs: object) -> LazyStackedTensorDictStore:
         """A new lazy store (new td_id) holding a copy; ``recurse=False``: a new handle."""
         return self._clone(recurse)
 
-    def copy(self) -> Any:
+    def copy(self) -> LazyStackedTensorDictStore:
         return self._clone(False)
 
     def clear_redis(self) -> None:
@@ -314,8 +328,13 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
             pass
         conn.layout = None
 
-    def __reduce__(self) -> Any:
-        state = {
+    def __reduce__(
+        self,
+    ) -> tuple[
+        Callable[[type[LazyStackedTensorDictStore], _PickleState], LazyStackedTensorDictStore],
+        tuple[type[LazyStackedTensorDictStore], _PickleState],
+    ]:
+        state: _PickleState = {
             "conn": self._conn.pickle_state(),
             "path": self._path,
             "device": self._device_override,
@@ -323,7 +342,7 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
         }
         return (_unpickle, (type(self), state))
 
-    def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = None, names: Any = None) -> TensorDictBase:
+    def empty(self, recurse: bool = False, *, batch_size: Sequence[int] | None = None, device: DeviceType | None = None, names: Sequence[str | None] | None = None) -> TensorDictBase:
         """An empty in-memory ``TensorDict`` of this store's batch size."""
         bs = self.batch_size if batch_size is None or is_no_default(batch_size) else batch_size
         dev = self.device if device is None or is_no_default(device) else device
@@ -334,7 +353,7 @@ class LazyStackedTensorDictStore(StoreHandle, LazyReads, LazyWrites, TensorDictB
 install(LazyStackedTensorDictStore, StoreUnsupported, StoreCompat014)
 
 for _name in ("select", "exclude", "apply", "named_apply", "to_dict", "numpy", "flatten_keys", "unflatten_keys", "unbind"):
-    def _delegate(self: Any, *args: Any, _name: str = _name, **kwargs: Any) -> Any:
+    def _delegate(self: TensorDictBase, *args: object, _name: str = _name, **kwargs: object) -> object:
         return getattr(self.to_tensordict(), _name)(*args, **kwargs)
 
     _delegate.__name__ = _name
@@ -350,7 +369,7 @@ refuse(
 )
 
 
-def _unpickle(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> Any:
+def _unpickle(cls: type[LazyStackedTensorDictStore], state: _PickleState) -> LazyStackedTensorDictStore:
     from tdstore._backend.connection import Connection
 
     self = cls.__new__(cls)
@@ -358,7 +377,7 @@ def _unpickle(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> A
     return self
 
 
-async def _noop(client: Any) -> None:
+async def _noop(client: AsyncClient) -> None:
     return None
 
 
@@ -367,7 +386,7 @@ async def _noop(client: Any) -> None:
 _DENSE_ONLY = ("backend", "batch_size", "names", "expire", "_create")
 
 
-def _open(td_id: str, kwargs: dict[str, Any]) -> Any:
+def _open(td_id: str, kwargs: dict[str, object]) -> Connection:
     """The connection of a lazy store handle, from the connection keywords of ``TensorDictStore``."""
     for name in _DENSE_ONLY:
         kwargs.pop(name, None)

@@ -17,7 +17,8 @@ are plain copies: they have no store, and act like any ``TensorDict``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
@@ -25,10 +26,17 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tdstore._core.keys import as_path as _as_path
 from tdstore.errors import UnsupportedOperationError
 
+if TYPE_CHECKING:
+    from tensordict import NestedKey
+    from tensordict.utils import IndexType
+    from typing_extensions import Self
+
+    from tdstore.lazy.reads import LazyReads
+
 __all__ = ["LazyElement"]
 
 
-def _is_key(index: Any) -> bool:
+def _is_key(index: object) -> bool:
     return isinstance(index, str) or (isinstance(index, tuple) and bool(index) and all(isinstance(i, str) for i in index))
 
 
@@ -40,7 +48,7 @@ class LazyElement(TensorDict):
     _tds_rel: tuple[str, ...] = ()
 
     @classmethod
-    def _attach(cls, snapshot: TensorDictBase, store: Any, member: int, rel: tuple[str, ...] = ()) -> LazyElement:
+    def _attach(cls, snapshot: TensorDictBase, store: LazyReads | None, member: int, rel: tuple[str, ...] = ()) -> LazyElement:
         view = cls(batch_size=snapshot.batch_size, device=snapshot.device)
         object.__setattr__(view, "_tds_store", store)
         object.__setattr__(view, "_tds_member", member)
@@ -65,30 +73,30 @@ class LazyElement(TensorDict):
         self._take(element.get(self._tds_rel) if self._tds_rel else element)
 
     # ------------------------------------------------------------------ reads
-    def _get_str(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+    def _get_str(self, key: str, *args: object, **kwargs: object) -> object:
         if self._tds_store is not None:
             self._refresh()  # read through: the server's state, not the copy made earlier
         return super()._get_str(key, *args, **kwargs)
 
-    def _get_tuple(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+    def _get_tuple(self, key: tuple[str, ...], *args: object, **kwargs: object) -> object:
         if self._tds_store is not None and len(key) > 1:
             self._refresh()
             first = TensorDict._get_str(self, key[0], *args, **kwargs)  # the fresh copy: no second read
             return first._get_tuple(key[1:], *args, **kwargs) if hasattr(first, "_get_tuple") else first
         return super()._get_tuple(key, *args, **kwargs)
 
-    def to_tensordict(self, *args: Any, **kwargs: Any) -> Any:
+    def to_tensordict(self, *args: object, **kwargs: object) -> TensorDict:
         """The element read from the server in one step, as a plain ``TensorDict``."""
         if self._tds_store is not None:
             self._refresh()
         return TensorDict.to_tensordict(self, *args, **kwargs)
 
     # ------------------------------------------------------------------ indices
-    def _element_index(self, index: Any = None) -> Any:
+    def _element_index(self, index: IndexType = None) -> IndexType:
         """The store index of this element, or of ``index`` inside it."""
         store = self._tds_store
         s = store.stack_dim
-        parts: tuple[Any, ...] = () if index is None else (index if isinstance(index, tuple) else (index,))
+        parts: tuple[object, ...] = () if index is None else (index if isinstance(index, tuple) else (index,))
         if s == 0:
             return (self._tds_member, *parts) if parts else self._tds_member
         if any(p is Ellipsis or p is None for p in parts):
@@ -100,11 +108,11 @@ class LazyElement(TensorDict):
         return (*parts[:s], self._tds_member, *parts[s:])
 
     # ------------------------------------------------------------------ writes
-    def _write(self, index: Any, value: Any) -> None:
+    def _write(self, index: IndexType, value: object) -> None:
         self._tds_store[self._element_index(index)] = value
         self._refresh()
 
-    def _write_leaves(self, leaves: dict[tuple[str, ...], Any]) -> None:
+    def _write_leaves(self, leaves: Mapping[tuple[str, ...], object]) -> None:
         """Writes ``{path relative to this view: value}`` into the element, as one step."""
         root = self._tds_store._read_index(self._element_index(), view=False)
         value = TensorDict({}, batch_size=root.batch_size)
@@ -116,19 +124,19 @@ class LazyElement(TensorDict):
             value.set(full, leaf)
         self._write(None, value)
 
-    def _set_str(self, key: Any, value: Any, *, inplace: bool, validated: bool, ignore_lock: bool = False, non_blocking: bool = False) -> Any:
+    def _set_str(self, key: str, value: object, *, inplace: bool, validated: bool, ignore_lock: bool = False, non_blocking: bool = False) -> Self:
         if self._tds_store is None:
             return super()._set_str(key, value, inplace=inplace, validated=validated, ignore_lock=ignore_lock, non_blocking=non_blocking)
         self._write_leaves({_as_path(key): value})
         return self
 
-    def _set_tuple(self, key: Any, value: Any, *, inplace: bool, validated: bool, non_blocking: bool = False) -> Any:
+    def _set_tuple(self, key: tuple[str, ...], value: object, *, inplace: bool, validated: bool, non_blocking: bool = False) -> Self:
         if self._tds_store is None:
             return super()._set_tuple(key, value, inplace=inplace, validated=validated, non_blocking=non_blocking)
         self._write_leaves({_as_path(key): value})
         return self
 
-    def __setitem__(self, index: Any, value: Any) -> None:
+    def __setitem__(self, index: IndexType, value: object) -> None:
         if self._tds_store is None or _is_key(index):
             super().__setitem__(index, value)
             return
@@ -141,14 +149,16 @@ class LazyElement(TensorDict):
                 value = TensorDict({self._tds_rel + _as_path(p): value for p in paths}, batch_size=[])
         self._write(index, value)
 
-    def update(self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, **kwargs: Any) -> Any:
+    def update(
+        self, input_dict_or_td: Mapping[NestedKey, object] | TensorDictBase | None = None, clone: bool = False, inplace: bool = False, **kwargs: Any
+    ) -> Self:
         if self._tds_store is None:
             return super().update(input_dict_or_td, clone=clone, inplace=inplace, **kwargs)
         source = input_dict_or_td if input_dict_or_td is not None else {}
         keys_to_update = kwargs.get("keys_to_update")
-        leaves: dict[tuple[str, ...], Any] = {}
+        leaves: dict[tuple[str, ...], object] = {}
 
-        def walk(node: Any, prefix: tuple[str, ...]) -> None:
+        def walk(node: Mapping[NestedKey, object] | TensorDictBase, prefix: tuple[str, ...]) -> None:
             for key, value in node.items():
                 path = prefix + _as_path(key)
                 if isinstance(value, dict) or (isinstance(value, TensorDictBase) and not isinstance(value, (NonTensorData, NonTensorStack))):
@@ -161,7 +171,7 @@ class LazyElement(TensorDict):
             self._write_leaves(leaves)
         return self
 
-    def masked_fill_(self, mask: torch.Tensor, value: float | bool) -> Any:
+    def masked_fill_(self, mask: torch.Tensor, value: float | bool) -> Self:
         if self._tds_store is None:
             return super().masked_fill_(mask, value)
         paths = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 from bisect import bisect_right
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +35,16 @@ from tdstore.errors import (
 from tdstore.lazy import plan
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from tensordict.utils import IndexType
+
     from tdstore.lazy import LazyStackedTensorDictStore
+
+    #: one leaf's write: its path, the byte runs ``(offset, length)`` and their bytes back to back
+    _Group: TypeAlias = "tuple[tuple[str, ...], list[tuple[int, int]], memoryview]"
+    #: a non-tensor leaf's new bytes from its old ones (read under WATCH)
+    _Update: TypeAlias = "Callable[[Entry | None, bytes | None], tuple[Entry, bytes]]"
 
 __all__ = ["OneLeaf", "plan_index_write"]
 
@@ -46,14 +56,14 @@ def _is_leaf(cls: type) -> bool:
 class OneLeaf:
     """The value of ``set_at_(key, value, idx)``: one leaf written at an index."""
 
-    def __init__(self, rel: tuple[str, ...], value: Any) -> None:
+    def __init__(self, rel: tuple[str, ...], value: torch.Tensor | numbers.Number) -> None:
         self.rel = rel
         self.value = value
 
 
 def plan_index_write(
-    store: LazyStackedTensorDictStore, layout: _backend.Layout, index: Any, value: Any
-) -> tuple[list[tuple[tuple[str, ...], list[tuple[int, int]], Any]], list[tuple[tuple[str, ...], Any]]]:
+    store: LazyStackedTensorDictStore, layout: _backend.Layout, index: IndexType, value: Any
+) -> tuple[list[_Group], list[tuple[tuple[str, ...], _Update]]]:
     """The ``write_runs_watched`` groups and non-tensor updates of ``store[index] = value``."""
     bs, s = store._root(layout)
     n = bs[s]
@@ -69,9 +79,9 @@ def plan_index_write(
     members, remapped, pick = plan.split_index(index, len(full), s, n)
     where = store._where()
 
-    tensor_targets: dict[tuple[str, ...], Any] = {}
+    tensor_targets: dict[tuple[str, ...], object] = {}
     nontensor_targets: list[tuple[str, ...]] = []
-    source: Any
+    source: object
     if isinstance(value, OneLeaf):
         path = base + value.rel
         meta = layout.entries.get(path)
@@ -109,7 +119,7 @@ def plan_index_write(
             else:
                 raise SchemaError(f"{path!r} of {where} is a nested tensordict, the value holds a leaf there")
 
-    groups: list[tuple[tuple[str, ...], list[tuple[int, int]], Any]] = []
+    groups: list[_Group] = []
     if tensor_targets:
         positions = _position_stack(store, layout, list(tensor_targets), members, elem_bs, s, pick, remapped)
         for path in tensor_targets:
@@ -124,16 +134,16 @@ def plan_index_write(
             group = _runs(path, pairs, dtype, item)
             if group is not None:
                 groups.append(group)
-    nontensor: list[tuple[tuple[str, ...], Any]] = []
+    nontensor: list[tuple[tuple[str, ...], _Update]] = []
     for path in nontensor_targets:
         nontensor.append((path, _nontensor_update(store, path, source, pick, s, where)))
     return groups, nontensor
 
 
 def _leaf_write(
-    store: Any, layout: _backend.Layout, path: tuple[str, ...], leaf: OneLeaf, index: Any, elem_bs: torch.Size, s: int,
-    n: int,
-) -> list[tuple[tuple[str, ...], list[tuple[int, int]], Any]]:
+    store: LazyStackedTensorDictStore, layout: _backend.Layout, path: tuple[str, ...], leaf: OneLeaf, index: IndexType,
+    elem_bs: torch.Size, s: int, n: int,
+) -> list[_Group]:
     """The runs of ``set_at_(key, value, index)`` where ``index`` reaches past the batch dims."""
     meta = layout.entries[path]
     dtype = _codec.entry_dtype(meta)
@@ -169,12 +179,12 @@ class _Ctx:
 
 
 def _position_stack(
-    store: Any, layout: _backend.Layout, paths: list[tuple[str, ...]], members: list[int], elem_bs: torch.Size,
-    s: int, pick: Any, remapped: Any,
+    store: LazyStackedTensorDictStore, layout: _backend.Layout, paths: list[tuple[str, ...]], members: list[int], elem_bs: torch.Size,
+    s: int, pick: int | list[int] | None, remapped: IndexType,
 ) -> TensorDictBase:
     bs, _ = store._root(layout)
     n = bs[s]
-    values: dict[tuple[str, ...], dict[int, Any]] = {}
+    values: dict[tuple[str, ...], Mapping[int, object]] = {}
     for path in paths:
         meta = layout.entries[path]
         item = meta.itemsize
@@ -199,7 +209,7 @@ def _position_stack(
 
 
 def _collect(
-    positions: Any, source: Any, rel: tuple[str, ...], out: list[tuple[torch.Tensor, torch.Tensor]], ctx: _Ctx,
+    positions: TensorDictBase, source: object, rel: tuple[str, ...], out: list[tuple[torch.Tensor, torch.Tensor]], ctx: _Ctx,
     elem: int | None = None, elems: list[int] | None = None,
 ) -> None:
     """Pairs (positions, values) of one leaf; ``elem``/``elems``: the element(s) written, when known."""
@@ -251,7 +261,7 @@ def _shape_error(ctx: _Ctx, pos: torch.Tensor, what: str, elem: int | None) -> S
 
 def _runs(
     path: tuple[str, ...], pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, item: int
-) -> tuple[tuple[str, ...], list[tuple[int, int]], Any] | None:
+) -> _Group | None:
     if not pairs:
         return None
     pos = torch.cat([p for p, _ in pairs]) if len(pairs) > 1 else pairs[0][0]
@@ -275,7 +285,9 @@ def _runs(
     return path, runs, payload
 
 
-def _nontensor_update(store: Any, path: tuple[str, ...], source: TensorDictBase, pick: Any, s: int, where: str) -> Any:
+def _nontensor_update(
+    store: LazyStackedTensorDictStore, path: tuple[str, ...], source: TensorDictBase, pick: int | list[int] | None, s: int, where: str
+) -> _Update:
     rel = path[len(store._path) :]
     key = rel[0] if len(rel) == 1 else rel
     if pick is None:
@@ -283,7 +295,7 @@ def _nontensor_update(store: Any, path: tuple[str, ...], source: TensorDictBase,
             f"non-tensor entry {path!r} of {where} can only be written for whole elements (store[j] = td, "
             "store[[j, k]] = lazy_stack); the index selects parts of elements"
         )
-    new: dict[int, list[Any]] = {}
+    new: dict[int, list[object]] = {}
     if isinstance(pick, int):
         new[pick] = plan.nontensor_item(source.get(key))
     else:
@@ -294,7 +306,7 @@ def _nontensor_update(store: Any, path: tuple[str, ...], source: TensorDictBase,
             new[j] = plan.nontensor_item(part.get(key))
     policy = store._conn.pickle_policy
 
-    def update(old_meta: Entry | None, old: Any) -> tuple[Entry, bytes]:
+    def update(old_meta: Entry | None, old: bytes | None) -> tuple[Entry, bytes]:
         if old_meta is None or old_meta.kind != "lnt" or old is None:
             raise CorruptMetadataError(f"non-tensor entry {path!r} of {where} changed or lost its bytes during a write")
         items = decode_stored_non_tensor(old_meta, old, policy, path, where)

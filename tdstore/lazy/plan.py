@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
@@ -35,6 +36,9 @@ from tdstore._core import codec as _codec
 from tdstore._core import values as _values
 from tdstore._core.layout import Entry
 from tdstore.errors import BatchMismatchError, CorruptMetadataError, SchemaError
+
+if TYPE_CHECKING:
+    from tensordict.utils import IndexType
 
 __all__ = [
     "KIND",
@@ -88,7 +92,7 @@ def elem_spans(meta: Entry, n: int) -> tuple[list[int], list[int]]:
 
 
 # --------------------------------------------------------------------------- uploads
-def nontensor_item(value: Any) -> list[Any]:
+def nontensor_item(value: NonTensorData | NonTensorStack) -> list[object]:
     """``[stack, data]`` of one element's non-tensor value."""
     if isinstance(value, NonTensorStack):
         return [value.batch_dims, value.tolist()]
@@ -165,7 +169,7 @@ class MemberPlanner:
         self.check_size(path, len(payload))
         self.ops.append(_backend.Op("put", path, meta, payload=payload))
 
-    def add_nontensor(self, path: tuple[str, ...], values: list[Any]) -> None:
+    def add_nontensor(self, path: tuple[str, ...], values: list[NonTensorData | NonTensorStack]) -> None:
         enc, payload = _codec.encode_non_tensor([nontensor_item(v) for v in values], self.policy)
         self.check_size(path, len(payload))
         self.ops.append(_backend.Op("put", path, Entry("lnt", tuple(self.order()), enc=enc), payload=payload))
@@ -204,7 +208,7 @@ class MemberPlanner:
             )
 
 
-def concat_bytes(values: list[torch.Tensor]) -> Any:
+def concat_bytes(values: list[torch.Tensor]) -> bytes | memoryview:
     """The elements' bytes back to back: one torch.cat and one view (no copy per element)."""
     flat = [(v.detach() if v.requires_grad else v).reshape(-1) for v in values]
     if any(f.device.type != "cpu" or f.is_conj() or f.is_neg() for f in flat):
@@ -213,7 +217,7 @@ def concat_bytes(values: list[torch.Tensor]) -> Any:
     return _codec.tensor_view(joined)[1]
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return "t"
     if isinstance(value, (NonTensorData, NonTensorStack)):
@@ -242,7 +246,7 @@ class ElementValues(list):  # type: ignore[type-arg]
     """The values of one key in every element, in element order (e.g. a ragged leaf's tensors)."""
 
 
-def members_from_value(value: Any, batch_size: torch.Size, stack_dim: int, path: tuple[str, ...], where: str) -> list[Any]:
+def members_from_value(value: object, batch_size: torch.Size, stack_dim: int, path: tuple[str, ...], where: str) -> list[Any]:
     """Splits a value written at a key of the whole stack into the elements' values."""
     n = batch_size[stack_dim]
     if isinstance(value, ElementValues):
@@ -285,7 +289,7 @@ def members_from_value(value: Any, batch_size: torch.Size, stack_dim: int, path:
 
 
 # --------------------------------------------------------------------------- indices
-def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[list[int], Any, Any]:
+def split_index(index: IndexType, batch_ndim: int, stack_dim: int, n: int) -> tuple[list[int], IndexType, int | list[int] | None]:
     """Splits an index of the stack into the elements it needs and the same index over them.
 
     Returns:
@@ -308,7 +312,7 @@ def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[li
     consumed = sum(_dims_of(i) for i in items if i is not Ellipsis)
     if consumed > batch_ndim:
         raise IndexError(f"too many indices for a lazy store of {batch_ndim} batch dims: {index!r}")
-    expanded: list[Any] = []
+    expanded: list[object] = []
     for item in items:
         if item is Ellipsis:
             expanded.extend([slice(None)] * (batch_ndim - consumed))
@@ -331,8 +335,8 @@ def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[li
         return list(range(n)), tuple(expanded), (list(range(n)) if others_full else None)
     entry = expanded[pos]
     members: list[int]
-    new_entry: Any
-    picked: Any
+    new_entry: object
+    picked: int | list[int]
     if isinstance(entry, int):
         j = entry + n if entry < 0 else entry
         if not 0 <= j < n:
@@ -366,15 +370,15 @@ def split_index(index: Any, batch_ndim: int, stack_dim: int, n: int) -> tuple[li
 class _Everything:
     """The answer "read every element and apply the index as it is", built only when needed."""
 
-    def __init__(self, n: int, index: Any) -> None:
+    def __init__(self, n: int, index: IndexType) -> None:
         self.n = n
         self.index = index
 
-    def value(self) -> tuple[list[int], Any, None]:
+    def value(self) -> tuple[list[int], IndexType, None]:
         return list(range(self.n)), self.index, None
 
 
-def _as_index_item(item: Any) -> Any:
+def _as_index_item(item: object) -> object:
     if isinstance(item, (list, range)):
         try:
             return torch.as_tensor(list(item))
@@ -387,7 +391,7 @@ def _as_index_item(item: Any) -> Any:
     return item
 
 
-def _dims_of(item: Any) -> int:
+def _dims_of(item: object) -> int:
     if item is None:
         return 0
     if isinstance(item, torch.Tensor) and item.dtype == torch.bool:
@@ -398,7 +402,7 @@ def _dims_of(item: Any) -> int:
 # --------------------------------------------------------------------------- decoding
 def decode_members(
     layout_entries: list[tuple[tuple[str, ...], Entry]],
-    values: dict[tuple[str, ...], dict[int, Any]],
+    values: Mapping[tuple[str, ...], Mapping[int, object]],
     members: list[int],
     root_bs: torch.Size,
     base: tuple[str, ...],
@@ -417,8 +421,8 @@ def decode_members(
             if meta.is_node:
                 children.setdefault(path, [])
 
-    def build(node: tuple[str, ...], bs: Any, j: int) -> TensorDict:
-        source: dict[str, Any] = {}
+    def build(node: tuple[str, ...], bs: Sequence[int] | None, j: int) -> TensorDict:
+        source: dict[str, object] = {}
         for path, meta in children.get(node, ()):
             if meta.is_node:
                 source[path[-1]] = build(path, meta.batch_size, j)
@@ -429,7 +433,7 @@ def decode_members(
     return [build(base, root_bs, j) for j in members]
 
 
-def _new_td(source: dict[str, Any], batch_size: Any, device: Any) -> TensorDict:
+def _new_td(source: dict[str, object], batch_size: Any, device: torch.device | None) -> TensorDict:
     """A TensorDict of already checked values (skips TensorDict's per-value validation)."""
     try:
         return TensorDict._new_unsafe(source=source, batch_size=torch.Size(batch_size), device=device)
@@ -437,12 +441,12 @@ def _new_td(source: dict[str, Any], batch_size: Any, device: Any) -> TensorDict:
         return TensorDict(source, batch_size=batch_size, device=device)
 
 
-def decode_nontensor(meta: Entry, data: bytes, n: int, owner_bs: torch.Size, path: tuple[str, ...], where: str, policy: _codec.PicklePolicy, device: Any) -> list[Any]:
+def decode_nontensor(meta: Entry, data: bytes | torch.Tensor, n: int, owner_bs: torch.Size, path: tuple[str, ...], where: str, policy: _codec.PicklePolicy, device: torch.device | None) -> list[object]:
     """The ``n`` elements' values of a non-tensor leaf."""
     items = _codec.decode_non_tensor(meta.enc or "", bytes(data), policy)
     if not isinstance(items, list) or len(items) != n:
         raise CorruptMetadataError(f"non-tensor entry {path!r} of lazy store {where} does not hold {n} elements")
-    out: list[Any] = []
+    out: list[object] = []
     for item in items:
         stack, value = item
         if stack:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
@@ -28,6 +28,17 @@ from tdstore._core.values import NO_DEFAULT, is_no_default
 from tdstore.base.host import LazyBase
 from tdstore.errors import DataLostError, UnsupportedOperationError
 from tdstore.lazy import plan
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from tensordict import NestedKey
+    from tensordict.utils import IndexType
+
+    #: how a leaf was read: None (a non-tensor leaf, whole), "gather" or the byte runs read
+    _How: TypeAlias = "str | list[tuple[int, int | None]] | None"
+    #: ``{path: {element: value}}`` of the leaves read
+    _Values: TypeAlias = "dict[tuple[str, ...], Mapping[int, object]]"
 
 __all__ = ["LazyReads"]
 
@@ -47,7 +58,7 @@ class LazyReads(LazyBase):
     # ------------------------------------------------------------------ reads
     def _read_members(
         self, layout: _backend.Layout, paths: list[tuple[str, ...]], members: list[int]
-    ) -> dict[tuple[str, ...], dict[int, Any]]:
+    ) -> _Values:
         """The values of leaves ``paths`` in elements ``members``, read in one snapshot at ``layout``.
 
         Raises:
@@ -56,7 +67,7 @@ class LazyReads(LazyBase):
         conn = self._conn
         plans: list[tuple[tuple[str, ...], list[tuple[int, int | None]]]] = []
         gathers: list[tuple[int, str] | None] = []
-        spans: list[Any] = []
+        spans: list[_How] = []
         for path in paths:
             meta = layout.entries[path]
             if meta.kind == "lnt":
@@ -92,15 +103,15 @@ class LazyReads(LazyBase):
         return self._decode(layout, [(path, how, chunks) for (path, _), how, chunks in zip(plans, spans, replies, strict=True)], members)
 
     def _decode(
-        self, layout: _backend.Layout, items: list[tuple[tuple[str, ...], Any, list[Any]]], members: list[int]
-    ) -> dict[tuple[str, ...], dict[int, Any]]:
+        self, layout: _backend.Layout, items: list[tuple[tuple[str, ...], _How, Sequence[bytes | torch.Tensor | None]]], members: list[int]
+    ) -> _Values:
         """Element values from the bytes read: ``(path, how, chunks)`` per leaf, where ``how`` is
         None (a non-tensor leaf, read whole), "gather" (the members' bytes in order) or the runs read."""
         bs, s = self._root(layout)
         n = bs[s]
         conn = self._conn
         device = self.device
-        out: dict[tuple[str, ...], dict[int, Any]] = {}
+        out: _Values = {}
         for path, how, chunks in items:
             meta = layout.entries[path]
             owner = self._elem_bs(layout, path[:-1])
@@ -113,7 +124,7 @@ class LazyReads(LazyBase):
             dtype = _codec.entry_dtype(meta)
             shapes = self._shapes(layout, path)
             offsets, sizes = self._spans(layout, path)
-            found: dict[int, Any] = {}
+            found: dict[int, torch.Tensor] = {}
             if how == "gather":
                 buf = self._buffer(chunks[0], sizes[0] * len(members), path)
                 stacked = _as_tensor(buf, dtype, [len(members), *shapes[0]])
@@ -139,7 +150,7 @@ class LazyReads(LazyBase):
             out[path] = found
         return out
 
-    def _buffer(self, data: Any, expected: int, path: tuple[str, ...]) -> torch.Tensor:
+    def _buffer(self, data: bytes | memoryview | bytearray | torch.Tensor | None, expected: int, path: tuple[str, ...]) -> torch.Tensor:
         if data is None or len(data) != expected:
             raise DataLostError(
                 f"entry {path!r} of {self._where()}: expected {expected} bytes, the server holds "
@@ -160,7 +171,7 @@ class LazyReads(LazyBase):
     def _shapes(self, layout: _backend.Layout, path: tuple[str, ...]) -> list[list[int]]:
         return self._per_element(layout, "lazy-shapes", path, plan.elem_shapes)
 
-    def _per_element(self, layout: _backend.Layout, what: str, path: tuple[str, ...], build: Callable[[Any, int], _T]) -> _T:
+    def _per_element(self, layout: _backend.Layout, what: str, path: tuple[str, ...], build: Callable[[Entry, int], _T]) -> _T:
         """``build(meta, n)`` of the leaf ``path`` (``n``: the number of elements), kept in the layout's memo."""
         key = (what, path)
         memo = layout.memo.get(key)
@@ -197,7 +208,7 @@ class LazyReads(LazyBase):
         conn = self._conn
 
         def once(attempt: int) -> tuple[LazyStackedTensorDict, _backend.Layout, str]:
-            by_path: dict[tuple[str, ...], Any] | None = None
+            by_path: dict[tuple[str, ...], bytes | None] | None = None
             snap: _backend.Layout | None = None
             if attempt >= ONE_STEP_AFTER:
                 # writers keep changing the layout between the layout read and the data read:
@@ -212,7 +223,7 @@ class LazyReads(LazyBase):
                 layout = snap
                 bs, s = self._root(layout)
                 paths = [p for p, m in self._descendants(layout) if m.has_data]
-                blobs = [by_path.get(p) for p in paths]
+                blobs: list[bytes | torch.Tensor | None] = [by_path.get(p) for p in paths]
             else:
                 layout = self._layout()
                 bs, s = self._root(layout)
@@ -222,7 +233,7 @@ class LazyReads(LazyBase):
                     raise self._not_found()
                 if snap.lv != layout.lv:
                     raise Retry(stale=True)  # back off, refresh, read again
-            items: list[tuple[tuple[str, ...], Any, list[Any]]] = []
+            items: list[tuple[tuple[str, ...], _How, Sequence[bytes | torch.Tensor | None]]] = []
             for path, blob in zip(paths, blobs, strict=True):
                 if layout.entries[path].kind == "lnt":
                     items.append((path, None, [blob]))
@@ -287,7 +298,7 @@ class LazyReads(LazyBase):
             return self
         return self._read_index(index)
 
-    def _read_index(self, index: Any, view: bool = True) -> Any:
+    def _read_index(self, index: IndexType, view: bool = True) -> TensorDictBase:
         layout = self._layout()
         bs, s = self._root(layout)
         full = self._full_bs(self._elem_bs(layout), layout)
@@ -304,7 +315,7 @@ class LazyReads(LazyBase):
             return LazyStackedTensorDict(*[by_id[j] for j in pick], stack_dim=s)
         return LazyStackedTensorDict(*tds, stack_dim=s)[remapped]
 
-    def get(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+    def get(self, key: NestedKey, *args: object, **kwargs: object) -> object:
         """``get(key)``; ``as_list``, ``as_padded_tensor`` and ``as_nested_tensor`` read ragged leaves."""
         passed = bool(args) or "default" in kwargs
         default = args[0] if args else kwargs.pop("default", None)
@@ -322,12 +333,12 @@ class LazyReads(LazyBase):
         tds, s = self._memory_stack([p for p, m in self._descendants(self._layout(), path) if m.has_data] or [path], None)
         return LazyStackedTensorDict(*tds, stack_dim=s).get(path[len(self._path) :], **kwargs)
 
-    def _get_str(self, key: Any, default: Any, **kwargs: Any) -> Any:
+    def _get_str(self, key: NestedKey, default: object, **kwargs: object) -> object:
         return self._get_path(self._path + _as_path(key), default)
 
     _get_tuple = _get_str
 
-    def _get_path(self, path: tuple[str, ...], default: Any, fresh: bool = False) -> Any:
+    def _get_path(self, path: tuple[str, ...], default: object, fresh: bool = False) -> object:
         meta = self._entry(path)
         if not fresh and (meta is None or meta.is_node or meta.is_ragged):
             # no bytes are read on these paths to carry the layout version: check it first
@@ -352,7 +363,7 @@ class LazyReads(LazyBase):
                 "store.to_tensordict()"
             )
 
-        def once(_attempt: int) -> Any:
+        def once(_attempt: int) -> object:
             layout = self._layout()
             meta = layout.entries.get(path)
             if meta is None or meta.kind != "lt" or meta.shape is None:
@@ -378,7 +389,7 @@ class LazyReads(LazyBase):
             lease=ReadLease(self._conn, self._lease_bytes),
         )
 
-    def _get_at_str(self, key: Any, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+    def _get_at_str(self, key: NestedKey, idx: IndexType, default: object = NO_DEFAULT, **kwargs: object) -> object:
         path = self._path + _as_path(key)
         meta = self._entry_or_default(path, default)
         if meta is None:
@@ -407,5 +418,5 @@ def _shape_summary(meta: Entry) -> str:
     return shown + (f", ... ({len(shapes)} elements)" if len(shapes) > 4 else "")
 
 
-def _shown(rel: tuple[str, ...]) -> Any:
+def _shown(rel: tuple[str, ...]) -> str | tuple[str, ...]:
     return rel[0] if len(rel) == 1 else rel

@@ -9,7 +9,7 @@ version; element writes are byte runs written in one WATCH-guarded MULTI (or the
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +31,11 @@ from tdstore.lazy import plan
 from tdstore.lazy.index_plan import OneLeaf, plan_index_write
 
 if TYPE_CHECKING:
+    from tensordict import NestedKey
+    from tensordict.utils import IndexType
     from typing_extensions import Self
+
+    from tdstore._backend.protocols import AsyncClient
 
 
 __all__ = ["LazyWrites"]
@@ -43,7 +47,7 @@ class LazyWrites(LazyBase):
     """Write methods of :class:`~tdstore.lazy.LazyStackedTensorDictStore`."""
 
     # ------------------------------------------------------------------ key writes
-    def __setitem__(self, index: Any, value: Any) -> None:
+    def __setitem__(self, index: IndexType, value: object) -> None:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
             if value is self:
                 raise ValueError("a store cannot hold itself")
@@ -51,13 +55,13 @@ class LazyWrites(LazyBase):
             return
         self._write_index(index, value)
 
-    def _set_str(self, key: Any, value: Any, *, inplace: Any = False, validated: bool = False, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
+    def _set_str(self, key: NestedKey, value: object, *, inplace: bool = False, validated: bool = False, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: object) -> Self:
         self._set_key(self._path + _as_path(key), value)
         return self
 
     _set_tuple = _set_str
 
-    def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
+    def _set_at_str(self, key: NestedKey, value: object, idx: IndexType, *, validated: bool = False, non_blocking: bool = False, **kwargs: object) -> Self:
         rel = _as_path(key)
         if not isinstance(value, (torch.Tensor, numbers.Number)):
             raise TypeError(f"set_at_ writes a tensor at an index of {rel!r} in {self._where()}, got {type(value).__name__}")
@@ -67,13 +71,14 @@ class LazyWrites(LazyBase):
     _set_at_tuple = _set_at_str
 
     def update(
-        self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, *,
-        keys_to_update: Any = None, non_blocking: bool = False, **kwargs: Any,
+        self, input_dict_or_td: Mapping[NestedKey, object] | TensorDictBase | None = None, clone: bool = False, inplace: bool = False, *,
+        keys_to_update: Sequence[NestedKey] | None = None, non_blocking: bool = False, **kwargs: object,
     ) -> Self:
         """Sets every key of a dict or tensordict of the stack's batch size, in one atomic step."""
         for option in ("is_leaf", "update_batch_size", "ignore_lock"):
             kwargs.pop(option, None)
         source = kwargs if input_dict_or_td is None else input_dict_or_td
+        items: list[tuple[NestedKey, object]]
         if isinstance(source, LazyStackedTensorDict):
             # each key's value in every element (ragged leaves included)
             s = self.stack_dim
@@ -88,7 +93,7 @@ class LazyWrites(LazyBase):
             self._set_keys([(self._path + _as_path(k), v) for k, v in items])
         return self
 
-    def _merged_items(self, source: Any, prefix: tuple[str, ...]) -> Any:
+    def _merged_items(self, source: Mapping[NestedKey, object] | TensorDictBase, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], object]]:
         """``(relative path, value)`` of an update: a dict or tensordict written onto an existing
         nested tensordict updates its keys (and keeps the others), as ``TensorDict.update`` does."""
         for key, value in source.items():
@@ -102,10 +107,10 @@ class LazyWrites(LazyBase):
             else:
                 yield path, value
 
-    def _set_key(self, path: tuple[str, ...], value: Any) -> None:
+    def _set_key(self, path: tuple[str, ...], value: object) -> None:
         self._set_keys([(path, value)])
 
-    def _set_keys(self, items: list[tuple[tuple[str, ...], Any]]) -> None:
+    def _set_keys(self, items: list[tuple[tuple[str, ...], object]]) -> None:
         def build(layout: _backend.Layout) -> list[_backend.Op]:
             ops: list[_backend.Op] = []
             view = layout
@@ -161,7 +166,7 @@ class LazyWrites(LazyBase):
         ops.extend(new_ops)
         return ops
 
-    def del_(self, key: Any) -> Self:
+    def del_(self, key: NestedKey) -> Self:
         """Deletes an entry (a nested one with all its content) in one atomic step."""
         path = self._path + _as_path(key)
 
@@ -173,13 +178,13 @@ class LazyWrites(LazyBase):
         self._commit_ops(ops)
         return self
 
-    def _del(self, key: Any) -> None:
+    def _del(self, key: NestedKey) -> None:
         self.del_(key)
 
-    def __delitem__(self, key: Any) -> None:
+    def __delitem__(self, key: NestedKey) -> None:
         self.del_(key)
 
-    def pop(self, key: Any, default: Any = NO_DEFAULT) -> Any:
+    def pop(self, key: NestedKey, default: object = NO_DEFAULT) -> object:
         path = self._path + _as_path(key)
         if self._entry(path) is None:
             if is_no_default(default):
@@ -190,7 +195,7 @@ class LazyWrites(LazyBase):
         self.del_(key)
         return value
 
-    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> Self:
+    def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False) -> Self:
         """Renames an entry on the server (no bytes move through the client), in one atomic step."""
         old = self._path + _as_path(old_key)
         new = self._path + _as_path(new_key)
@@ -233,7 +238,7 @@ class LazyWrites(LazyBase):
         optimistic(once, where=self._where, what="a write", on_stale=lambda: self._layout(refresh=True))
 
     # ------------------------------------------------------------------ element writes
-    def _write_index(self, index: Any, value: Any) -> None:
+    def _write_index(self, index: IndexType, value: object) -> None:
         self._check_on_cleared(lambda layout: plan_index_write(self, layout, index, value))  # type: ignore[arg-type]
         self._ensure_exists()
         conn = self._conn
@@ -259,7 +264,7 @@ class LazyWrites(LazyBase):
         optimistic(once, where=self._where, what="an indexed write", on_stale=lambda: self._layout(refresh=True))
 
     # ------------------------------------------------------------------ in-place math
-    def _inplace_on_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _inplace_on_copies(self, method: Callable[..., object], *args: object, **kwargs: object) -> object:
         """In-place methods (``add_``, ``mul_``, ``+=``...): run on a snapshot, written back as one compare-and-set.
 
         The snapshot carries the store's write version; the commit refuses the write-back if
@@ -271,7 +276,7 @@ class LazyWrites(LazyBase):
         self._ensure_exists()
         conn = self._conn
 
-        def once(_attempt: int) -> Any:
+        def once(_attempt: int) -> object:
             local, layout, wv = self._snapshot()
             result = method(local, *args, **kwargs)
             if result is not local:
@@ -306,20 +311,20 @@ class LazyWrites(LazyBase):
             retry_on=(StaleLayoutError, WriteConflictError), error=WriteConflictError,
         )
 
-    def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:
+    def apply_(self, fn: Callable[..., object], *others: object, **kwargs: object) -> object:
         """``fn`` applied to every tensor leaf in place: one snapshot, written back as one compare-and-set."""
         others = tuple(snapshot_of(o) for o in others)
 
-        def run(td: Any) -> Any:
+        def run(td: TensorDictBase) -> TensorDictBase:
             td.apply_(fn, *others, **kwargs)
             return td
 
         run.__name__ = "apply_"
         return self._inplace_on_copies(run)
 
-    def _inplace_on_nested_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _inplace_on_nested_copies(self, method: Callable[..., object], *args: object, **kwargs: object) -> object:
         return self._inplace_on_copies(method, *args, **kwargs)
 
 
-async def _noop(client: Any) -> None:
+async def _noop(client: AsyncClient) -> None:
     return None

@@ -36,6 +36,8 @@ from tdstore.errors import CorruptMetadataError, StaleLayoutError, StoreNotFound
 from tdstore.replay import rate_limit as _rate
 
 if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
     from tdstore.store import TensorDictStore
 
 __all__ = [
@@ -233,7 +235,9 @@ def _check_n(store: TensorDictStore, n: Any) -> None:
         raise ValueError(f"sample() from {store._where()}: n must be an int >= 1, got {n!r}")
 
 
-def sample(store: TensorDictStore, n: int, *, generator: torch.Generator | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+def sample(
+    store: TensorDictStore, n: int, *, generator: torch.Generator | None = None
+) -> tuple[TensorDictBase, dict[str, torch.Tensor]]:
     """:meth:`TensorDictStore.sample` with ``prioritized=True``: ``(batch, info)``."""
     _check_n(store, n)
     n = int(n)

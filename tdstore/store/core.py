@@ -731,7 +731,10 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         """The prioritized-replay settings kept on the server, or None when they are off."""
         return _priorities.settings(self)
 
-    def update_priority(self, index: Any, priority: Any, generation: Any = None) -> torch.Tensor:
+    def update_priority(
+        self, index: torch.Tensor | Sequence[int], priority: torch.Tensor | Sequence[float] | float,
+        generation: torch.Tensor | Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Sets the priority of rows ``index`` (one step, from any process); returns which were applied.
 
         ``priority``: one per row, or one for all (finite, >= 0). ``generation``: the

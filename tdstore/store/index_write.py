@@ -9,7 +9,7 @@ in the same MULTI (``_row_writes.write_runs_watched``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import NonTensorData, NonTensorStack
@@ -33,11 +33,16 @@ from tdstore._core.layout import Entry
 from tdstore.errors import CorruptMetadataError, UnsupportedOperationError
 
 if TYPE_CHECKING:
+    from tensordict.utils import IndexType
+
     from tdstore.store import TensorDictStore
+
+#: a non-tensor entry's new bytes from its old ones (read under WATCH)
+_Update = Callable[[Entry | None, bytes | None], tuple[Entry, bytes]]
 
 
 def _row_payload(
-    value: Any, dtype: torch.dtype, shape: tuple[int, ...], key: tuple[str, ...], where: str, index: Any = None
+    value: object, dtype: torch.dtype, shape: tuple[int, ...], key: tuple[str, ...], where: str, index: object = None
 ) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         from tdstore._core.planner import check_tensor  # sparse, nested and meta tensors: a clear TypeError
@@ -61,8 +66,8 @@ def _row_payload(
 
 def write_index(
     store: TensorDictStore,
-    index: Any,
-    targets: Mapping[tuple[str, ...], Any],
+    index: IndexType,
+    targets: Mapping[tuple[str, ...], object],
     check_batch: Callable[[torch.Size], None] | None = None,
     leaf: bool = False,
 ) -> None:
@@ -99,10 +104,10 @@ def write_index(
             new_bs = rows.shape
         if check_batch is not None:
             check_batch(new_bs)
-        groups: list[tuple[tuple[str, ...], list[tuple[int, int]], Any]] = []
-        keep: list[Any] = []
+        groups: list[tuple[tuple[str, ...], list[tuple[int, int]], memoryview]] = []
+        keep: list[torch.Tensor] = []
         create: list[_backend.Op] = []
-        nontensor: list[tuple[tuple[str, ...], Any]] = []
+        nontensor: list[tuple[tuple[str, ...], _Update]] = []
         seq = 0
         for path, value in targets.items():
             meta = layout.entries.get(path)
@@ -190,9 +195,9 @@ def _check_parents(layout: _backend.Layout, path: tuple[str, ...], where: str) -
 
 
 def _nontensor_update(
-    path: tuple[str, ...], value: Any, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str,
-    policy: Any,
-) -> Any:
+    path: tuple[str, ...], value: NonTensorData | NonTensorStack, rows: torch.Tensor, batch_size: torch.Size, order: list[int], where: str,
+    policy: _codec.PicklePolicy | None,
+) -> _Update:
     def update(old_meta: Entry | None, old: bytes | None) -> tuple[Entry, bytes]:
         return _values.nontensor_after_index_write(path, old_meta, old, value, rows, batch_size, order, where, policy)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tdstore._backend import lifecycle as _lifecycle
 from tdstore._backend import ops as _backend
@@ -28,7 +28,7 @@ __all__ = ["expire", "persist", "ttl", "set_expiry", "ttl_ms"]
 MAX_TTL_MS = 10**15 - 1
 
 
-def ttl_ms(seconds: Any, where: str) -> int | None:
+def ttl_ms(seconds: object, where: str) -> int | None:
     """``expire=`` / ``expire(seconds)`` as whole ms (rounded up); None stays None.
 
     Raises:

@@ -12,7 +12,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
@@ -33,6 +33,11 @@ from tdstore._core.progress import Progress
 from tdstore._core.values import is_no_default
 from tdstore.base.host import DenseBase
 from tdstore.errors import CorruptMetadataError, DataLostError, StaleLayoutError, WriteConflictError
+
+if TYPE_CHECKING:
+    from tensordict.utils import DeviceType, IndexType
+
+    from tdstore._backend.protocols import AsyncClient
 
 __all__ = ["StoreReads"]
 
@@ -65,7 +70,7 @@ def _has_large(large: dict[tuple[str, ...], int]) -> bool:
 class StoreReads(DenseBase):
     """Read methods of :class:`~tdstore.TensorDictStore`."""
 
-    def _read_values(self, paths: list[tuple[str, ...]]) -> list[Any]:
+    def _read_values(self, paths: list[tuple[str, ...]]) -> list[object]:
         conn = self._conn
         # one pass (never retried): the entries come with their metadata, so a layout that
         # changed since the cached one is only refreshed, for the owners' batch sizes.
@@ -74,7 +79,7 @@ class StoreReads(DenseBase):
         large = _large_sizes(cached, paths) if cached is not None else {}
         device = self._cached_device()
 
-        async def read(c: Any) -> Any:
+        async def read(c: AsyncClient) -> _backend.EntriesRead:
             return await _backend.read_entries(c, conn.keys, paths, large=large, device=device)
 
         got = None
@@ -87,7 +92,7 @@ class StoreReads(DenseBase):
         layout = self._layout()
         if lv != layout.lv:
             layout = self._layout(refresh=True)
-        out = []
+        out: list[object] = []
         for path, meta, blob in zip(paths, metas, blobs, strict=True):
             if meta is None:
                 raise self._key_error(path)
@@ -170,7 +175,7 @@ class StoreReads(DenseBase):
                 large = _large_sizes(layout, paths)
                 device = self._cached_device()
 
-                async def read_all(c: Any) -> Any:
+                async def read_all(c: AsyncClient) -> _backend.EntriesRead:
                     return await _backend.read_entries(c, conn.keys, paths, large=large, device=device, under=layout)
 
                 got_all = None
@@ -241,7 +246,7 @@ class StoreReads(DenseBase):
             return None  # too large for one step, or chunked: the optimistic reads go on
         return self._build_tensordict(snap, {p: blobs.get(p) for p, _ in leaves}), snap
 
-    def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], Any]) -> TensorDict:
+    def _build_tensordict(self, layout: _backend.Layout, blobs: Mapping[tuple[str, ...], bytes | torch.Tensor | None]) -> TensorDict:
         node = self._node(layout)
         device = self.device
         root = TensorDict(batch_size=node.batch_size, device=device, names=node.dim_names)
@@ -279,7 +284,7 @@ class StoreReads(DenseBase):
     def contiguous(self) -> TensorDict:
         return self.to_tensordict()
 
-    def apply_(self, fn: Callable[..., Any], *others: Any, **kwargs: Any) -> Any:
+    def apply_(self, fn: Callable[..., object], *others: object, **kwargs: object) -> object:
         """Applies ``fn`` to every tensor leaf in place, as one compare-and-set (see _inplace_on_copies)."""
 
         def apply_(td: TensorDictBase) -> TensorDictBase:
@@ -287,7 +292,7 @@ class StoreReads(DenseBase):
 
         return self._inplace_on_copies(lambda td: (apply_(td), td)[1])
 
-    def _inplace_on_copies(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _inplace_on_copies(self, method: Callable[..., object], *args: object, **kwargs: object) -> object:
         """Runs an in-place method (``apply_``, ``+=``, ``mul_`` ...) as a compare-and-set.
 
         The store is read in one snapshot together with its write version; the method runs
@@ -297,7 +302,7 @@ class StoreReads(DenseBase):
         """
         conn = self._conn
 
-        def once(_attempt: int) -> Any:
+        def once(_attempt: int) -> object:
             # the append counters and the write version, read before the snapshot: see _cas_versions
             before = conn.run(lambda c: _append.append_counters(c, conn.keys))
             snapshot, snap = self._snapshot()
@@ -339,7 +344,7 @@ class StoreReads(DenseBase):
             tries=_MAX_CAS_RETRIES, retry_on=(WriteConflictError, StaleLayoutError), backoff=backoff,
         )
 
-    def _cas_versions(self, snap: _backend.Layout, counters: Mapping[Any, Any], wv: Any) -> str:
+    def _cas_versions(self, snap: _backend.Layout, counters: Mapping[bytes | str, bytes | str], wv: bytes | str | int | None) -> str:
         """What the compare-and-set of :meth:`_inplace_on_copies` checks (ARGV[10] of lua/commit.lua).
 
         Every write but an append, and the appends that wrote entries of this sub-store: those
@@ -352,7 +357,7 @@ class StoreReads(DenseBase):
         entries read, came in since, nor so before the snapshot's bytes.
         """
 
-        def text(x: Any) -> str:
+        def text(x: bytes | str | int) -> str:
             return x.decode() if isinstance(x, bytes) else str(x)
 
         got = {text(k): text(v) for k, v in counters.items()}
@@ -383,14 +388,14 @@ class StoreReads(DenseBase):
         layout.memo[key] = plan
         return plan
 
-    def _read_index(self, index: Any, only: tuple[str, ...] | None = None) -> Any:
+    def _read_index(self, index: IndexType, only: tuple[str, ...] | None = None) -> TensorDictBase | torch.Tensor:
         conn = self._conn
         asked = index
         index = normalize_index(index)
         device = self.device
         one_step = [True]
 
-        def once(attempt: int) -> Any:
+        def once(attempt: int) -> TensorDictBase | torch.Tensor:
             if attempt >= ONE_STEP_AFTER and one_step[0] and only is None and self._leaf_bytes(self._layout()) <= ONE_STEP_MAX_BYTES:
                 # the layout keeps changing between the plan and the read: a small store is
                 # read whole in one step and indexed in memory (bounded wait under churn);
@@ -447,7 +452,7 @@ class StoreReads(DenseBase):
             if lv != layout.lv:
                 self._layout(refresh=True)
                 raise Retry()
-            values: dict[tuple[str, ...], Any] = {}
+            values: dict[tuple[str, ...], torch.Tensor | TensorDictBase] = {}
             lead = tuple(new_bs)
             for (path, meta, dtype, feat, _row_bytes), chunks in zip(plan, parts, strict=True):
                 if dtype is not None:
@@ -492,7 +497,7 @@ class StoreReads(DenseBase):
             ]
         return sizes
 
-    def _size_error(self, item: tuple[Any, ...], bad: Any) -> Exception:
+    def _size_error(self, item: tuple[Any, ...], bad: _run_reads.SizeMismatch) -> Exception:
         """What a whole read says of an entry whose string has another length than its metadata."""
         path, meta, dtype = item[0], item[1], item[2]
         if bad.got == 0:
@@ -506,7 +511,7 @@ class StoreReads(DenseBase):
             f"got {bad.got}"
         )
 
-    def _assemble(self, layout: _backend.Layout, new_bs: torch.Size, nb: int, values: dict[tuple[str, ...], Any]) -> TensorDict:
+    def _assemble(self, layout: _backend.Layout, new_bs: torch.Size, nb: int, values: Mapping[tuple[str, ...], object]) -> TensorDict:
         """The TensorDict of an indexed read, built without per-key validation (shapes are known)."""
         n = len(self._path)
         device = self.device
@@ -525,7 +530,10 @@ class StoreReads(DenseBase):
         return out
 
     # ------------------------------------------------------------------ in-memory copies and handles
-    def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = None, names: Any = None) -> TensorDictBase:
+    def empty(
+        self, recurse: bool = False, *, batch_size: Sequence[int] | None = None, device: DeviceType | None = None,
+        names: Sequence[str | None] | None = None,
+    ) -> TensorDictBase:
         """An empty in-memory ``TensorDict`` with this store's batch size, device and names.
 
         The results of ``apply``, arithmetic (``store + 1``) and the other methods that
@@ -552,7 +560,7 @@ class StoreReads(DenseBase):
                     out._set_tuple(path[n:], _TD(batch_size=meta.batch_size, device=device), inplace=False, validated=True, non_blocking=False)
         return out
 
-    def to(self, *args: Any, **kwargs: Any) -> Any:
+    def to(self, *args: object, **kwargs: Any) -> TensorDictBase:
         """``to(device)`` gives a handle that reads onto ``device``; other casts give a TensorDict."""
         device = kwargs.pop("device", None)
         rest = []
@@ -567,7 +575,7 @@ class StoreReads(DenseBase):
             return self
         return type(self)._handle(self._conn, self._path, torch.device(device), self._cache_metadata, self._backend_label)
 
-    def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> TensorDictBase:
+    def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Callable[[type], bool] | None = None) -> TensorDictBase:
         """An in-memory copy with nested keys joined by ``separator`` (read with to_tensordict())."""
         if inplace:
             raise ValueError(
@@ -576,7 +584,7 @@ class StoreReads(DenseBase):
             )
         return self.to_tensordict().flatten_keys(separator, is_leaf=is_leaf)
 
-    def unflatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> TensorDictBase:
+    def unflatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Callable[[type], bool] | None = None) -> TensorDictBase:
         """An in-memory copy with keys split on ``separator`` into nested ones."""
         if inplace:
             raise ValueError(

@@ -36,8 +36,11 @@ from tdstore.errors import SchemaError, StoreExistsError
 from tdstore.store.index_write import write_index
 
 if TYPE_CHECKING:
+    from tensordict import NestedKey
+    from tensordict.utils import DeviceType, IndexType
     from typing_extensions import Self
 
+    from tdstore._backend.protocols import AsyncClient
     from tdstore.store.core import TensorDictStore
 
 __all__ = ["StoreWrites"]
@@ -53,7 +56,7 @@ class StoreWrites(DenseBase):
     #: the lifetime (ms) given to the store when this handle creates it (``expire=``)
     _create_ttl_ms: int | None
 
-    def _set_str(self, key: Any, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
+    def _set_str(self, key: NestedKey, value: object, *, inplace: object, validated: bool, ignore_lock: bool = False, non_blocking: bool = False, **kwargs: object) -> Self:
         path = self._path + _as_path(key)
         if inplace is not True and inplace is not False and inplace is not None:
             # set(..., inplace=True) arrives as BEST_ATTEMPT_INPLACE: in place into an existing
@@ -92,7 +95,7 @@ class StoreWrites(DenseBase):
 
         return optimistic(attempt, where=self._where, what="a write", on_stale=lambda: self._layout(refresh=True))
 
-    def _write(self, items: Mapping[tuple[str, ...], Any], *, inplace: bool, ignore_lock: bool = False) -> None:
+    def _write(self, items: Mapping[tuple[str, ...], object], *, inplace: bool, ignore_lock: bool = False) -> None:
         """Writes whole entries (tensors, nested tensordicts, non-tensors) in one atomic step."""
         prepared = {path: self._prepare_value(path, value) for path, value in items.items()}
 
@@ -175,7 +178,7 @@ class StoreWrites(DenseBase):
         except StoreExistsError:
             pass
 
-    def _prepare_value(self, path: tuple[str, ...], value: Any, batch_size: torch.Size | None = None) -> Any:
+    def _prepare_value(self, path: tuple[str, ...], value: Any, batch_size: torch.Size | None = None) -> torch.Tensor | TensorDictBase:
         """Validates and converts a value before anything is sent."""
         if batch_size is None and not isinstance(value, (torch.Tensor, TensorDictBase)):
             batch_size = self.batch_size
@@ -229,7 +232,7 @@ class StoreWrites(DenseBase):
         )
         conn.layout = None
 
-    def _set_at_str(self, key: Any, value: Any, idx: Any, *, validated: bool = False, non_blocking: bool = False, **kwargs: Any) -> Self:
+    def _set_at_str(self, key: NestedKey, value: object, idx: IndexType, *, validated: bool = False, non_blocking: bool = False, **kwargs: object) -> Self:
         path = self._path + _as_path(key)
         meta = self._entry(path)
         if meta is None:  # set_at_ is in place: it never creates an entry
@@ -248,7 +251,7 @@ class StoreWrites(DenseBase):
 
     _set_at_tuple = _set_at_str
 
-    def __setitem__(self, index: Any, value: Any) -> None:
+    def __setitem__(self, index: IndexType, value: object) -> None:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
             if value is self:
                 raise ValueError("a store cannot hold itself")
@@ -256,7 +259,7 @@ class StoreWrites(DenseBase):
             return
         self._setitem_index(index, value)
 
-    def _setitem_index(self, index: Any, value: Any) -> None:
+    def _setitem_index(self, index: IndexType, value: Any) -> None:
         layout = self._layout()
         if isinstance(value, (numbers.Number, torch.Tensor)):
             targets = {p: value for p, m in self._descendants(layout, self._path) if m.is_tensor}
@@ -276,23 +279,25 @@ class StoreWrites(DenseBase):
             targets[self._path + rel] = leaf
         self._write_index(index, targets, check_batch=None if from_dict else _batch_check(value, self._where()))
 
-    def _write_index(self, index: Any, targets: Mapping[tuple[str, ...], Any], check_batch: Any = None) -> None:
+    def _write_index(
+        self, index: IndexType, targets: Mapping[tuple[str, ...], object], check_batch: Callable[[torch.Size], None] | None = None
+    ) -> None:
         write_index(_store(self), index, targets, check_batch)
 
 
     # ------------------------------------------------------------------ whole-store writes
     def update(
         self,
-        input_dict_or_td: Any = None,
+        input_dict_or_td: Mapping[NestedKey, object] | TensorDictBase | None = None,
         clone: bool = False,
         inplace: bool = False,
         *,
         non_blocking: bool = False,
-        keys_to_update: Sequence[Any] | None = None,
-        is_leaf: Any = None,
+        keys_to_update: Sequence[NestedKey] | None = None,
+        is_leaf: Callable[[type], bool] | None = None,
         update_batch_size: bool = False,
         ignore_lock: bool = False,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> Self:
         """Writes every entry of ``input_dict_or_td`` in one atomic step; nested ones merge."""
         if input_dict_or_td is None:
@@ -308,12 +313,12 @@ class StoreWrites(DenseBase):
 
     def update_(
         self,
-        input_dict_or_td: Any = None,
+        input_dict_or_td: Mapping[NestedKey, object] | TensorDictBase | None = None,
         clone: bool = False,
         *,
         non_blocking: bool = False,
-        keys_to_update: Sequence[Any] | None = None,
-        **kwargs: Any,
+        keys_to_update: Sequence[NestedKey] | None = None,
+        **kwargs: object,
     ) -> Self:
         """Writes into existing entries (shapes checked, dtypes cast), in one atomic step."""
         if input_dict_or_td is None:
@@ -323,7 +328,7 @@ class StoreWrites(DenseBase):
             self._write(items, inplace=True)
         return self
 
-    def del_(self, key: Any) -> Self:
+    def del_(self, key: NestedKey) -> Self:
         """Deletes an entry (a nested one with all its content) in one atomic step."""
         path = self._path + _as_path(key)
 
@@ -340,13 +345,13 @@ class StoreWrites(DenseBase):
         self._commit_planned(plan, check_lock=True)
         return self
 
-    def _del(self, key: Any) -> None:
+    def _del(self, key: NestedKey) -> None:
         self.del_(key)
 
-    def __delitem__(self, key: Any) -> None:
+    def __delitem__(self, key: NestedKey) -> None:
         self.del_(key)
 
-    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> Self:
+    def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False) -> Self:
         """Renames an entry on the server (no bytes move through the client)."""
         old = self._path + _as_path(old_key)
         new = self._path + _as_path(new_key)
@@ -361,7 +366,7 @@ class StoreWrites(DenseBase):
         self._commit_planned(plan, check_lock=True)
         return self
 
-    def pop(self, key: Any, default: Any = _MISSING, *args: Any) -> Any:
+    def pop(self, key: NestedKey, default: object = _MISSING, *args: object) -> object:
         """Reads an entry and deletes it; returns ``default`` (when given) for a missing key."""
         has_default = default is not _MISSING and not is_no_default(default)
         path = self._path + _as_path(key)
@@ -375,7 +380,9 @@ class StoreWrites(DenseBase):
         return value
 
     # ------------------------------------------------------------------ copies on the server
-    def _sibling_from(self, td: TensorDictBase, *, device: Any = None, names: Any = None) -> Self:
+    def _sibling_from(
+        self, td: TensorDictBase, *, device: DeviceType | None = None, names: Sequence[str | None] | None = None
+    ) -> Self:
         cls = type(self)
         conn = self._conn.sibling(new_td_id())
         store = cls._handle(conn, (), torch.device(device) if device is not None else None, self._cache_metadata, self._backend_label)
@@ -385,14 +392,14 @@ class StoreWrites(DenseBase):
         store._create_store(td.batch_size, store._device_override, names, planner.ops, None)
         return store
 
-    def _clone(self, recurse: bool = True, **kwargs: Any) -> Self:
+    def _clone(self, recurse: bool = True, **kwargs: object) -> Self:
         """``clone()``: a new store (new td_id) holding a copy; ``recurse=False``: a new handle."""
         if not recurse:
             return type(self)._handle(self._conn, self._path, self._device_override, self._cache_metadata, self._backend_label)
         td = self.to_tensordict()
         return self._sibling_from(td, device=self._device_override, names=td.names if td._has_names() else None)
 
-    def clone(self, recurse: bool = True, **kwargs: Any) -> Self:
+    def clone(self, recurse: bool = True, **kwargs: object) -> Self:
         return self._clone(recurse, **kwargs)
 
     def copy(self) -> Self:
@@ -427,7 +434,7 @@ def _store(host: StoreWrites) -> TensorDictStore:
     return cast("TensorDictStore", host)
 
 
-def planner_for(store: Any, layout: _backend.Layout, *, inplace: bool) -> WritePlanner:
+def planner_for(store: StoreWrites, layout: _backend.Layout, *, inplace: bool) -> WritePlanner:
     """A :class:`~tdstore._core.planner.WritePlanner` with the settings of ``store``: its name
     in errors, its pickle policy, its connection's size limits."""
     conn = store._conn
@@ -437,16 +444,16 @@ def planner_for(store: Any, layout: _backend.Layout, *, inplace: bool) -> WriteP
     )
 
 
-async def _noop(client: Any) -> None:
+async def _noop(client: AsyncClient) -> None:
     return None
 
 
-def _planner(store: Any, layout: _backend.Layout) -> Any:
+def _planner(store: StoreWrites, layout: _backend.Layout) -> WritePlanner:
     store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
     return planner_for(store, layout, inplace=False)
 
 
-def _leaf_items(store: Any, source: Any, keys_to_update: Sequence[Any] | None) -> dict[tuple[str, ...], Any]:
+def _leaf_items(store: StoreWrites, source: Any, keys_to_update: Sequence[NestedKey] | None) -> dict[tuple[str, ...], object]:
     """Flattens a dict or TensorDict into leaf paths (nested tensordicts merge, as update does)."""
     if is_tensorclass(source) and not isinstance(source, (NonTensorData, NonTensorStack)):
         source = source._tensordict
@@ -455,9 +462,9 @@ def _leaf_items(store: Any, source: Any, keys_to_update: Sequence[Any] | None) -
     if isinstance(source, type(store)):
         source = source.to_tensordict()
     allowed = None if keys_to_update is None else {_as_path(k) for k in keys_to_update}
-    out: dict[tuple[str, ...], Any] = {}
+    out: dict[tuple[str, ...], object] = {}
 
-    def visit(prefix: tuple[str, ...], value: Any) -> None:
+    def visit(prefix: tuple[str, ...], value: object) -> None:
         if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
             for k, v in value.items():
                 visit(prefix + _as_path(k), v)
