@@ -25,7 +25,9 @@ run; the driver takes the medians):
 * ``insert1`` / ``insert4``: ``client.trajectory_writer(num_keep_alive_refs=1)`` (so each
   step is its own chunk and a sample fetches one row, not a chunk of several); per
   16-row batch: 16 ``append`` + 16 ``create_item`` then ``flush()`` (the batch is on the
-  server when the call returns, as after tdstore's ``extend``). 4 writers are 4 spawned
+  server when the call returns, as after tdstore's ``extend``). ``insert1_stream``: the
+  same without the per-batch ``flush()`` (one at the end of the run: Reverb streams the
+  steps, its fastest way to insert). 4 writers are 4 spawned
   processes, each with its own client, started together at a barrier.
 * ``uniform_ds``: ``reverb.TrajectoryDataset(max_in_flight_samples_per_worker=256)``
   ``.batch(256)``, ``next(it)`` and ``.numpy()`` of every field (the C++ sampler,
@@ -78,17 +80,18 @@ def make_batch(np, batch: int, obs_shape: list[int], seed: int) -> dict:
     }
 
 
-def write_batch(writer, data: dict, tables: tuple[str, ...]) -> None:
+def write_batch(writer, data: dict, tables: tuple[str, ...], flush: bool = True) -> None:
     n = len(data["action"])
     for i in range(n):
         writer.append({k: data[k][i] for k in KEYS})
         traj = {k: writer.history[k][-1] for k in KEYS}
         for t in tables:
             writer.create_item(t, 1.0, traj)
-    writer.flush()
+    if flush:
+        writer.flush()
 
 
-def writer_runs(address: str, spec: dict, seed: int, barrier, out) -> None:
+def writer_runs(address: str, spec: dict, seed: int, barrier, out, flush_each: bool = True) -> None:
     """One writer: ``warmup + repeat`` runs of ``insert_batches`` batches, each started at the barrier."""
     try:
         import numpy as np
@@ -104,7 +107,8 @@ def writer_runs(address: str, spec: dict, seed: int, barrier, out) -> None:
                     barrier.wait(timeout=120)
                 t0 = time.perf_counter()
                 for _ in range(spec["insert_batches"]):
-                    write_batch(writer, data, ("uniform",))
+                    write_batch(writer, data, ("uniform",), flush=flush_each)
+                writer.flush()
                 runs.append((t0, time.perf_counter()))
         out.put({"seed": seed, "runs": runs})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -113,16 +117,19 @@ def writer_runs(address: str, spec: dict, seed: int, barrier, out) -> None:
             barrier.abort()
 
 
-def insert_case(address: str, spec: dict, writers: int) -> list[float]:
+def insert_case(address: str, spec: dict, writers: int, flush_each: bool = True) -> list[float]:
     """Items/s of each timed run, all writers together (first start to last end)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     if writers == 1:
-        writer_runs(address, spec, 1, None, out)
+        writer_runs(address, spec, 1, None, out, flush_each)
         results = [out.get(timeout=10)]
     else:
         barrier = ctx.Barrier(writers)
-        procs = [ctx.Process(target=writer_runs, args=(address, spec, 100 + w, barrier, out)) for w in range(writers)]
+        procs = [
+            ctx.Process(target=writer_runs, args=(address, spec, 100 + w, barrier, out, flush_each))
+            for w in range(writers)
+        ]
         for p in procs:
             p.start()
         try:
@@ -266,6 +273,7 @@ def main() -> None:
             return runs
 
         run("insert1", lambda: {"items_per_s": insert_case(address, spec, 1)})
+        run("insert1_stream", lambda: {"items_per_s": insert_case(address, spec, 1, flush_each=False)})
         run("insert4", lambda: {"items_per_s": insert_case(address, spec, spec["writers"])})
 
         dtypes = {"obs": tf.uint8, "action": tf.int64, "reward": tf.float32}
