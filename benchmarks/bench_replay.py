@@ -480,6 +480,10 @@ def report(args, td: dict, rv: dict, trl: dict) -> None:  # type: ignore[no-unty
         ]
     )
 
+    if "missing" in rv:  # Reverb's column: say why it is empty
+        for row in rows[:7]:  # cases 1-4 (5 and 6 are not Reverb's)
+            if row[2] == "-":
+                row[2] = "missing (see below)"
     print()
     print(
         f"### Replay buffer: {args.rows:,} rows of 21 KB (obs uint8[84,84,3], action, reward); medians; "
