@@ -339,6 +339,15 @@ def test_bad_use_gives_clear_errors(server, rl):
         empty.sample()
     with pytest.raises(TypeError, match="TensorDictStoreStorage"):
         rl["StorePRB"](alpha=0.6, beta=0.4, storage=rl["LazyTensorStorage"](4))
+    import torchrl.data as data
+
+    indexed = rl["ReplayBuffer"](
+        storage=rl["Storage"](4, **server.connection_kwargs()), sampler=rl["Sampler"](0.6, 0.4),
+        writer=data.RoundRobinWriter(), batch_size=2,
+    )
+    indexed.extend(_rows(0, 4))
+    with pytest.raises(RuntimeError, match="explicit indices.*TensorDictStoreWriter"):
+        indexed.sample()
 
 
 @pytest.mark.torchrl
