@@ -7,6 +7,12 @@ to and sample from one buffer. The writer appends through the store's atomic cur
 get the same rows, never leave a gap, and the buffer's length is the server's count, the
 same in every process.
 
+:class:`TensorDictStorePrioritizedSampler` adds TorchRL's prioritized replay with the
+priorities kept on the server (``store.enable_priorities``), shared by every process's
+buffer: ``ReplayBuffer(sampler=...)``, ``PrioritizedReplayBuffer(sampler=...)``, and
+:class:`TensorDictStorePrioritizedReplayBuffer` for ``TensorDictPrioritizedReplayBuffer``
+(:func:`prioritized_replay_buffer` builds either; docs/torchrl.md).
+
 torchrl is an optional dependency: ``pip install 'tdstore[torchrl]'``. This module imports
 it; ``import tdstore`` does not.
 
@@ -105,6 +111,10 @@ class TensorDictStoreStorage(TensorStorage):
     ``td_id=`` (another process's buffer). ``len(storage)`` is read from the server, so every
     process sees the rows that any process appended. Sampling reads the rows in one
     consistent snapshot, and returns an in-memory TensorDict.
+
+    With a :class:`TensorDictStorePrioritizedSampler`, the rows that the sampler read are
+    handed to the next ``get()`` of the same index tensor in the same thread, which returns
+    them without reading them again (``handoff_hits`` counts those).
 
     Use it with :class:`TensorDictStoreWriter`, which appends through the store's atomic
     cursor. With TorchRL's default ``RoundRobinWriter`` the buffer works in one process

@@ -248,28 +248,34 @@ def test_a_sample_reads_its_rows_once(redis_server, rl):
 
 @pytest.mark.torchrl
 def test_the_handed_over_batch_is_per_thread(server, rl):
-    """Two threads sampling at once each get the rows of their own index."""
+    """One slot per thread: a sample in another thread does not take this thread's rows,
+    and TorchRL's prefetching threads (each samples and reads in its own thread) hit too."""
     import threading
 
-    rb = _buffer(rl, "ReplayBuffer", 32, server.connection_kwargs(), batch_size=8)
-    rb.extend(_rows(0, 32))
-    rb.update_priority(torch.arange(32), torch.rand(32, generator=torch.Generator().manual_seed(0)) + 0.1)
-    wrong: list[int] = []
+    storage = rl["Storage"](32, **server.connection_kwargs())
+    storage.extend(_rows(0, 32))
+    sampler = rl["Sampler"](ALPHA, BETA, EPS)
+    mine, _ = sampler.sample(storage, 8)
+    theirs: list[bool] = []
 
-    def loop() -> None:
-        for _ in range(40):
-            data, info = rb.storage.store, None  # (keeps the names local)
-            data, info = _sample(rb)
-            if not torch.equal(data["obs"][:, 0].long(), info["index"]):
-                wrong.append(1)
+    def other_thread() -> None:
+        index, _ = sampler.sample(storage, 8)
+        theirs.append(torch.equal(storage.get(index)["obs"][:, 0].long(), index))
 
-    threads = [threading.Thread(target=loop) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert wrong == []
-    assert rb.storage.handoff_hits == 80
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert theirs == [True] and storage.handoff_hits == 1
+    assert torch.equal(storage.get(mine)["obs"][:, 0].long(), mine)  # still this thread's, not the other's
+    assert storage.handoff_hits == 2
+
+    rb = rl["TensorDictReplayBuffer"](
+        storage=storage, sampler=sampler, writer=rl["Writer"](), batch_size=8, prefetch=3
+    )
+    for _ in range(10):
+        batch = rb.sample()
+        assert torch.equal(batch["obs"][:, 0].long(), batch["index"])
+    assert storage.handoff_hits >= 2 + 10
 
 
 # --------------------------------------------------------------------------- lifetime
