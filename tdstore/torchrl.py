@@ -851,6 +851,8 @@ class TensorDictStorePrioritizedReplayBuffer(TensorDictPrioritizedReplayBuffer):
             raise TypeError(f"{type(self).__name__} needs a TensorDictStoreStorage, got {type(storage).__name__}")
         if kwargs.pop("sync", True) is not True:
             raise ValueError(f"{type(self).__name__}: sync=False is not supported (the priorities live on the server)")
+        if kwargs.pop("sampler_device", None) is not None:
+            raise ValueError(f"{type(self).__name__}: sampler_device is not supported (the priorities live on the server)")
         self._sync = True
         self._prioritized_sampler = None
         self._prioritized_sampler_write_count = 0

@@ -189,6 +189,7 @@ def test_a_stale_update_is_dropped(server, rl):
     """Rows appended to between the sample and the update keep the priority of their new data."""
     rb = _buffer(rl, "TensorDictPrioritizedReplayBuffer", 8, server.connection_kwargs(), batch_size=64)
     rb.extend(_rows(0, 8))
+    rb.set_rng(torch.Generator().manual_seed(3))
     batch = rb.sample()
     assert set(batch["index"].tolist()) >= {0, 1, 2}  # 64 draws among 8 equal rows
     rb.extend(_rows(8, 3))  # rows 0, 1, 2 written again
@@ -200,7 +201,9 @@ def test_a_stale_update_is_dropped(server, rl):
     assert torch.allclose(leaves[drawn_later], _p(3.0).expand(len(drawn_later)), rtol=1e-12)
     # the sampler says so, for the index of a sample (its generations) and with generation= given
     data, info = _sample(rb)
-    rb.extend(_rows(20, 8))  # every row appended to
+    rb.extend(_rows(20, 8))  # every row appended to, each at the max priority given so far (3)
+    rb.update_priority(info["index"], 2.0)  # TorchRL's rb.update_priority passes the index on unchanged
+    assert torch.allclose(_leaves(server, rb), _p(3.0).expand(8), rtol=1e-12)
     assert not rb.sampler.update_priority(info["index"], 2.0).any()
     assert not rb.sampler.update_priority(info["index"].clone(), 2.0, generation=info["generation"]).any()
     assert rb.sampler.update_priority(info["index"].clone(), 2.0).all()  # a copy: no generation known
