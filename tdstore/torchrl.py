@@ -71,7 +71,8 @@ if TYPE_CHECKING:
     from tensordict.utils import IndexType
 
 __all__ = [
-    "TensorDictStoreStorage", "TensorDictStoreWriter", "TensorDictStorePrioritizedSampler", "prioritized_replay_buffer",
+    "TensorDictStoreStorage", "TensorDictStoreWriter", "TensorDictStorePrioritizedSampler",
+    "TensorDictStorePrioritizedReplayBuffer", "prioritized_replay_buffer",
 ]
 
 
