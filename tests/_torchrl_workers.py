@@ -86,3 +86,18 @@ def sampler(
         torn += int(((obs != expected[:, None]).any(dim=1) & ~blank).sum())
     rb.storage.store.close()
     return samples, torn, unwritten
+
+
+def prio_learner(conn: dict[str, Any], td_id: str, row: int, priority: float) -> tuple[float, int]:
+    """A second learner (tests/test_torchrl_prio.py): samples the prioritized buffer ``td_id``
+    through its own TorchRL buffer, then gives ``row`` the ``priority``.
+
+    Returns (the share of the draws that were row 3, the draws)."""
+    from tdstore.torchrl import TensorDictStoreStorage, prioritized_replay_buffer
+
+    rb = prioritized_replay_buffer(TensorDictStoreStorage(td_id=td_id, **conn), 0.7, 0.5, 1e-8, batch_size=500)
+    index = rb.sample()["index"]
+    rb.update_priority(torch.tensor([row]), torch.tensor([priority]))
+    share = float((index == 3).double().mean())
+    rb.storage.store.close()
+    return share, int(index.numel())
