@@ -480,3 +480,65 @@ def test_both_drivers_of_a_large_read_follow_one_schedule(monkeypatch):
         ("send", 2), ("send", 2), ("piece", 0), ("piece", 1), ("send", 1), ("piece", 2), ("version", None),
         ("version", None),
     ]
+
+
+def test_a_large_read_is_one_operation_that_both_drivers_run():
+    """Issue 25, item 1: the read in pieces is written once (``_pieces_op``: its commands,
+    its schedule, where each piece goes and the settle check); ``read_pieces`` and
+    ``read_pieces_direct`` only send and receive."""
+    import ast
+    import inspect
+
+    def names(fn):
+        return {n.attr for n in ast.walk(ast.parse(inspect.getsource(fn))) if isinstance(n, ast.Attribute)}
+
+    plan = {"schedule", "settled"}
+    assert plan <= names(_large._pieces_op) and "read.commands()" in inspect.getsource(_large._pieces_op)
+    for driver in (_large.read_pieces, _large.read_pieces_direct):
+        source = inspect.getsource(driver)
+        assert not plan & names(driver) and "read.commands()" not in source, f"{driver.__name__} plans the read itself"
+        assert "_pieces_op(read)" in source
+
+
+def test_the_large_read_operation_settles_only_whole_unchanged_pieces():
+    """``_pieces_op`` driven by hand: a piece of the wrong size, a refused reply and a moved
+    version each stop the read from settling; a refused reply is raised after every reply
+    was taken."""
+    import redis.exceptions
+
+    def drive(answers, versions):
+        buf = torch.zeros(20, dtype=torch.uint8)
+        read = _large.PieceRead(keys=_FakeKeys(), entries=[(("x",), buf, None)], wv=b"1", lv=b"1")
+        op = _large._pieces_op(read)
+        answer, pieces = None, iter(answers)
+        taken = 0
+        try:
+            while True:
+                effect = op.send(answer)
+                if isinstance(effect, _large._Send):
+                    answer = None
+                elif effect.n < 0:
+                    answer, taken = versions[taken - len(answers)], taken + 1
+                else:
+                    answer, taken = next(pieces), taken + 1
+        except StopIteration as stop:
+            return stop.value, taken
+
+    monkey = _large.READ_PIECE
+    try:
+        _large.READ_PIECE = 10
+        assert drive([True, True], [b"1", b"1"]) == ((True, None), 4)
+        assert drive([True, False], [b"1", b"1"])[0] == (False, None)  # short
+        assert drive([True, True], [b"2", b"1"])[0] == (False, None)  # a write came in between
+        err = redis.exceptions.ResponseError("WRONGTYPE")
+        (settled, error), taken = drive([err, None], [b"1", b"1"])
+        assert (settled, error, taken) == (False, err, 4)  # (every reply taken before raising)
+    finally:
+        _large.READ_PIECE = monkey
+
+
+class _FakeKeys:
+    def plain(self, path):
+        return "k:" + "/".join(path)
+
+    wv, meta = "wv", "meta"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -170,8 +170,68 @@ class PieceRead:
         return complete and wv_now == self.wv and lv_now is not None and _same(lv_now, self.lv)
 
 
+@dataclass
+class _Send:
+    """Effect of :func:`_pieces_op`: send these commands (one window). ``targets``: where
+    every piece of the read goes (the blocking driver maps their pages ahead)."""
+
+    commands: list[tuple[Any, ...]]
+    targets: list[tuple[torch.Tensor, int, int]]
+
+
+@dataclass
+class _Receive:
+    """Effect of :func:`_pieces_op`: receive the next reply. ``target`` (piece ``n``'s
+    buffer, offset and end) when it is a piece whose bytes are wanted: the driver puts them
+    there and answers True if the reply had exactly that size, False if not (short: the
+    entry changed or is gone), or the error the server replied; None for a piece not wanted
+    (one came back short before). Without a target (the two versions, and the pieces not
+    wanted) the driver answers the reply itself, or the error the server replied."""
+
+    n: int
+    target: tuple[torch.Tensor, int, int] | None
+
+
+#: What :func:`_pieces_op` ends with: whether the read settled, and the first error replied.
+_PiecesOutcome = tuple[bool, BaseException | None]
+
+
+def _pieces_op(read: PieceRead) -> Generator[_Send | _Receive, object, _PiecesOutcome]:
+    """The read in pieces, once, for either driver: the windows of :meth:`PieceRead.schedule`,
+    every reply received (so the connection stays usable), each piece's bytes put in its
+    buffer, then :meth:`PieceRead.settled`. The drivers, :func:`read_pieces` (asyncio) and
+    :func:`read_pieces_direct` (blocking socket, into the buffers with no copy), only send
+    and receive."""
+    commands, targets = read.commands()
+    complete = True
+    error: BaseException | None = None
+    versions: list[object] = []
+    for what, arg in read.schedule(commands, len(targets)):
+        if what == "send":
+            yield _Send(arg, targets)
+            continue
+        if what == "version":
+            got = yield _Receive(-1, None)
+            versions.append(got)
+        else:
+            got = yield _Receive(arg, targets[arg] if complete else None)
+            if complete and got is not True:
+                complete = False  # short (or gone, or refused): the entry changed
+        if isinstance(got, BaseException):
+            error = error or got  # read every reply before raising: the connection stays usable
+    return read.settled(complete, versions), error
+
+
+def _outcome(result: _PiecesOutcome) -> bool:
+    settled, error = result
+    if error is not None:
+        raise error
+    return settled
+
+
 async def read_pieces(client: AsyncClient, read: PieceRead) -> bool:
-    """Reads each entry of ``read`` into its buffer, in GETRANGE pieces.
+    """Reads each entry of ``read`` into its buffer, in GETRANGE pieces (:func:`_pieces_op`
+    on a connection of the asyncio pool).
 
     Returns True when the versions are unchanged after the last piece (the buffers then
     hold that snapshot's bytes), False when a write came in between or a piece came back
@@ -179,52 +239,53 @@ async def read_pieces(client: AsyncClient, read: PieceRead) -> bool:
     """
     import torch
 
-    commands, targets = read.commands()
+    op = _pieces_op(read)
     pool = client.connection_pool
     conn = await pool.get_connection()
     clean = False
     try:
-        complete = True
-        error: BaseException | None = None
-        replies: list[Any] = []
-        for what, arg in read.schedule(commands, len(targets)):
-            if what == "send":
-                await conn.send_packed_command(conn.pack_commands(arg))
+        answer: object = None
+        while True:
+            try:
+                effect = op.send(answer)
+            except StopIteration as stop:
+                result: _PiecesOutcome = stop.value
+                break
+            if isinstance(effect, _Send):
+                await conn.send_packed_command(conn.pack_commands(effect.commands))
+                answer = None
                 continue
             try:
                 reply = await conn.read_response()
             except redis.exceptions.ResponseError as err:
-                error = error or err  # read every reply before raising: the connection stays usable
-                reply = None
-            if what == "version":
-                replies.append(reply)
-            elif reply is not None and complete:
-                buf, offset, end = targets[arg]
-                if len(reply) == end - offset:
+                answer = err
+                continue
+            if effect.target is None:
+                answer = reply
+            else:
+                buf, offset, end = effect.target
+                answer = reply is not None and len(reply) == end - offset
+                if answer:
                     buf[offset:end] = torch.frombuffer(reply, dtype=torch.uint8)
-                else:
-                    complete = False  # short: the entry changed or is gone
             del reply
         clean = True
     finally:
         if not clean:
             await conn.disconnect()  # replies may be left unread on it
         await pool.release(conn)
-    if error is not None:
-        raise error
-    return read.settled(complete, replies)
+    return _outcome(result)
 
 
 def read_pieces_direct(client: SyncClient, read: PieceRead) -> bool:
     """:func:`read_pieces` on a blocking ``redis.Redis``, from the calling thread, with no copy.
 
-    The same commands, windows and check; but the replies are parsed here, from the
+    The same operation (:func:`_pieces_op`); but the replies are parsed here, from the
     connection's socket, and each piece's bytes are received straight into its place in
     the buffer (``socket.recv_into``): one copy from the kernel, where ``read_pieces``
     makes hiredis's buffer, a ``bytes`` object and then the buffer (and no hop to the IO loop).
     """
-    commands, targets = read.commands()
-    views = {id(buf): buf.numpy().data for buf, _, _ in targets}
+    op = _pieces_op(read)
+    views: dict[int, memoryview] = {}
     pool = client.connection_pool
     conn = pool.get_connection()
     clean = False
@@ -233,27 +294,34 @@ def read_pieces_direct(client: SyncClient, read: PieceRead) -> bool:
         if _wire.socket_of(conn) is None:
             conn.connect()
         replies = _RawReplies(_wire.socket_of(conn))
-        complete = True
-        error: BaseException | None = None
-        versions: list[Any] = []
-        for what, arg in read.schedule(commands, len(targets)):
-            if what == "send":
-                replies.send(conn.pack_commands(arg))
+        answer: object = None
+        while True:
+            try:
+                effect = op.send(answer)
+            except StopIteration as stop:
+                result: _PiecesOutcome = stop.value
+                break
+            if isinstance(effect, _Send):
+                replies.send(conn.pack_commands(effect.commands))
                 if ahead is None:
-                    ahead = _Mapper(targets)  # maps the buffers' pages beside the receive
+                    ahead = _Mapper(effect.targets)  # maps the buffers' pages beside the receive
+                answer = None
                 continue
-            got: Any
-            if what == "version":
-                got = replies.bulk()
-                versions.append(got)
-            else:
-                buf, offset, end = targets[arg]
-                assert ahead is not None  # (made at the first send)
-                ahead.ready(arg)
-                got = replies.bulk_into(views[id(buf)][offset:end] if complete else None)
-                complete = complete and got is True  # short (or gone): the entry changed
-            if isinstance(got, BaseException):
-                error = error or got  # read every reply before raising: the connection stays usable
+            if effect.n < 0:
+                answer = replies.bulk()
+                continue
+            assert ahead is not None  # (made at the first send)
+            ahead.ready(effect.n)
+            if effect.target is None:
+                answer = replies.bulk_into(None)
+                if not isinstance(answer, BaseException):
+                    answer = None
+                continue
+            buf, offset, end = effect.target
+            view = views.get(id(buf))
+            if view is None:
+                view = views[id(buf)] = buf.numpy().data
+            answer = replies.bulk_into(view[offset:end])
         clean = True
     except TimeoutError:
         raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
@@ -265,9 +333,7 @@ def read_pieces_direct(client: SyncClient, read: PieceRead) -> bool:
         if not clean:
             conn.disconnect()  # replies may be left unread on it
         pool.release(conn)
-    if error is not None:
-        raise error
-    return read.settled(complete, versions)
+    return _outcome(result)
 
 
 class _Mapper:
