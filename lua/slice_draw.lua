@@ -20,9 +20,11 @@ Modes of ARGV[6]:
        window is rejected and the next uniform used (uniform over the valid windows)
   "p"  prioritized: each u gives a row by a descent of the priority tree (as
        lua/prio_draw.lua), the start of the window; an invalid one is rejected
-  "us", "ps"  scan: every window of the ring is tested once (O(size)); the n starts are then
-       drawn exactly among the valid ones, uniformly ("us") or by the p of their start row
-       ("ps"), one uniform each. For rings where rejection keeps failing (few valid windows)
+  "us", "ps"  scan: the ring's rows are cut into segments at each end (or id change) and
+       each row not written, found with string.find over the column and the flags read
+       whole; the n starts are then drawn exactly among the valid windows, uniformly ("us")
+       or by the p of their start row ("ps": one leaf read per valid window), one uniform
+       each. For rings where rejection keeps failing (few valid windows)
 
 KEYS[1]   meta hash of the store ("lv", "prio", "lim")
 KEYS[2]   ring cursor
@@ -229,65 +231,103 @@ return protect(function()
       end
     end
   else
-    -- the scan: every window tested once, by sliding counts over the ring's rows
-    local fl, col = nil, span(KEYS[4], first % cap, size, isz)
-    if flagged then fl = span(KEYS[3], first % cap, size, 1) end
-    local okrow, brk = {}, {}
-    for j = 1, size do
-      okrow[j] = (not fl or string.byte(fl, j) == 1) and (j * isz <= #col)
-      if j < size then
-        local item = string.sub(col, (j - 1) * isz + 1, j * isz)
-        if kind == 'end' then
-          brk[j] = item ~= string.rep('\0', isz)
-        else
-          brk[j] = item ~= string.sub(col, j * isz + 1, (j + 1) * isz)
+    -- the scan: the ring's rows (offsets 0 .. size-1 from position first) cut into segments
+    -- at each row not written (left out) and after each end (or id change); a segment of
+    -- m rows holds m - L + 1 valid windows. Ends and unwritten rows are found by
+    -- string.find (C speed), so the Lua work is per episode, not per row
+    local col = span(KEYS[4], first % cap, size, isz)
+    local avail = math.min(size, math.floor(#col / isz))
+    local fl
+    if flagged then
+      fl = string.sub(span(KEYS[3], first % cap, size, 1), 1, avail)
+    else
+      fl = string.rep('\1', avail)
+    end
+    if #fl < size then fl = fl .. string.rep('\0', size - #fl) end
+    local holes, ends = {}, {}
+    local p = 1
+    while true do
+      local i = string.find(fl, '[^\1]', p)
+      if not i then break end
+      holes[#holes + 1] = i - 1
+      p = i + 1
+    end
+    if kind == 'end' then
+      p = 1
+      while true do
+        local i = string.find(col, '[\1-\255]', p)
+        if not i then break end
+        local row = math.floor((i - 1) / isz)
+        if row >= size - 1 then break end
+        ends[#ends + 1] = row
+        p = (row + 1) * isz + 1
+      end
+    else
+      for j = 0, avail - 2 do
+        if string.sub(col, j * isz + 1, (j + 1) * isz) ~= string.sub(col, (j + 1) * isz + 1, (j + 2) * isz) then
+          ends[#ends + 1] = j
         end
       end
     end
-    -- a window at j (1-based in the ring's rows) needs rows j..j+L-1 ok and no break in j..j+L-2
-    local nbad, nbrk = 0, 0
-    for j = 1, L do if not okrow[j] then nbad = nbad + 1 end end
-    for j = 1, L - 1 do if brk[j] then nbrk = nbrk + 1 end end
-    local good, cum, acc = {}, {}, 0
-    for j = 1, size - L + 1 do
-      if j > 1 then
-        if not okrow[j - 1] then nbad = nbad - 1 end
-        if not okrow[j + L - 1] then nbad = nbad + 1 end
-        if L > 1 then
-          if brk[j - 1] then nbrk = nbrk - 1 end
-          if brk[j + L - 2] then nbrk = nbrk + 1 end
-        end
+    local segs, cum, total_w = {}, {}, 0
+    local s0 = 0
+    local function close(last_row, next_start)
+      local m = last_row - s0 + 1
+      if m >= L then
+        segs[#segs + 1] = s0
+        total_w = total_w + (m - L + 1)
+        cum[#cum + 1] = total_w
       end
-      if nbad == 0 and nbrk == 0 then
-        local a = first + j - 1
-        if prioritized then
+      if next_start > s0 then s0 = next_start end
+    end
+    local hi_, ei = 1, 1
+    while hi_ <= #holes or ei <= #ends do
+      local h, e = holes[hi_], ends[ei]
+      if h and (not e or h <= e) then
+        close(h - 1, h + 1)  -- (a row not written: in no window)
+        hi_ = hi_ + 1
+      else
+        close(e, e + 1)  -- (an end: the last row of its windows)
+        ei = ei + 1
+      end
+    end
+    close(size - 1, size)
+    -- the valid windows, in order: the windows of each segment
+    local good, gcum, acc = {}, {}, 0
+    if prioritized then
+      for si = 1, #segs do
+        local count = cum[si] - (cum[si - 1] or 0)
+        for o = 0, count - 1 do
+          local a = first + segs[si] + o
           local _, v = leaf(a % cap)
           if v > 0 then
             acc = acc + v
             good[#good + 1] = a
-            cum[#cum + 1] = acc
+            gcum[#gcum + 1] = acc
           end
-        else
-          good[#good + 1] = a
         end
       end
     end
-    if #good == 0 then return {-1, {}, ctext, lim} end
+    if (prioritized and #good == 0) or total_w == 0 then return {-1, {}, ctext, lim} end
+    -- the first entry of a cumulative list c whose value passes target (binary search)
+    local function find(c, target)
+      local lo, hi = 1, #c
+      while lo < hi do
+        local mid = math.floor((lo + hi) / 2)
+        if c[mid] > target then hi = mid else lo = mid + 1 end
+      end
+      return lo
+    end
     for i = 8, 7 + want do
       local u = tonumber(ARGV[i])
-      local pick
       if prioritized then
-        -- the first window whose cumulative p passes u * acc (binary search)
-        local target, lo, hi = u * acc, 1, #good
-        while lo < hi do
-          local mid = math.floor((lo + hi) / 2)
-          if cum[mid] > target then hi = mid else lo = mid + 1 end
-        end
-        pick = lo
+        local pick = find(gcum, u * acc)
         keep(good[pick], (leaf(good[pick] % cap)))
       else
-        pick = math.min(math.floor(u * #good) + 1, #good)
-        keep(good[pick])
+        -- window number w (0-based) of the total_w, in its segment
+        local w = math.min(math.floor(u * total_w), total_w - 1)
+        local si = find(cum, w)
+        keep(first + segs[si] + w - (cum[si - 1] or 0))
       end
     end
   end

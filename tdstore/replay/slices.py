@@ -138,7 +138,7 @@ def _draw(
     scan = False
     p_min, beta = math.inf, 0.0
     where = store._where()
-    for _ in range(_REDRAWS):
+    for round_ in range(_REDRAWS):
         extra = 0 if scan else 3 * need + 16
         u = torch.rand(need + extra, dtype=torch.float64, generator=generator)
         mode = ("p" if prioritized else "u") + ("s" if scan else "")
@@ -183,8 +183,9 @@ def _draw(
                 empty = torch.zeros(n, dtype=torch.float64)
                 return _Drawn(torch.cat(starts), torch.cat(cursors), empty, empty.to(torch.int64), p_min, beta)
             return _Drawn(torch.cat(starts), torch.cat(cursors), torch.cat(values), torch.cat(gens), p_min, beta)
-        # rejection found fewer than a quarter of what it was asked: few windows are valid
-        scan = scan or k * 4 < need + k
+        # rejection found fewer than a quarter of what it was asked, or still not all after
+        # three rounds: few windows are valid, the next round scans the ring
+        scan = scan or k * 4 < need + k or round_ >= 2
     raise StaleLayoutError(
         f"{what}: kept drawing windows being written ({need} of {n} after {_REDRAWS} draws); appends may be failing "
         "between their two steps"

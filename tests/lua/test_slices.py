@@ -6,6 +6,8 @@ prioritized descent; the check; bad arguments and damage refused with the key sp
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from .conftest import with_neighbour
@@ -30,7 +32,7 @@ def r() -> ClockRedis:
 def ring(r: ClockRedis, done: list[int], cursor: int, flags: bytes | None = None, itemsize: int = 1) -> None:
     """A ring of len(done) rows at ``cursor``, its episode column ``done`` (little-endian items)."""
     make_store(r, cursor=cursor)
-    r.data[COL] = b"".join(int(v).to_bytes(itemsize, "little", signed=True) for v in done)
+    r.data[COL] = b"".join((int(v) % (1 << 8 * itemsize)).to_bytes(itemsize, "little") for v in done)
     if flags is not None:
         r.data[FLAGS] = flags
 
@@ -74,6 +76,20 @@ def test_windows_wrap_and_stop_at_the_write_position(r: ClockRedis, lua_version:
     assert draw(r, lua_version, "u", 4, [0.5])[:3] == [-1, [], b"3"]  # (fewer rows than L)
 
 
+def test_a_draw_reads_only_the_bytes_of_the_windows_it_tests(r: ClockRedis, lua_version: str) -> None:
+    """On a ring larger than the windows the uniforms would test, each window costs a GETRANGE
+    of its L items of the column and one of its L flags, and no command writes."""
+    cap = 1000
+    ring(r, [0] * cap, 1500, b"\x01" * cap, itemsize=4)
+    got = draw(r, lua_version, "u", 5, [0.25, 0.5], kind="traj", itemsize=4, cap=cap)
+    assert got[1] == [500 + 249, 500 + 498]  # (996 window starts: 500 .. 1495)
+    col = [c for c in r.commands("GETRANGE") if c[0] == COL]
+    fl = [c for c in r.commands("GETRANGE") if c[0] == FLAGS]
+    assert [(int(c[1]), int(c[2])) for c in col] == [(749 % cap * 4, 749 % cap * 4 + 19), (998 * 4, 998 * 4 + 7), (0, 11)]
+    assert [int(c[2]) - int(c[1]) + 1 for c in fl] == [5, 2, 3]  # (window 998: rows 998, 999 then 0, 1, 2)
+    assert not {c[0] for c in r.log} & {b"SET", b"SETRANGE", b"DEL", b"HSET", b"INCR", b"INCRBY"}
+
+
 def test_traj_mode_and_wide_items(r: ClockRedis, lua_version: str) -> None:
     ring(r, [5, 5, 5, 7, 7, 7, 7, 5, 5, 5], 10, b"\x01" * 10, itemsize=8)
     got = draw(r, lua_version, "u", 3, [(i + 0.5) / 8 for i in range(8)], kind="traj", itemsize=8)
@@ -93,6 +109,41 @@ def test_scan_draws_exactly_among_the_valid_windows(r: ClockRedis, lua_version: 
     del r.data[FLAGS]  # (no flags: every row the cursor counts is written)
     r.data[COL] = b"\x00" * 10
     assert draw(r, lua_version, "us", 10, [0.5])[1] == [0]
+
+
+@pytest.mark.parametrize("kind", ["end", "traj"])
+def test_the_scan_finds_exactly_the_valid_windows_of_random_rings(r: ClockRedis, lua_version: str, kind: str) -> None:
+    """The scan against the Python reference (tests/_slice_workers.py): uniforms at the middle
+    of each of the V valid windows' shares give back every valid window, in order; and
+    every start the rejection draws is one of them."""
+    import _slice_workers as w
+
+    rng = random.Random(7)
+    for trial in range(40):
+        cap = rng.randint(1, 40)
+        cursor = rng.randint(0, 3 * cap)
+        length = rng.randint(1, cap)
+        itemsize = rng.choice([1, 2, 8])
+        ends = [rng.random() < 0.25 for _ in range(cap)]
+        ids, tid = [], 0
+        for e in ends:
+            ids.append(tid)
+            tid += int(e)
+        flags = [rng.random() < 0.9 for _ in range(cap)]
+        column = [int(e) * rng.choice([1, 255, 256]) for e in ends] if kind == "end" else ids
+        ring(r, column, cursor, bytes(int(f) for f in flags), itemsize=itemsize)
+        want = w.valid_starts(ends, flags, ids if kind == "traj" else None, cursor, length)
+        if kind == "end" and itemsize == 1:
+            want = w.valid_starts([c % 256 != 0 for c in column], flags, None, cursor, length)  # (256: 0 in 1 byte)
+        us = [(i + 0.5) / len(want) for i in range(len(want))] or [0.5]
+        got = draw(r, lua_version, "us", length, us, kind=kind, itemsize=itemsize, cap=cap)
+        if not want:
+            assert got[0] == -1, (trial, got)
+        else:
+            assert got[1] == want, (trial, cap, cursor, length)
+        # rejection: every start returned is a valid window
+        got = draw(r, lua_version, "u", length, [rng.random() for _ in range(60)], n=30, kind=kind, itemsize=itemsize, cap=cap)
+        assert set(got[1]) <= set(want) and (got[0] == 1 or not want)
 
 
 def test_prioritized_draws_by_the_start_row(r: ClockRedis, lua_version: str) -> None:
