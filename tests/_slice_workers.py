@@ -96,19 +96,32 @@ def appender(conn: dict[str, Any], td_id: str, aid: int, duration: float, seed: 
 
 def sampler(conn: dict[str, Any], td_id: str, length: int, duration: float, prioritized: bool = False) -> dict[str, int]:
     """Samples slices of ``length`` rows until ``duration`` passes; returns the counts of
-    :func:`bad_slices` and of slices drawn."""
+    :func:`bad_slices`, of slices and samples, and of draw steps (a sample whose slices were
+    appended to before the check draws again)."""
+    from tdstore.replay import slices as S
+
     store = TensorDictStore.from_store(td_id=td_id, **conn)
-    counts = {"torn": 0, "crossing": 0, "mixed": 0, "gaps": 0, "slices": 0, "samples": 0}
-    deadline = time.time() + duration
-    while time.time() < deadline:
-        try:
-            batch = store.sample_slices(16, length, end_key=END, prioritized=prioritized)
-        except ValueError:  # (no episode of length rows yet)
-            time.sleep(0.01)
-            continue
-        for k, v in bad_slices(batch, length).items():
-            counts[k] += v
-        counts["slices"] += 16
-        counts["samples"] += 1
+    counts = {"torn": 0, "crossing": 0, "mixed": 0, "gaps": 0, "slices": 0, "samples": 0, "draws": 0}
+    real = S._draw
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counts["draws"] += 1  # (more draws than samples: slices appended to under a read, drawn again)
+        return real(*args, **kwargs)
+
+    S._draw = counting
+    try:
+        deadline = time.time() + duration
+        while time.time() < deadline:
+            try:
+                batch = store.sample_slices(16, length, end_key=END, prioritized=prioritized)
+            except ValueError:  # (no episode of length rows yet)
+                time.sleep(0.01)
+                continue
+            for k, v in bad_slices(batch, length).items():
+                counts[k] += v
+            counts["slices"] += 16
+            counts["samples"] += 1
+    finally:
+        S._draw = real
     store.close()
     return counts

@@ -20,12 +20,14 @@ import pytest
 import torch
 from fixtures import PoolSpec
 
-from tdstore.errors import SchemaError
+from tdstore.errors import RateLimitTimeoutError, SchemaError
 from tdstore.replay import priorities as P
 from tdstore.replay import slices as S
 from tdstore.testing.counts import record
 
 POOL = PoolSpec(workers=4, warm_up=w.warm_up, warm_up_arg=0.5)
+# (sample_slices refuses an end column kept in chunks: these tests keep one string per entry)
+pytestmark = pytest.mark.usefixtures("unchunked")
 
 
 def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
@@ -251,7 +253,7 @@ def test_slices_appended_to_between_the_draw_and_the_check_are_drawn_again(serve
     """The check after the read finds the cursor moved past a window's oldest row: that slice
     is drawn again, and the batch keeps its order."""
     store = make("from_schema", w.SCHEMA, batch_size=[16])
-    store.extend(w.episode(0, 16, done=False))
+    store.extend(w.episode(0, 16))  # (its end at row 15: no slice runs on into episode 1)
     real = S._draw
     calls = []
 
@@ -270,19 +272,96 @@ def test_slices_appended_to_between_the_draw_and_the_check_are_drawn_again(serve
     assert torch.equal(batch["step"].reshape(40, 4)[:, 0] % 16, info["position"] % 16)
 
 
+def test_a_chunked_end_column_is_refused(server, make):
+    store = make("from_schema", w.SCHEMA, batch_size=[64], chunk_bytes=16)
+    store.extend(w.episode(0, 10))
+    with pytest.raises(SchemaError, match="chunked") as info:
+        store.sample_slices(2, 3, end_key=w.END)
+    assert store.td_id in str(info.value)
+
+
+def test_the_rate_limiter_holds_a_slice_sample_back_and_counts_nothing(server, make):
+    store = _filled(make, 64, seed=6, rows=20)
+    store.set_rate_limit(min_size=30, timeout=0.05)
+    with pytest.raises(RateLimitTimeoutError):
+        store.sample_slices(2, 3, end_key=w.END)
+    assert store.rate_limit().samples == 0
+    store.extend(w.episode(99, 10))
+    store.sample_slices(2, 3, end_key=w.END)
+    assert store.rate_limit().samples == 6
+
+
+def test_a_layout_change_before_the_draw_is_followed(server, make, monkeypatch):
+    """The draw refuses a column resolved under another layout version (TDS_STALE): the
+    sample resolves it again and draws."""
+    store = _filled(make, 32, seed=7, rows=32)
+    real = S._column
+    calls = []
+
+    def old_layout(*args, **kwargs):
+        col = real(*args, **kwargs)
+        calls.append(col.lv)
+        return col._replace(lv=col.lv - 1) if len(calls) == 1 else col
+
+    monkeypatch.setattr(S, "_column", old_layout)
+    assert store.sample_slices(3, 2, end_key=w.END).batch_size == torch.Size([6])
+    assert len(calls) == 2
+
+
+def test_prioritized_slices_whose_start_generation_moved_are_drawn_again(server, make, monkeypatch):
+    store = make("from_schema", w.SCHEMA, batch_size=[16])
+    store.extend(w.episode(0, 16))  # (its end at row 15: no slice runs on into episode 1)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    real = S._draw
+    calls = []
+
+    def draw_then_append(*args, **kwargs):
+        d = real(*args, **kwargs)
+        calls.append(d.starts.numel())
+        if len(calls) == 1:
+            store.extend(w.episode(1, 2, done=False))
+        return d
+
+    monkeypatch.setattr(S, "_draw", draw_then_append)
+    batch, info = store.sample_slices(40, 4, end_key=w.END, prioritized=True, return_info=True,
+                                      generator=torch.Generator().manual_seed(8))
+    assert len(calls) >= 2 and bool((info["position"] >= 2).all())
+    assert w.bad_slices(batch, 4) == {"torn": 0, "crossing": 0, "mixed": 0, "gaps": 0}
+    assert bool((info["generation"] == 0).all())  # (rows written before the tree: generation 0)
+
+
+@pytest.mark.parametrize("race_server", ["redis", "valkey", "cluster"], indirect=True)
+def test_a_round_on_every_deployment(race_server, stores):
+    """Uniform, traj_key and prioritized slices on the real servers and on a Redis Cluster
+    (every key of the draw in the store's one slot)."""
+    store = stores(race_server, "from_schema", w.SCHEMA, batch_size=[32])
+    for ep, n in enumerate([5, 7, 3, 9, 4, 6]):
+        store.extend(w.episode(ep, n))
+    for kw in (dict(end_key=w.END), dict(traj_key="traj")):
+        batch = store.sample_slices(20, 4, **kw)
+        assert w.bad_slices(batch, 4) == {"torn": 0, "crossing": 0, "mixed": 0, "gaps": 0}
+    store.enable_priorities()
+    batch, info = store.sample_slices(20, 4, end_key=w.END, prioritized=True, return_info=True)
+    assert w.bad_slices(batch, 4)["crossing"] == 0 and info["_weight"].shape == (20,)
+    store.clear_redis()
+
+
 @pytest.mark.slow
-def test_appending_processes_and_a_sampler_never_see_a_crossing_or_torn_slice(race_server, pool, request):
+@pytest.mark.parametrize("prioritized", [False, True], ids=["uniform", "prioritized"])
+def test_appending_processes_and_a_sampler_never_see_a_crossing_or_torn_slice(race_server, pool, request, prioritized):
     """3 processes append whole episodes (done at each one's end) to a ring of 256 rows for
-    4 s while a fourth samples slices of 4 rows: no slice crosses an end, is torn, mixes
-    episodes or has a gap."""
+    4 s while a fourth samples slices of 4 rows (uniform, or by priority): no slice crosses
+    an end, is torn, mixes episodes or has a gap."""
     conn = race_server.connection_kwargs()
     from tdstore import TensorDictStore
 
     store = TensorDictStore.from_schema(w.SCHEMA, batch_size=[256], **conn)
+    if prioritized:
+        store.enable_priorities()
     duration = 4.0
     t0 = time.time()
     appenders = [pool.submit(w.appender, conn, store.td_id, i + 1, duration) for i in range(3)]
-    sampler = pool.submit(w.sampler, conn, store.td_id, 4, duration)
+    sampler = pool.submit(w.sampler, conn, store.td_id, 4, duration, prioritized)
     appended = sum(f.result(120) for f in appenders)
     counts = sampler.result(120)
     assert time.time() - t0 < 60
