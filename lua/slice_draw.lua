@@ -59,7 +59,8 @@ Errors:
   TDS_NOSTORE  the store does not exist
   TDS_STALE    the layout version is not the one the client assumed
   TDS_BADARG   an argument is not a number of its range, or an unknown mode
-  TDS_CORRUPT  the cursor, the priority settings or the tree are damaged
+  TDS_CORRUPT  the episode column is not cap * itemsize bytes, or the cursor, the priority
+               settings or the tree are damaged
 ]]
 --@include lib/common.lua
 --@include lib/prio.lua
@@ -84,6 +85,11 @@ return protect(function()
     if u == nil or u ~= u or u < 0 or u >= 1 then
       return fail('TDS_BADARG', 'a uniform must be in [0, 1), got ' .. tostring(ARGV[i]))
     end
+  end
+  local col_len = redis.pcall('STRLEN', KEYS[4])
+  if col_len ~= cap * isz then
+    return fail('TDS_CORRUPT', 'the episode column ' .. KEYS[4] .. ' is not the string of ' .. int_str(cap) .. ' rows of '
+      .. int_str(isz) .. ' bytes (damaged or evicted)')
   end
   local raw_c = redis.pcall('GET', KEYS[2])
   local bad_c = check_counter(KEYS[2], 'the ring cursor', raw_c)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from fixtures import PoolSpec
 
-from tdstore.errors import RateLimitTimeoutError, SchemaError
+from tdstore.errors import CorruptMetadataError, RateLimitTimeoutError, SchemaError
 from tdstore.replay import priorities as P
 from tdstore.replay import slices as S
 from tdstore.testing.counts import record
@@ -278,6 +278,17 @@ def test_a_chunked_end_column_is_refused(server, make):
     with pytest.raises(SchemaError, match="chunked") as info:
         store.sample_slices(2, 3, end_key=w.END)
     assert store.td_id in str(info.value)
+
+
+def test_a_damaged_end_column_gives_a_clear_error(server, make):
+    store = _filled(make, 32, seed=8, rows=32)
+    client = server.sync_client()
+    try:
+        client.delete(store._conn.keys.data(w.END))  # (evicted, or deleted by hand)
+    finally:
+        client.close()
+    with pytest.raises(CorruptMetadataError, match=r"sample_slices\(\) from .*: the episode column .*damaged or evicted"):
+        store.sample_slices(2, 3, end_key=w.END)
 
 
 def test_the_rate_limiter_holds_a_slice_sample_back_and_counts_nothing(server, make):

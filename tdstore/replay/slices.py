@@ -149,6 +149,8 @@ def _draw(
             raise _LayoutMoved from None
         except StoreNotFoundError:
             raise store._not_found() from None
+        except CorruptMetadataError as err:
+            raise CorruptMetadataError(f"{what}: {err}") from err
         status = int(cast("int", reply[0]))
         if status == 0:
             raise ValueError(f"{what}: priorities are off; call enable_priorities() first, or sample with prioritized=False")

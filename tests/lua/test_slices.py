@@ -181,6 +181,11 @@ def test_draw_refuses_bad_arguments_a_stale_layout_and_damage(r: ClockRedis, lua
         ["2", "end", "1", "10", "3", "u", "2", "0.5"], ["2", "end", "1", "10", "3", "u", "1", "1.0"],
     ):
         expect_error(r, "TDS_BADARG", "slice_draw", KEYS, args, lua_version)
+    r.data[COL] = b"\x00" * 9  # (a column of 9 rows in a ring of 10: damaged)
+    expect_error(r, "TDS_CORRUPT", "slice_draw", KEYS, ["2", "end", "1", "10", "3", "u", "1", "0.5"], lua_version)
+    del r.data[COL]
+    expect_error(r, "TDS_CORRUPT", "slice_draw", KEYS, ["2", "end", "1", "10", "3", "u", "1", "0.5"], lua_version)
+    r.data[COL] = b"\x00" * 10
     r.data[RING] = b"lots"
     expect_error(r, "TDS_CORRUPT", "slice_draw", KEYS, ["2", "end", "1", "10", "3", "u", "1", "0.5"], lua_version)
     r.data[RING] = b"10"
