@@ -52,6 +52,7 @@ from tdstore.errors import (
 from tdstore.lazy.core import LazyStackedTensorDictStore
 from tdstore.replay import priorities as _priorities
 from tdstore.replay import rate_limit as _rate_limit
+from tdstore.replay import slices as _slices
 from tdstore.store import lifetime as _lifetime
 from tdstore.store import ring as _ring
 from tdstore.store.lifetime import ttl_ms
@@ -743,6 +744,40 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         raises ValueError and changes nothing.
         """
         return _priorities.update(self, index, priority, generation)
+
+    # ------------------------------------------------------------------ trajectory slices: tdstore/replay/slices.py
+    def sample_slices(
+        self, num_slices: int, slice_len: int, *, end_key: str | tuple[str, ...] | None = None,
+        traj_key: str | tuple[str, ...] | None = None, prioritized: bool = False,
+        generator: torch.Generator | None = None, return_info: bool = False,
+    ) -> TensorDictBase | tuple[TensorDictBase, dict[str, torch.Tensor]]:
+        """Reads ``num_slices`` trajectory slices of ``slice_len`` consecutive rows, chosen on the server.
+
+        Returns ``num_slices * slice_len`` rows, slice after slice (a flat batch, as
+        TorchRL's ``SliceSampler``). The rows of a slice were appended one after the other
+        (a slice may wrap from the ring's last row to its first). A slice crosses neither an
+        episode end nor the ring's write position, and holds only rows flagged as written:
+        with ``end_key`` (a bool or integer entry, one element per row, non-zero = the row
+        ends its episode) only its last row may be an end; with ``traj_key`` (an integer
+        entry, one id per row) all its rows have the same id. Starts are drawn uniformly
+        among the valid windows, or, ``prioritized=True`` (after :meth:`enable_priorities`),
+        by the priority of their start row. The rows are read in one snapshot, and a slice
+        appended to meanwhile is drawn again. A slice counts as ``slice_len`` samples for a
+        rate limiter. ``return_info=True`` returns ``(batch, info)``: ``info["index"]`` the
+        ring row of each row (flat), ``info["start"]`` the start row of each slice,
+        ``info["position"]`` its position in append order, and when prioritized
+        ``info["_weight"]`` and ``info["generation"]`` per slice (of its start row). See
+        docs/replay.md.
+
+        Raises:
+            ValueError: a bad count, ``slice_len`` above the capacity, both or neither key
+                given, or no valid slice yet (no episode of ``slice_len`` rows); nothing changes.
+            SchemaError: the key is missing, or not of a dtype and shape it can be.
+        """
+        from_server = _slices.sample(
+            self, num_slices, slice_len, end_key=end_key, traj_key=traj_key, prioritized=prioritized, generator=generator
+        )
+        return from_server if return_info else from_server[0]
 
     # ------------------------------------------------------------------ rate limits: tdstore/replay/rate_limit.py
     def set_rate_limit(

@@ -1431,6 +1431,9 @@ def test_every_script_and_declared_error_code_has_a_test() -> None:
     error_tests.update(lease=LEASE_ERROR_TESTS, commit={**ERROR_TESTS["commit"], **COMMIT_BUSY_TESTS})
     error_tests.update(rate_limit=RATE_LIMIT_ERROR_TESTS, rate_sample=RATE_SAMPLE_ERROR_TESTS)
     error_tests.update(PRIO_ERROR_TESTS)
+    from .test_slices import SLICE_ERROR_TESTS  # (test_slices imports this module)
+
+    error_tests.update(SLICE_ERROR_TESTS)
     assert set(error_tests) == set(script_names()), "a script without behaviour tests"
     for name, tests in error_tests.items():
         assert set(tests) == set(get_script(name).header.errors), f"{name}: the error tests and its header disagree"
