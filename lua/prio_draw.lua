@@ -58,9 +58,7 @@ return protect(function()
   local flagged = rcall('EXISTS', KEYS[3]) == 1
   local counted = 0
   if not flagged then counted = math.min(tonumber(rcall('GET', KEYS[2]) or '0') or 0, t.cap) end
-  local k = t.k
-  local cache = {}
-  for l = 0, t.depth do cache[l] = {} end
+  local descend = prio_descender(t, total)
   local rows, values, gens = {}, {}, {}
   local next_u = 2
   while #rows < want and next_u <= #ARGV do
@@ -69,43 +67,7 @@ return protect(function()
     if u == nil or u ~= u or u < 0 or u >= 1 then
       return fail('TDS_BADARG', 'a uniform must be in [0, 1), got ' .. tostring(ARGV[next_u - 1]))
     end
-    local mass, node, value = u * total, 0, ''
-    for l = t.depth, 1, -1 do
-      -- the children's sums, parsed lazily (a draw reads about half of them)
-      local below = l - 1
-      local group = cache[below][node]
-      if not group then
-        local first = node * k
-        local count = math.min(first + k, t.sizes[below]) - first
-        local width, key, base = NW, t.pt, 0
-        if below == 0 then width, key = PW, t.pl else base = t.offs[below] end
-        local raw = rcall('GETRANGE', key, int_str(base + first * width), int_str(base + (first + count) * width - 1))
-        group = {raw = raw, count = count, width = width, key = key}
-        cache[below][node] = group
-      end
-      local pick, before, acc = nil, 0, 0
-      local raw, width = group.raw, group.width
-      for i = 1, group.count do
-        local v = group[i]
-        if v == nil then
-          v = pnum(string.sub(raw, (i - 1) * width + 1, (i - 1) * width + PW), group.key)
-          group[i] = v
-        end
-        if v > 0 then
-          pick, before = i, acc
-          acc = acc + v
-          if mass < acc then break end
-        end
-      end
-      if not pick then
-        tds_error('TDS_CORRUPT', 'the priority tree ' .. t.pt .. ' has a node with a positive sum and no positive child'
-          .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
-      end
-      mass = mass - before
-      -- (the leaf's text as stored: exact, and no format per draw)
-      value = string.sub(raw, (pick - 1) * width + 1, (pick - 1) * width + PW)
-      node = node * k + pick - 1
-    end
+    local node, value = descend(u)
     local ok
     if flagged then
       ok = rcall('GETRANGE', KEYS[3], int_str(node), int_str(node)) == '\1'

@@ -167,48 +167,8 @@ return protect(function()
     return raw, pnum(raw, t.pl)
   end
 
-  -- a descent of the tree for the mass u * total (lua/prio_draw.lua): the row and its leaf text
-  local k = t and t.k
-  local cache = {}
-  if t then for l = 0, t.depth do cache[l] = {} end end
-  local function descend(u)
-    local mass, node, value = u * total, 0, ''
-    for l = t.depth, 1, -1 do
-      local below = l - 1
-      local group = cache[below][node]
-      if not group then
-        local f = node * k
-        local count = math.min(f + k, t.sizes[below]) - f
-        local width, key, base = NW, t.pt, 0
-        if below == 0 then width, key = PW, t.pl else base = t.offs[below] end
-        local raw = rcall('GETRANGE', key, int_str(base + f * width), int_str(base + (f + count) * width - 1))
-        group = {raw = raw, count = count, width = width, key = key}
-        cache[below][node] = group
-      end
-      local pick, before, acc = nil, 0, 0
-      local raw, width = group.raw, group.width
-      for i = 1, group.count do
-        local v = group[i]
-        if v == nil then
-          v = pnum(string.sub(raw, (i - 1) * width + 1, (i - 1) * width + PW), group.key)
-          group[i] = v
-        end
-        if v > 0 then
-          pick, before = i, acc
-          acc = acc + v
-          if mass < acc then break end
-        end
-      end
-      if not pick then
-        tds_error('TDS_CORRUPT', 'the priority tree ' .. t.pt .. ' has a node with a positive sum and no positive child'
-          .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
-      end
-      mass = mass - before
-      value = string.sub(raw, (pick - 1) * width + 1, (pick - 1) * width + PW)
-      node = node * k + pick - 1
-    end
-    return node, value
-  end
+  -- a descent of the tree for the mass u * total (lib/prio.lua): the row and its leaf text
+  local descend = t and prio_descender(t, total)
 
   local starts, values, gens = {}, {}, {}
   local function keep(a, value)

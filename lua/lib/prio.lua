@@ -163,6 +163,54 @@ local function prio_fix(t, runs)
 end
 
 -- the largest priority given so far, or nil (none yet)
+-- A descent of tree t (prio_tree) for masses u * total: returns a function of u giving the
+-- row drawn and its leaf's text as stored (exact, and no format per draw). Each group of
+-- children read is parsed lazily (a descent reads about half of one) and kept for the later
+-- descents of the same script call.
+local function prio_descender(t, total)
+  local k = t.k
+  local cache = {}
+  for l = 0, t.depth do cache[l] = {} end
+  return function(u)
+    local mass, node, value = u * total, 0, ''
+    for l = t.depth, 1, -1 do
+      local below = l - 1
+      local group = cache[below][node]
+      if not group then
+        local f = node * k
+        local count = math.min(f + k, t.sizes[below]) - f
+        local width, key, base = NW, t.pt, 0
+        if below == 0 then width, key = PW, t.pl else base = t.offs[below] end
+        local raw = rcall('GETRANGE', key, int_str(base + f * width), int_str(base + (f + count) * width - 1))
+        group = {raw = raw, count = count, width = width, key = key}
+        cache[below][node] = group
+      end
+      local pick, before, acc = nil, 0, 0
+      local raw, width = group.raw, group.width
+      for i = 1, group.count do
+        local v = group[i]
+        if v == nil then
+          v = pnum(string.sub(raw, (i - 1) * width + 1, (i - 1) * width + PW), group.key)
+          group[i] = v
+        end
+        if v > 0 then
+          pick, before = i, acc
+          acc = acc + v
+          if mass < acc then break end
+        end
+      end
+      if not pick then
+        tds_error('TDS_CORRUPT', 'the priority tree ' .. t.pt .. ' has a node with a positive sum and no positive child'
+          .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
+      end
+      mass = mass - before
+      value = string.sub(raw, (pick - 1) * width + 1, (pick - 1) * width + PW)
+      node = node * k + pick - 1
+    end
+    return node, value
+  end
+end
+
 local function prio_max(t)
   local raw = rcall('GETRANGE', t.pm, '0', int_str(PW - 1))
   if string.match(raw, '^ *$') then return nil end
