@@ -65,7 +65,10 @@ def _package_modules() -> list[ModuleType]:
         try:
             modules.append(importlib.import_module(info.name))
         except ImportError as exc:
-            needs = OPTIONAL_MODULES.get(info.name)
+            needs = next(
+                (dep for mod, dep in OPTIONAL_MODULES.items() if info.name == mod or info.name.startswith(mod + ".")),
+                None,
+            )
             if needs is None or needs not in str(exc):
                 raise
     return modules
@@ -252,5 +255,6 @@ def test_every_exported_exception_is_a_tdstore_error_of_tdstore_errors() -> None
     assert str(KeyTypeError("a key must be a str")) == "a key must be a str"
     assert issubclass(ServerNotFoundError, RuntimeError)
     assert CliError("tdstore: bad", 2).code == 2 and issubclass(CliError, tdstore.errors.TDStoreError)
-    assert {"ServerUnavailableError", "OutcomeUnknownError", "KeyTypeError", "ServerNotFoundError",
-            "CliError"} <= set(tdstore.errors.__all__)
+    assert {"ServerUnavailableError", "OutcomeUnknownError", "KeyTypeError", "ServerNotFoundError", "CliError"} <= set(
+        tdstore.errors.__all__
+    )

@@ -23,7 +23,7 @@ _ANY = re.compile(r"\bAny\b")
 # package -> annotations using Any, at most (before the typing work: _backend 335 of 1083,
 # _core 89/443, cli 92/254, server 24/235, testing 15/87, top level 54/176; base 112/333,
 # lazy 191/485, store 137/468 before item 5's second pass); "" is the top-level modules
-# (tdstore/torchrl.py among them).
+# (tdstore/sharded.py among them; tdstore/torchrl/ is its own package).
 CEILINGS: dict[str, int] = {
     # 173 after the typing work, then 7 in the drivers' step.py and connect.py: replies
     # (list[Any], as everywhere) and the keywords passed through to redis-py; 169 after
@@ -39,7 +39,9 @@ CEILINGS: dict[str, int] = {
     "server": 24,
     "store": 50,
     "testing": 13,
-    "": 12,
+    "torchrl": 5,
+    # 12 before tdstore/torchrl.py became the package tdstore/torchrl/ (5 of those 12 moved with it)
+    "": 7,
 }
 # the whole package before the typing work: 1048 of 3552
 BEFORE_ANY, BEFORE_TOTAL = 1048, 3552
@@ -104,3 +106,8 @@ def test_any_per_package_is_within_its_ceiling(package: str) -> None:
         f"{package or 'top level'}: {uses} of {total} annotations use Any, "
         f"above its ceiling {CEILINGS[package]}"
     )
+
+
+def test_every_package_has_a_ceiling() -> None:
+    """A new package gets a ceiling of its own (otherwise its ``Any`` would go uncounted)."""
+    assert sorted(set(count()) - set(CEILINGS)) == []
