@@ -66,7 +66,9 @@ def learner(conn: dict[str, Any], td_id: str, lid: int, duration: float, batch: 
         samples += 1
         w = info["_weight"]
         bad_weights += int((~torch.isfinite(w) | (w <= 0) | (w > 1 + 1e-6)).sum())
-        for r, gen, a, b in zip(info["index"].tolist(), info["generation"].tolist(), td["a"].tolist(), td["b"].tolist(), strict=True):
+        for r, gen, a, b in zip(
+            info["index"].tolist(), info["generation"].tolist(), td["a"].tolist(), td["b"].tolist(), strict=True
+        ):
             if len(seen) < 20_000:
                 seen.append((r, gen, a, b[0] if b[0] == b[1] else -1))  # (-1: the row's b is torn)
         ok = store.update_priority(info["index"], torch.rand(batch, generator=g) * 10, generation=info["generation"])
@@ -76,4 +78,7 @@ def learner(conn: dict[str, Any], td_id: str, lid: int, duration: float, batch: 
             if not flag:
                 dropped.append((r, gen))
     store.close()
-    return {"seen": seen, "dropped": dropped, "applied": applied, "updates": updates, "samples": samples, "bad_weights": bad_weights}
+    return {
+        "seen": seen, "dropped": dropped, "applied": applied, "updates": updates, "batch": batch, "samples": samples,
+        "bad_weights": bad_weights,
+    }  # fmt: skip

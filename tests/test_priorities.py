@@ -23,7 +23,9 @@ from tdstore.errors import CorruptMetadataError
 from tdstore.replay import priorities as P
 from tdstore.testing.counts import record
 
-POOL = PoolSpec(workers=6, warm_up=w.warm_up, warm_up_arg=0.5)
+#: the processes of the concurrency test: 8 appenders and 2 learners (issue 26, item 5)
+APPENDERS, LEARNERS = 8, 2
+POOL = PoolSpec(workers=APPENDERS + LEARNERS, warm_up=w.warm_up, warm_up_arg=0.5)
 
 
 def _ring(make, cap: int, filled: int, **kw):
@@ -50,7 +52,9 @@ def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
     function (torch.special.gammaincc), df = cells - 1."""
     stat = float(((observed - expected) ** 2 / expected).sum())
     df = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def test_chi_square_p_is_right():
@@ -318,8 +322,16 @@ def test_plan_without_new_rows_is_unchanged():
     keys = StoreKeys("td", "s")
     groups = [(("x",), 4, b"\0" * 8)]
     plain = AppendPlan(keys, groups, lv=1, n=2, capacity=8, sub=(), reservation=Reservation())
-    with_rows = AppendPlan(keys, groups, lv=1, n=2, capacity=8, sub=(), reservation=Reservation(),
-                           new_rows=lambda start, n: ("EVAL", "x", 0, start, n))
+    with_rows = AppendPlan(
+        keys,
+        groups,
+        lv=1,
+        n=2,
+        capacity=8,
+        sub=(),
+        reservation=Reservation(),
+        new_rows=lambda start, n: ("EVAL", "x", 0, start, n),
+    )
     a, b = plain.write_commands(3, ""), with_rows.write_commands(3, "")
     assert [c for c in b if c[0] != "EVAL"] == a and ("EVAL", "x", 0, 3, 2) in b
 
@@ -398,18 +410,18 @@ def test_threads_never_draw_a_row_without_its_priority(server, make):
 
 @pytest.mark.slow
 def test_processes_keep_the_tree_consistent(race_server, pool, request):
-    """4 appending processes and 2 learners (sampling by priority, updating with generations)
-    for 6 s: the tree is consistent after, no torn or unwritten row was drawn, and every
-    update left alone was for a generation that had moved."""
+    """8 appending processes and 2 learners (sampling by priority, updating with generations)
+    for 10 s (issue 26, item 5): the tree is consistent after, no torn or unwritten row was
+    drawn, and every update was either applied or left alone for a generation that had moved."""
     conn = race_server.connection_kwargs()
     from tdstore import TensorDictStore
 
     store = TensorDictStore.from_schema(w.SCHEMA, batch_size=[512], **conn)
     store.enable_priorities(alpha=0.6, beta=0.4)
-    duration = 6.0
+    duration = 10.0
     t0 = time.time()
-    appenders = [pool.submit(w.appender, conn, store.td_id, i + 1, duration) for i in range(4)]
-    learners = [pool.submit(w.learner, conn, store.td_id, i, duration) for i in range(2)]
+    appenders = [pool.submit(w.appender, conn, store.td_id, i + 1, duration) for i in range(APPENDERS)]
+    learners = [pool.submit(w.learner, conn, store.td_id, i, duration) for i in range(LEARNERS)]
     logs = [f.result(120) for f in appenders]
     results = [f.result(120) for f in learners]
     assert time.time() - t0 < 60
@@ -420,14 +432,26 @@ def test_processes_keep_the_tree_consistent(race_server, pool, request):
     dropped = [d for r in results for d in r["dropped"]]
     wrongly_dropped = sum(int(final[row]) == gen for row, gen in dropped)
     appended = sum(len(log) for log in logs)
+    updated_rows = sum(r["updates"] * r["batch"] for r in results)
     record(
-        request, appended=appended, drawn=len(seen), samples=sum(r["samples"] for r in results),
-        updates_applied=sum(r["applied"] for r in results), updates_dropped=len(dropped),
-        torn_rows=sum(a != b for _r, _g, a, b in seen), unwritten_rows=sum(g < 1 for _r, g, _a, _b in seen),
-        wrongly_dropped=wrongly_dropped, bad_weights=sum(r["bad_weights"] for r in results), tree_problems=len(report["problems"]),
+        request,
+        appenders=len(logs),
+        learners=len(results),
+        appended=appended,
+        drawn=len(seen),
+        samples=sum(r["samples"] for r in results),
+        updates_applied=sum(r["applied"] for r in results),
+        updates_dropped=len(dropped),
+        torn_rows=sum(a != b for _r, _g, a, b in seen),
+        unwritten_rows=sum(g < 1 for _r, g, _a, _b in seen),
+        wrongly_dropped=wrongly_dropped,
+        bad_weights=sum(r["bad_weights"] for r in results),
+        tree_problems=len(report["problems"]),
     )
     _check_seen(seen, logs, store)
+    assert sum(r["applied"] for r in results) + len(dropped) == updated_rows, "an update neither applied nor left alone"
     assert wrongly_dropped == 0, "an update was left alone though its row's generation had not moved"
+    assert all(len(log) > 0 for log in logs) and all(r["updates"] > 0 for r in results), "a process did no work"
     assert sum(r["bad_weights"] for r in results) == 0
     assert appended > 0 and seen and math.isfinite(report["leaves"].sum())
     store.clear_redis()
@@ -529,5 +553,7 @@ def test_a_sample_partly_drawn_again_keeps_its_order(server, make, monkeypatch):
     batch, info = store.sample(64, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(2))
     assert len(calls) == 2 and 0 < calls[1] < 64
     new = {0: (20, 9), 1: (21, 10)}
-    for i, (row, a, gen) in enumerate(zip(info["index"].tolist(), batch["a"].tolist(), info["generation"].tolist(), strict=True)):
+    for i, (row, a, gen) in enumerate(
+        zip(info["index"].tolist(), batch["a"].tolist(), info["generation"].tolist(), strict=True)
+    ):
         assert (a, gen) == new.get(row, (row, 0)), i
