@@ -13,6 +13,12 @@ hands the rows it read to the storage, so the buffer's ``storage.get(index)`` re
 the goal is ``rb.sample()`` <= 1.2x the store's time (issue 26, item 4). A third case,
 ``rb.sample()`` with the hand-over defeated (the rows read again by ``storage.get``), shows
 what the hand-over saves.
+
+The slice samplers the same way: a ``TensorDictStoreSliceSampler`` and a
+``TensorDictStorePrioritizedSliceSampler`` (``--slice-len`` rows a slice, default 8; episodes
+of 50 rows marked by ``("next", "done")``) against ``store.sample_slices`` of the same slices,
+uniform and prioritized, with the same 1.2x goal; TorchRL's own ``SliceSampler`` on an
+in-memory ``LazyTensorStorage`` of the same rows is printed beside them for reference.
 """
 
 from __future__ import annotations
@@ -47,12 +53,14 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=2048, help="rows in the buffer (default 2048)")
     parser.add_argument("--obs", type=int, default=5376, help="float32 values of obs per row (default 5376: 21 KB)")
     parser.add_argument("--sample", type=int, default=256, help="rows per sample (default 256)")
+    parser.add_argument("--slice-len", type=int, default=8, help="rows per slice of the slice cases (default 8)")
     args = parse(parser)
     import tensordict
     import torchrl
     from torchrl.data import TensorDictReplayBuffer
 
     from tdstore.torchrl import TensorDictStorePrioritizedSampler, TensorDictStoreStorage, TensorDictStoreWriter
+
 
     with bench_server(args.server) as server:
         print(f"# {server_banner(server)}; torch {torch.__version__}, tensordict {tensordict.__version__}, "
@@ -100,7 +108,77 @@ def main() -> None:
                 if store is not None:
                     store.clear_redis()
                     store.close()
+    slice_cases(args, TensorDictReplayBuffer)
 
+
+def slice_cases(args: object, TensorDictReplayBuffer: type) -> None:
+    """rb.sample() with the slice samplers against store.sample_slices of the same slices."""
+    with bench_server(args.server) as server:
+        for transport in transports(args):
+            _slice_transport(args, TensorDictReplayBuffer, server.connection_kwargs(unix=transport == "unix"), transport)
+
+
+def _slice_transport(args: object, TensorDictReplayBuffer: type, conn: dict, transport: str) -> None:
+    from torchrl.data import LazyTensorStorage, SliceSampler
+
+    from tdstore.torchrl import (
+        TensorDictStorePrioritizedSliceSampler,
+        TensorDictStoreSliceSampler,
+        TensorDictStoreStorage,
+        TensorDictStoreWriter,
+    )
+
+    n, length, capacity = args.sample, args.slice_len, args.capacity
+    done = torch.zeros(capacity, 1, dtype=torch.bool)
+    done[49::50] = True  # episodes of 50 rows
+    data = TensorDict(obs=torch.rand(capacity, args.obs), next=TensorDict(done=done, batch_size=[capacity]), batch_size=[capacity])
+    made = []
+    try:
+        buffers = {}
+        for name, sampler in (
+            ("uniform", TensorDictStoreSliceSampler(slice_len=length)),
+            ("prioritized", TensorDictStorePrioritizedSliceSampler(0.6, 0.4, slice_len=length)),
+        ):
+            storage = TensorDictStoreStorage(capacity, **conn)
+            rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, writer=TensorDictStoreWriter(), batch_size=n)
+            for start in range(0, capacity, 256):
+                rb.extend(data[start : start + 256])
+            made.append(storage)
+            buffers[name] = rb
+        buffers["prioritized"].sample()  # (enables the priorities)
+        buffers["prioritized"].update_priority(torch.arange(capacity), torch.rand(capacity) + 0.01)
+        ref = TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), sampler=SliceSampler(slice_len=length), batch_size=n)
+        ref.extend(data)
+        uni, pri = buffers["uniform"].storage.store, buffers["prioritized"].storage.store
+        key = ("next", "done")
+        cases = {
+            "store.sample_slices()": timed(lambda: uni.sample_slices(n // length, length, end_key=key)),
+            "rb.sample(), slices": timed(lambda: buffers["uniform"].sample()),
+            "store.sample_slices(prioritized=True)": timed(
+                lambda: pri.sample_slices(n // length, length, end_key=key, prioritized=True, return_info=True)
+            ),
+            "rb.sample(), prioritized slices": timed(lambda: buffers["prioritized"].sample()),
+            "TorchRL SliceSampler, in memory": timed(lambda: ref.sample()),
+        }
+        got = compare(cases, repeat=max(args.repeat, 15), warmup=args.warmup)
+        base = {
+            "rb.sample(), slices": "store.sample_slices()",
+            "rb.sample(), prioritized slices": "store.sample_slices(prioritized=True)",
+        }
+        rows = [
+            [name, fmt_ms(t.median), fmt_ratio(t.median, got[base[name]].median) if name in base else ""]
+            for name, t in got.items()
+        ]
+        notes = [f"{name} / {of}: {fmt_goal(got[name].median, got[of].median, GOAL)}" for name, of in base.items()]
+        print_table(
+            f"{transport}: {n // length} slices of {length} of {capacity} rows of {args.obs * 4 / 1024:.0f} KB; medians in ms",
+            ["call", "ms", "vs store"], rows, notes,
+        )
+    finally:
+        for storage in made:
+            if storage._storage is not None:
+                storage._storage.clear_redis()
+                storage._storage.close()
 
 if __name__ == "__main__":
     main()

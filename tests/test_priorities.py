@@ -557,3 +557,18 @@ def test_a_sample_partly_drawn_again_keeps_its_order(server, make, monkeypatch):
         zip(info["index"].tolist(), batch["a"].tolist(), info["generation"].tolist(), strict=True)
     ):
         assert (a, gen) == new.get(row, (row, 0)), i
+
+
+def test_generations_reads_what_the_appends_gave(server, make):
+    """P.generations: 0 for rows appended before priorities were on, position + 1 after, in
+    any order and with repeats; a clear error when off or out of range."""
+    store = _ring(make, 8, 3)
+    with pytest.raises(ValueError, match="priorities are off"):
+        P.generations(store, [0])
+    store.enable_priorities(alpha=0.6, beta=0.4)
+    store.extend(w.rows([10, 11, 12, 13, 14, 15, 16]))  # positions 3..9: rows 3..7, then 0, 1
+    assert P.generations(store, torch.arange(8)).tolist() == [9, 10, 0, 4, 5, 6, 7, 8]
+    assert P.generations(store, torch.tensor([7, 2, 7, 0])).tolist() == [8, 0, 8, 9]
+    assert P.generations(store, torch.tensor([], dtype=torch.long)).tolist() == []
+    with pytest.raises(IndexError, match="out of range"):
+        P.generations(store, [8])

@@ -144,7 +144,8 @@ def test_each_buffer_class_samples_and_updates_on_the_server(server, rl, kind):
     if kind in ("PrioritizedReplayBuffer", "helper-plain"):
         assert isinstance(rb, rl["PrioritizedReplayBuffer"])
     assert torch.equal(rb.extend(_rows(0, 8)), torch.arange(8))
-    assert rb.storage.store.priority_settings() is None  # enabled at the first use
+    assert rb.storage.store.priority_settings() is not None  # enabled when the store was made, before the first append
+    assert tree_report(rb.storage.store)["gens"].tolist() == list(range(1, 9))  # so every row has its generation
     data, info = _sample(rb)
     settings = rb.storage.store.priority_settings()
     assert (settings.alpha, settings.beta, settings.eps) == (ALPHA, BETA, EPS)

@@ -15,7 +15,7 @@ from tdstore._core.keys import CURSOR_MAX, StoreKeys
 from tdstore._core.layout import Command
 from tdstore.errors import StoreNotFoundError, translate_response_error
 
-__all__ = ["build_keys", "draw_keys", "call", "new_rows_command", "set_ring_total", "read_tree"]
+__all__ = ["build_keys", "draw_keys", "call", "new_rows_command", "set_ring_total", "read_tree", "read_generations"]
 
 
 def build_keys(keys: StoreKeys) -> list[str]:
@@ -83,5 +83,16 @@ async def read_tree(client: AsyncClient, keys: StoreKeys) -> list[object]:
             pipe.get(key)
         pipe.get(keys.flags)
         pipe.get(keys.ring)
+
+    return await read_snapshot(client, keys, build)
+
+
+async def read_generations(client: AsyncClient, keys: StoreKeys, runs: Sequence[tuple[int, int]], width: int) -> list[object]:
+    """The generations of the rows of ``runs`` (``(first row, count)`` each, not wrapping),
+    ``width`` bytes each, in one snapshot: one GETRANGE per run."""
+
+    def build(pipe: AsyncPipeline) -> None:
+        for first, count in runs:
+            pipe.getrange(keys.prio_gens, first * width, (first + count) * width - 1)
 
     return await read_snapshot(client, keys, build)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
@@ -228,6 +228,28 @@ def draw(store: TensorDictStore, n: int, *, generator: torch.Generator | None = 
     _check_n(store, n)
     d = _draw(store, int(n), generator)
     return {"index": d.rows, "_weight": _weights(d.values, d.p_min, d.beta), "generation": d.gens}
+
+
+def generations(store: TensorDictStore, rows: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """The generation each of ``rows`` holds now (0: not appended since priorities were
+    enabled), read in one snapshot; runs of consecutive rows are read as one range."""
+    s = settings(store)
+    if s is None:
+        raise ValueError(f"{store._where()}: priorities are off (enable_priorities first)")
+    flat = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+    if not flat.numel():
+        return torch.zeros(0, dtype=torch.long)
+    if int(flat.min()) < 0 or int(flat.max()) >= s.capacity:
+        raise IndexError(f"{store._where()}: rows out of range [0, {s.capacity})")
+    order = torch.unique(flat)
+    breaks = torch.nonzero(order[1:] != order[:-1] + 1).reshape(-1) + 1
+    bounds = [0, *breaks.tolist(), order.numel()]
+    runs = [(int(order[a]), b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    conn = store._conn
+    blobs = cast("list[Any]", conn.run(lambda c: _io.read_generations(c, conn.keys, runs, _GW)))
+    where = store._where()
+    found = torch.cat([_gens(blob, count, where) for blob, (_first, count) in zip(blobs, runs, strict=True)])
+    return found[torch.searchsorted(order, flat)]
 
 
 def _check_n(store: TensorDictStore, n: Any) -> None:

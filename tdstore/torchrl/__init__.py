@@ -13,6 +13,10 @@ buffer: ``ReplayBuffer(sampler=...)``, ``PrioritizedReplayBuffer(sampler=...)``,
 :class:`TensorDictStorePrioritizedReplayBuffer` for ``TensorDictPrioritizedReplayBuffer``
 (:func:`prioritized_replay_buffer` builds either; docs/torchrl.md).
 
+:class:`TensorDictStoreSliceSampler` is TorchRL's ``SliceSampler`` with the trajectory slices
+drawn on the server (``store.sample_slices``), and :class:`TensorDictStorePrioritizedSliceSampler`
+draws them by the priority of their start row (:mod:`tdstore.torchrl.slices`).
+
 torchrl is an optional dependency: ``pip install 'tdstore[torchrl]'``. This module imports
 it; ``import tdstore`` does not.
 
@@ -36,6 +40,7 @@ from tdstore.torchrl.prioritized import (
     TensorDictStorePrioritizedSampler,
     prioritized_replay_buffer,
 )
+from tdstore.torchrl.slices import TensorDictStorePrioritizedSliceSampler, TensorDictStoreSliceSampler
 from tdstore.torchrl.storage import TensorDictStoreStorage, TensorDictStoreWriter
 
 __all__ = [
@@ -44,4 +49,6 @@ __all__ = [
     "TensorDictStorePrioritizedSampler",
     "TensorDictStorePrioritizedReplayBuffer",
     "prioritized_replay_buffer",
+    "TensorDictStoreSliceSampler",
+    "TensorDictStorePrioritizedSliceSampler",
 ]

@@ -87,7 +87,8 @@ class TensorDictStorePrioritizedSampler(PrioritizedSampler):
     from the same priorities, and an update from any of them is seen by all. No TorchRL
     C++ extension is used.
 
-    The first use with a storage (a sample, an update, a load) enables priorities on its
+    The first use with a storage (its store made by the first write, before the rows are
+    appended; or a sample, an update, a load) enables priorities on its
     store with this sampler's ``alpha``, ``beta`` and ``eps``; priorities already enabled
     with the same ``alpha`` and ``eps`` are kept (only ``beta`` is set). Another ``alpha``
     or ``eps`` rebuilds the tree: every row starts again at priority 1.

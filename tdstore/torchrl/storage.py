@@ -175,7 +175,17 @@ class TensorDictStoreStorage(TensorStorage):
             store = TensorDictStore.from_store(td_id=self._td_id, **self._store_kwargs)
         self._storage = store
         self.initialized = True
+        self._attach_samplers()
         return store
+
+    def _attach_samplers(self) -> None:
+        """Lets a prioritized sampler of a buffer of this storage enable the priorities now,
+        before the first append: then every row appended carries its generation (and the
+        max priority) from the start, as TorchRL's sampler gives every row written one."""
+        for entity in self._attached_entities_iter():
+            sampler = getattr(entity, "_sampler", None)
+            if sampler is not None and getattr(sampler, "_binds_to_store_storage", False):
+                sampler._store_of(self)
 
     # ------------------------------------------------------------------ length
     @property
