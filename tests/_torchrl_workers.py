@@ -101,3 +101,73 @@ def prio_learner(conn: dict[str, Any], td_id: str, row: int, priority: float) ->
     share = float((index == 3).double().mean())
     rb.storage.store.close()
     return share, int(index.numel())
+
+
+def episodes_of(proc: int, episode: int, first: int, count: int) -> TensorDict:
+    """Steps ``first`` .. ``first + count - 1`` of episode ``episode`` of writer ``proc``:
+    ``traj`` one id per episode, ``step`` the step number, ``obs`` both (a torn row shows)."""
+    traj = torch.full((count,), proc * 10_000 + episode, dtype=torch.int64)
+    step = torch.arange(first, first + count, dtype=torch.int64)
+    obs = (traj * 1000 + step).float()[:, None].expand(count, 4).clone()
+    return TensorDict(traj=traj, step=step, obs=obs, batch_size=[count])
+
+
+def episode_writer(conn: dict[str, Any], td_id: str, proc: int, episodes: int, duration: float, go: str) -> int:
+    """Appends ``episodes`` episodes of 4 to 12 steps, each in one or two ``rb.extend`` calls
+    (so the writers' rows interleave within episodes); returns the rows appended."""
+    import random
+
+    deadline = time.time() + duration
+    rb = _buffer(conn, td_id)
+    rng = random.Random(proc)
+    _wait_for(go, deadline)
+    rows = 0
+    for episode in range(episodes):
+        if time.time() > deadline:
+            break
+        length = rng.randint(4, 12)
+        cut = rng.randint(1, length)
+        for first, count in ((0, cut), (cut, length - cut)):
+            if count:
+                rb.extend(episodes_of(proc, episode, first, count))
+                rows += count
+    rb.storage.store.close()
+    return rows
+
+
+def slice_learner(conn: dict[str, Any], td_id: str, slice_len: int, duration: float, max_rounds: int, go: str) -> dict[str, int]:
+    """Samples slices by ``traj_key="traj"`` through TorchRL's TensorDictReplayBuffer until
+    the writers are done; counts slices that mix episodes, skip steps, or hold torn rows."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from tdstore.torchrl import TensorDictStoreSliceSampler, TensorDictStoreStorage
+
+    deadline = time.time() + duration
+    rb = TensorDictReplayBuffer(
+        storage=TensorDictStoreStorage(td_id=td_id, **conn),
+        sampler=TensorDictStoreSliceSampler(slice_len=slice_len, traj_key="traj"),
+        batch_size=8 * slice_len,
+    )
+    with open(go, "w"):
+        pass
+    counts = {"samples": 0, "slices": 0, "mixed": 0, "gaps": 0, "torn": 0, "not_yet": 0}
+    done_file = go + ".done"
+    for _ in range(max_rounds):
+        if time.time() > deadline or os.path.exists(done_file):
+            break
+        try:
+            batch = rb.sample()
+        except (ValueError, RuntimeError):  # (no slice of slice_len steps yet)
+            counts["not_yet"] += 1
+            time.sleep(0.005)
+            continue
+        counts["samples"] += 1
+        traj = batch["traj"].view(-1, slice_len)
+        step = batch["step"].view(-1, slice_len)
+        counts["slices"] += traj.shape[0]
+        counts["mixed"] += int((traj != traj[:, :1]).any(dim=1).sum())
+        counts["gaps"] += int(((step[:, 1:] - step[:, :-1]) != 1).any(dim=1).sum())
+        expected = (batch["traj"] * 1000 + batch["step"]).float()
+        counts["torn"] += int((batch["obs"] != expected[:, None]).any(dim=1).sum())
+    rb.storage.store.close()
+    return counts

@@ -13,13 +13,19 @@ import importlib
 import threading
 from typing import Any
 
+import _torchrl_workers as w
 import pytest
 import torch
+from fixtures import PoolSpec
 from tensordict import TensorDict
 
 from tdstore import TensorDictStore
+from tdstore.testing.counts import record
 
 pytestmark = pytest.mark.torchrl
+
+WRITERS = 3
+POOL = PoolSpec(workers=WRITERS + 1, warm_up=w.warm_up, warm_up_arg=0.5)
 
 #: episode ends of the 40 rows the tests append: episodes of 5, 7, 3, 10, 6 and 9 rows
 ENDS = [4, 11, 14, 24, 30, 39]
@@ -370,3 +376,33 @@ def test_store_handle_round_trip_of_a_sampled_buffer(redis_server, rl):
     finally:
         other.close()
         rb.storage.store.clear_redis()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("real_server", ["redis", "valkey"], indirect=True)
+def test_processes_append_episodes_while_a_learner_samples_slices(real_server, rl, pool, request, tmp_path):
+    """3 writer processes append episodes through TorchRL buffers, each episode in one or two
+    extends (so the writers' rows interleave), into a ring that wraps; a learner process
+    samples slices by traj_key meanwhile. No slice mixes episodes, skips a step or holds a
+    torn row; afterwards a fresh handle's slices are whole too."""
+    conn = real_server.connection_kwargs()
+    schema = {"traj": ([], torch.int64), "step": ([], torch.int64), "obs": ([4], torch.float32)}
+    store = TensorDictStore.from_schema(schema, batch_size=[600], **conn)
+    go = str(tmp_path / "go")
+    learner = pool.submit(w.slice_learner, conn, store.td_id, 3, 30.0, 5_000, go)
+    writers = [pool.submit(w.episode_writer, conn, store.td_id, p, 150, 30.0, go) for p in range(WRITERS)]
+    rows = sum(f.result(timeout=90) for f in writers)
+    open(go + ".done", "w").close()
+    counts = learner.result(timeout=90)
+    after = TensorDictStore.from_store(td_id=store.td_id, **conn)
+    try:
+        batch = after.sample_slices(200, 3, traj_key="traj")
+        traj, step = batch["traj"].view(200, 3), batch["step"].view(200, 3)
+        final_bad = int(((traj != traj[:, :1]).any(dim=1) | ((step[:, 1:] - step[:, :-1]) != 1).any(dim=1)).sum())
+    finally:
+        after.close()
+    record(request, writers=WRITERS, rows_appended=rows, **counts, final_bad_slices=final_bad)
+    assert rows > 600 and counts["samples"] > 0 and counts["slices"] > 0
+    assert (counts["mixed"], counts["gaps"], counts["torn"], final_bad) == (0, 0, 0, 0)
+    store.clear_redis()
+    store.close()
