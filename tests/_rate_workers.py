@@ -52,3 +52,21 @@ def sampler(conn: dict[str, Any], td_id: str, start: float, duration: float, n: 
             timeouts += 1
     store.close()
     return done, timeouts
+
+
+def slow_appender(conn: dict[str, Any], td_id: str, pause: float, reserved: Any) -> None:
+    """Appends 2 rows of 7.0, pausing ``pause`` seconds between the reserve and the write
+    (``reserved`` is set at the start of the pause)."""
+    from tdstore._backend import append as _append
+
+    write = _append.AppendPlan.write_commands
+
+    def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reserved.set()
+        time.sleep(pause)
+        return write(self, *args, **kwargs)
+
+    _append.AppendPlan.write_commands = slow  # type: ignore[method-assign]
+    store = TensorDictStore.from_store(td_id=td_id, **conn)
+    store.extend(TensorDict(x=torch.full((2, 4), 7.0), batch_size=[2]))
+    store.close()

@@ -11,6 +11,7 @@ processes kept within the error buffer.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import _rate_workers as w
@@ -188,6 +189,36 @@ def test_no_append_goes_armed_past_a_limiter(ring):
     for _ in range(20):
         ring.extend(rows(1))
     assert ring.rate_limit().inserts == 20
+
+
+@pytest.mark.parametrize("prioritized", [False, True], ids=["uniform", "prioritized"])
+def test_a_sample_the_limiter_lets_through_waits_for_the_rows_it_counted(stores, real_server, prioritized):
+    """The limiter counts rows when their append reserves them; a sample it lets through while
+    they are still being written waits for them (bounded, tdstore.replay.rate_limit.IN_FLIGHT_WAIT_S)
+    instead of finding the ring empty: the race the 4+2 process test below once met."""
+    ring = stores(real_server, "from_schema", {"x": ([4], torch.float32)}, batch_size=[CAP])
+    if prioritized:
+        ring.enable_priorities(alpha=1.0, beta=0.5)
+    ring.set_rate_limit(min_size=2, timeout=2.0)
+    ctx = multiprocessing.get_context("spawn")
+    reserved = ctx.Event()
+    proc = ctx.Process(target=w.slow_appender, args=(real_server.connection_kwargs(), ring.td_id, 0.4, reserved))
+    proc.start()
+    try:
+        assert reserved.wait(60), "the slow appender did not reserve"
+        state = ring.ring_state()
+        assert (state.total, state.valid) == (2, 0)  # reserved, not written
+        t0 = time.monotonic()
+        batch = ring.sample(8, prioritized=prioritized)
+        waited = time.monotonic() - t0
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+    assert (batch["x"] == 7.0).all()
+    assert 0.1 < waited < 1.5, waited
+    assert ring.rate_limit().samples == 8  # counted once
 
 
 @pytest.mark.multiprocess

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
@@ -177,6 +177,7 @@ def _draw(
     gens: list[torch.Tensor] = []
     need = n
     p_min, beta = math.inf, 0.0
+    in_flight: Iterator[None] | None = None  # (the waits for rows the limiter counted, not yet written)
     for _ in range(_REDRAWS):
         u = torch.rand(need + max(8, need // 4), dtype=torch.float64, generator=generator)
         args = [str(need), *map(repr, u.tolist())]
@@ -186,9 +187,12 @@ def _draw(
             raise ValueError(f"sample(prioritized=True) from {where}: priorities are off; call enable_priorities() first")
         if acquire is not None and int(reply[-1]) == 1:
             waited, acquire = acquire(), None
-            if waited:
-                continue  # (held back a while: the ring moved on meanwhile)
+            in_flight = _rate.in_flight_pauses()
+            if waited or status < 0:
+                continue  # (held back a while, or drawn before the limiter agreed: draw again)
         if status < 0:
+            if in_flight is not None and next(in_flight, False) is None:
+                continue  # the rows the limiter counted are not written yet
             raise ValueError(f"sample(prioritized=True) from {where}: no row with a priority to draw (extend() first)")
         got = torch.tensor([int(r) for r in reply[1]], dtype=torch.int64)
         k = got.numel()

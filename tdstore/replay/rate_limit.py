@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tdstore._backend import rate as _rate_io
@@ -187,6 +187,22 @@ def wait(store: TensorDictStore, what: str, attempt: Callable[[], tuple[bool, st
             sleep = min(sleep, max(limit - waited, 0.0) + 1e-4)
         time.sleep(sleep)
         pause = min(pause * 2, LONGEST_PAUSE)
+
+
+#: How long a sample the limiter let through waits for the first of the rows it counted to be
+#: written: the limiter counts rows when their append reserves them, written a moment later.
+IN_FLIGHT_WAIT_S = 1.0
+
+
+def in_flight_pauses() -> Iterator[None]:
+    """Sleeps between the reads of a sample that the limiter let through but that found no
+    row written yet: from 1 ms, doubling to 50 ms, for :data:`IN_FLIGHT_WAIT_S` in all; each
+    step yields after its sleep, and the iterator ends when the time is up."""
+    pause, deadline = 0.001, time.monotonic() + IN_FLIGHT_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+        yield
 
 
 def acquire_samples(store: TensorDictStore, n: int, capacity: int) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
@@ -138,6 +138,7 @@ def _draw(
     scan = False
     p_min, beta = math.inf, 0.0
     where = store._where()
+    in_flight: Iterator[None] | None = None  # (the waits for rows the limiter counted, not yet written)
     for round_ in range(_REDRAWS):
         extra = 0 if scan else 3 * need + 16
         u = torch.rand(need + extra, dtype=torch.float64, generator=generator)
@@ -156,9 +157,12 @@ def _draw(
             raise ValueError(f"{what}: priorities are off; call enable_priorities() first, or sample with prioritized=False")
         if acquire is not None and int(cast("int", reply[3])) == 1:
             waited, acquire = acquire(), None
-            if waited:
-                continue  # (held back a while: the ring moved on meanwhile)
+            in_flight = _rate.in_flight_pauses()
+            if waited or status < 0:
+                continue  # (held back a while, or drawn before the limiter agreed: draw again)
         if status < 0:
+            if in_flight is not None and next(in_flight, False) is None:
+                continue  # the rows the limiter counted may not be written yet
             raise ValueError(
                 f"{what}: no valid slice of {length} rows (no episode of at least {length} written rows in the ring "
                 "yet, or, prioritized, none with a positive priority); extend() more first"

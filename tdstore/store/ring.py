@@ -199,14 +199,24 @@ def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | No
     capacity = store.batch_size[0] if store.batch_dims else 0
     large = capacity > _FLAGS_READ_MAX
 
-    cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
-    if lv is None:
-        raise store._not_found()
-    if limited and capacity and _rate.acquire_samples(store, n, capacity):
-        # (held back a while: the ring moved on meanwhile)
-        cursor, lv, exists, flags, _ = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
+    def read() -> tuple[Any, Any, Any, Any]:
+        cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
         if lv is None:
             raise store._not_found()
+        return cursor, exists, flags, limited
+
+    cursor, exists, flags, limited = read()
+    if limited and capacity:
+        # (held back a while: the ring moved on meanwhile. Or the flags were read before the
+        # limiter agreed, and showed no row: read again)
+        if _rate.acquire_samples(store, n, capacity) or not _any_written(cursor, exists, flags, large):
+            cursor, exists, flags, _ = read()
+        # the limiter counts rows when their append reserves them: those it counted may all
+        # still be in flight, written a moment later. Wait for the first (bounded)
+        for _ in _rate.in_flight_pauses() if not _any_written(cursor, exists, flags, large) else ():
+            cursor, exists, flags, _ = read()
+            if _any_written(cursor, exists, flags, large):
+                break
     total = min(_append_mod.parse_cursor(cursor, keys), capacity)
     empty = ValueError(f"sample() from {store._where()}: no row was appended yet (extend() first)")
     if not exists:  # a store appended to before the flags existed, or never
@@ -242,6 +252,16 @@ def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | No
         f"sample() from {store._where()}: kept drawing rows not written yet ({todo.numel()} of {n} after "
         f"{_REDRAWS} draws); appends may be failing between their two steps"
     )
+
+
+def _any_written(cursor: Any, exists: Any, flags: Any, large: bool) -> bool:
+    """Whether a read of the ring's flags shows at least one written row (a damaged read
+    counts as one: the caller then reports it)."""
+    if not exists:
+        return bool(cursor) and cursor not in (b"0", "0")
+    if large:
+        return flags not in (None, 0, b"0", "0")
+    return not isinstance(flags, bytes) or b"\x01" in flags or bool(flags.translate(None, b"\x00\x01"))
 
 
 #: Rings of at most this many rows have their flags read whole by sample(); larger ones per row drawn.
