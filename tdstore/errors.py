@@ -47,6 +47,7 @@ __all__ = [
     "EventLoopError",
     "ServerUnavailableError",
     "OutcomeUnknownError",
+    "ShardUnavailableError",
     "RateLimitTimeoutError",
     "KeyTypeError",
     "ServerNotFoundError",
@@ -219,6 +220,12 @@ class OutcomeUnknownError(ServerUnavailableError):
     The server applied all of it or none of it (scripts and MULTI/EXEC are atomic), but the
     client cannot tell which, so it did not send it again. Read the store to find out.
     """
+
+
+class ShardUnavailableError(ServerUnavailableError):
+    """A shard of a :class:`~tdstore.ShardedStore` could not be reached (its master is down);
+    the message names the shard, its td_id and the node. ``sample(n, skip_unavailable=True)``
+    draws from the reachable shards instead."""
 
 
 class RateLimitTimeoutError(TDStoreError, TimeoutError):

@@ -52,6 +52,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from tdstore._core.keys import new_td_id, validate_td_id
 from tdstore.errors import FormatVersionError, StoreNotFoundError
+from tdstore.sharded_ring import ShardedRing, ShardedRingState
 from tdstore.store import TensorDictStore
 
 if TYPE_CHECKING:
@@ -117,13 +118,17 @@ class ShardedStore:
     docstring for the atomicity (per block).
     """
 
-    def __init__(self, manifest: TensorDictStore, blocks: Sequence[TensorDictStore], block_rows: int) -> None:
+    def __init__(
+        self, manifest: TensorDictStore, blocks: Sequence[TensorDictStore], block_rows: int, pin_shard: int | None = None
+    ) -> None:
         self._manifest = manifest
         self._blocks = tuple(blocks)
         self._block_rows = int(block_rows)
         first = self._blocks[0].batch_size
         rows = sum(int(b.batch_size[0]) for b in self._blocks)
         self._batch_size = torch.Size([rows, *first[1:]])
+        #: the ring over the blocks (block i = shard i): tdstore/sharded_ring.py
+        self._ring = ShardedRing(self._blocks, self._block_rows, self._where, _pool, pin_shard)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -136,7 +141,10 @@ class ShardedStore:
         return size, int(block_rows)
 
     @classmethod
-    def _build(cls, td_id: str | None, size: torch.Size, block_rows: int, make_block: Callable[[str, int, int], TensorDictStore], conn: dict[str, Any]) -> ShardedStore:
+    def _build(
+        cls, td_id: str | None, size: torch.Size, block_rows: int, make_block: Callable[[str, int, int], TensorDictStore],
+        conn: dict[str, Any], pin_shard: int | None = None,
+    ) -> ShardedStore:
         td_id = validate_td_id(td_id) if td_id is not None else new_td_id()
         rows = int(size[0])
         nblocks = max(1, -(-rows // block_rows))
@@ -155,7 +163,15 @@ class ShardedStore:
                 finally:
                     store.close()
             raise
-        return cls(manifest, created, block_rows)
+        try:
+            return cls(manifest, created, block_rows, pin_shard)
+        except BaseException:
+            for store in [*created, manifest]:  # (a bad pin_shard: nothing stays behind either)
+                try:
+                    store.clear_redis()
+                finally:
+                    store.close()
+            raise
 
     @classmethod
     def from_schema(
@@ -165,6 +181,7 @@ class ShardedStore:
         batch_size: Sequence[int] | torch.Size,
         block_rows: int,
         td_id: str | None = None,
+        pin_shard: int | None = None,
         **conn: Any,
     ) -> ShardedStore:
         """Creates zero-filled blocks (allocated by the servers, no bytes sent) and the manifest.
@@ -174,6 +191,7 @@ class ShardedStore:
             batch_size: The whole buffer's batch size; its first dimension is split.
             block_rows: Rows per block (the last block may be shorter).
             td_id: The buffer's id (default: a new UUID); blocks are ``<td_id>.b<i>``.
+            pin_shard: The shard this handle's :meth:`extend` appends to (default: the shards in turn).
             **conn: Connection arguments for every block, e.g. ``cluster_nodes=[(host, port)]``.
         """
         size, block_rows = cls._check_layout(batch_size, block_rows, "ShardedStore.from_schema")
@@ -181,11 +199,11 @@ class ShardedStore:
         def make(block_id: str, lo: int, hi: int) -> TensorDictStore:
             return TensorDictStore.from_schema(schema, batch_size=[hi - lo, *size[1:]], td_id=block_id, **conn)
 
-        return cls._build(td_id, size, block_rows, make, conn)
+        return cls._build(td_id, size, block_rows, make, conn, pin_shard)
 
     @classmethod
     def from_tensordict(
-        cls, td: TensorDictBase, *, block_rows: int, td_id: str | None = None, **conn: Any
+        cls, td: TensorDictBase, *, block_rows: int, td_id: str | None = None, pin_shard: int | None = None, **conn: Any
     ) -> ShardedStore:
         """Uploads a TensorDict, one block (one atomic step) at a time."""
         if not isinstance(td, TensorDictBase):
@@ -195,11 +213,14 @@ class ShardedStore:
         def make(block_id: str, lo: int, hi: int) -> TensorDictStore:
             return TensorDictStore.from_tensordict(td[lo:hi], td_id=block_id, **conn)
 
-        return cls._build(td_id, size, block_rows, make, conn)
+        return cls._build(td_id, size, block_rows, make, conn, pin_shard)
 
     @classmethod
-    def from_store(cls, *, td_id: str, **conn: Any) -> ShardedStore:
-        """Reconnects to a sharded buffer by its td_id (reads the manifest, then each block)."""
+    def from_store(cls, *, td_id: str, pin_shard: int | None = None, **conn: Any) -> ShardedStore:
+        """Reconnects to a sharded buffer by its td_id (reads the manifest, then each block).
+
+        The ring (its rows, cursors and priorities) lives on the shards: the new handle
+        samples and appends to the same buffer. ``pin_shard``: as :meth:`from_schema`."""
         manifest = TensorDictStore.from_store(td_id=td_id, **conn)
         try:
             try:
@@ -226,7 +247,12 @@ class ShardedStore:
         except BaseException:
             manifest.close()
             raise
-        return cls(manifest, blocks, int(info["block_rows"]))
+        try:
+            return cls(manifest, blocks, int(info["block_rows"]), pin_shard)
+        except BaseException:
+            for block in [*blocks, manifest]:
+                block.close()
+            raise
 
     # ------------------------------------------------------------------ description
     @property
@@ -396,6 +422,77 @@ class ShardedStore:
             self._blocks[index][key] = value[lo : lo + int(self._blocks[index].batch_size[0])]
 
         _each(write, range(len(self._blocks)))
+
+    # ------------------------------------------------------------------ ring buffer: tdstore/sharded_ring.py
+    @property
+    def pin_shard(self) -> int | None:
+        """The shard this handle's :meth:`extend` appends to; None: the shards in turn (settable)."""
+        return self._ring.pin_shard
+
+    @pin_shard.setter
+    def pin_shard(self, shard: int | None) -> None:
+        self._ring.pin_shard = shard
+
+    def extend(self, td: TensorDictBase, *, shard: int | None = None) -> torch.Tensor:
+        """Appends the rows of ``td`` to one shard, atomically there; returns their indices in the
+        whole buffer (``index // block_rows`` is the shard).
+
+        The shard is ``shard`` if given, else this handle's :attr:`pin_shard`, else the next one
+        in turn (each handle starts at a per-process random shard, so writers spread). The rows
+        wrap around that shard's ring as :meth:`TensorDictStore.extend` does; ``td`` may hold
+        at most the shard's rows. Bad input raises as there and writes nothing.
+        """
+        return self._ring.extend(td, shard)
+
+    def ring_state(self) -> ShardedRingState:
+        """The ring counters of every shard (one parallel round) and their sums: ``.valid`` is
+        the valid rows of the whole buffer."""
+        return self._ring.ring_state()
+
+    def sample(
+        self, n: int, *, generator: torch.Generator | None = None, prioritized: bool = False,
+        return_info: bool = False, skip_unavailable: bool = False,
+    ) -> TensorDictBase | tuple[TensorDictBase, dict[str, torch.Tensor]]:
+        """Reads ``n`` random rows (with replacement) of the whole buffer: a sample of the union of the shards.
+
+        How many rows each shard gives is drawn first (multinomial, by the shards' valid rows,
+        or ``prioritized=True`` by their priority mass); then the shards are sampled in
+        parallel, each in one consistent snapshot as :meth:`TensorDictStore.sample`, and the
+        rows are shuffled together. ``return_info=True`` returns ``(batch, info)``:
+        ``info["index"]`` in the buffer's numbering, and when prioritized ``info["_weight"]``
+        (the importance weights over all shards) and ``info["generation"]``.
+
+        A shard that cannot be reached raises :class:`~tdstore.errors.ShardUnavailableError`
+        naming it; ``skip_unavailable=True`` draws the ``n`` rows from the reachable shards
+        only (renormalized over them). The batch always has ``n`` rows.
+
+        Raises:
+            ValueError: ``n`` is not an int >= 1, no row was appended yet, or (prioritized)
+                priorities are off.
+            ShardUnavailableError: a shard (or, skipping, every shard) cannot be reached.
+        """
+        return self._ring.sample(
+            n, generator=generator, prioritized=prioritized, return_info=return_info, skip_unavailable=skip_unavailable
+        )
+
+    def enable_priorities(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-8, *, arity: int = 8) -> None:
+        """:meth:`TensorDictStore.enable_priorities` on every shard (the first alone, so bad
+        settings reach none)."""
+        self._ring.enable_priorities(alpha, beta, eps, arity)
+
+    def disable_priorities(self) -> bool:
+        """Turns prioritized sampling off on every shard; False when it was off on all."""
+        return self._ring.disable_priorities()
+
+    def update_priority(
+        self, index: torch.Tensor | Sequence[int], priority: torch.Tensor | Sequence[float] | float,
+        generation: torch.Tensor | Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Sets the priority of rows ``index`` (the buffer's numbering), each on its shard: one
+        step per shard, in parallel; returns which were applied (see
+        :meth:`TensorDictStore.update_priority`). A bad argument raises ValueError and no shard
+        changes."""
+        return self._ring.update_priority(index, priority, generation)
 
     # ------------------------------------------------------------------ lifecycle
     def clear_redis(self) -> None:

@@ -15,7 +15,7 @@ from tdstore._core.keys import CURSOR_MAX, StoreKeys
 from tdstore._core.layout import Command
 from tdstore.errors import StoreNotFoundError, translate_response_error
 
-__all__ = ["build_keys", "draw_keys", "call", "new_rows_command", "set_ring_total", "read_tree", "read_generations"]
+__all__ = ["build_keys", "draw_keys", "call", "new_rows_command", "set_ring_total", "read_tree", "read_generations", "read_root"]
 
 
 def build_keys(keys: StoreKeys) -> list[str]:
@@ -94,5 +94,16 @@ async def read_generations(client: AsyncClient, keys: StoreKeys, runs: Sequence[
     def build(pipe: AsyncPipeline) -> None:
         for first, count in runs:
             pipe.getrange(keys.prio_gens, first * width, (first + count) * width - 1)
+
+    return await read_snapshot(client, keys, build)
+
+
+async def read_root(client: AsyncClient, keys: StoreKeys) -> list[object]:
+    """The settings and the root node of the tree (46 bytes: the sum of p, then the least
+    positive p), in one snapshot: what a sharded buffer weighs its shards by."""
+
+    def build(pipe: AsyncPipeline) -> None:
+        pipe.hget(keys.meta, "prio")
+        pipe.getrange(keys.prio_tree, 0, 45)
 
     return await read_snapshot(client, keys, build)

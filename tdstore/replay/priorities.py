@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PrioritySettings", "DEFAULT_ARITY", "enable", "disable", "settings", "sample", "draw", "update",
-    "new_rows", "set_ring_total", "tree_problems", "tree_report",
+    "new_rows", "set_ring_total", "tree_problems", "tree_report", "mass",
 ]
 
 #: The arity of the tree (children per inner node): measured best (benchmarks/bench_priority_structures.py).
@@ -436,3 +436,21 @@ def tree_report(store: TensorDictStore, rel: float = 1e-9) -> dict[str, Any] | N
         problems.append("the generations are not one 16-digit count per row")
     text = bytes(max_b or b"").strip()
     return {"settings": s, "leaves": leaves, "gens": gens, "max": float(text) if text else None, "flags": flags, "problems": problems}
+
+
+def mass(store: TensorDictStore) -> tuple[PrioritySettings, float, float] | None:
+    """``(settings, sum of p, least positive p)`` of the store's tree, read in one snapshot
+    (its root node); None when priorities are off. A sharded buffer weighs its shards by it."""
+    conn = store._conn
+    raw, root = cast("list[Any]", conn.run(lambda c: _io.read_root(c, conn.keys)))
+    if raw is None:
+        return None
+    where = store._where()
+    s = _parse_settings(raw, where)
+    try:
+        total, least = (float(v) for v in bytes(root or b"").split())
+    except ValueError:
+        raise CorruptMetadataError(f"the priority tree of {where} is damaged: its root is {root!r:.100}") from None
+    if not (math.isfinite(total) and total >= 0 and math.isfinite(least) and least >= 0):
+        raise CorruptMetadataError(f"the priority tree of {where} is damaged: its root is {root!r:.100}")
+    return s, total, least
