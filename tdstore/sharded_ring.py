@@ -36,7 +36,7 @@ import redis.exceptions
 import torch
 from tensordict import TensorDictBase
 
-from tdstore.errors import ServerUnavailableError, ShardUnavailableError
+from tdstore.errors import ServerUnavailableError, ShardUnavailableError, clause
 from tdstore.replay import priorities as _priorities
 
 if TYPE_CHECKING:
@@ -48,8 +48,13 @@ __all__ = ["ShardedRing", "ShardedRingState"]
 T = TypeVar("T")
 
 #: What a shard whose master is down raises (after the store's retry policy gave up).
-_UNREACHABLE = (ServerUnavailableError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                redis.exceptions.ClusterDownError, OSError)
+_UNREACHABLE = (
+    ServerUnavailableError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    OSError,
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,12 @@ class ShardedRing:
     """The ring over the shards of one :class:`~tdstore.ShardedStore` handle (see the module docstring)."""
 
     def __init__(
-        self, shards: Sequence[TensorDictStore], block_rows: int, where: Callable[[], str],
-        pool: Callable[[], ThreadPoolExecutor], pin_shard: int | None = None,
+        self,
+        shards: Sequence[TensorDictStore],
+        block_rows: int,
+        where: Callable[[], str],
+        pool: Callable[[], ThreadPoolExecutor],
+        pin_shard: int | None = None,
     ) -> None:
         self._shards = tuple(shards)
         self._block_rows = int(block_rows)
@@ -87,7 +96,11 @@ class ShardedRing:
 
     # ------------------------------------------------------------------ helpers
     def _check_shard(self, shard: object, name: str) -> int:
-        if isinstance(shard, bool) or not isinstance(shard, numbers.Integral) or not 0 <= int(shard) < len(self._shards):
+        if (
+            isinstance(shard, bool)
+            or not isinstance(shard, numbers.Integral)
+            or not 0 <= int(shard) < len(self._shards)
+        ):
             raise ValueError(
                 f"{name} of {self._where()} must be a shard number from 0 to {len(self._shards) - 1}, got {shard!r}"
             )
@@ -105,8 +118,8 @@ class ShardedRing:
         store = self._shards[shard]
         return ShardUnavailableError(
             f"shard {shard} (td_id {store.td_id!r}) of {self._where()} could not be reached on "
-            f"{store._conn.describe()}: {error}. Nothing was returned; sample(n, skip_unavailable=True) "
-            "draws from the reachable shards only"
+            f"{store._conn.describe()}: {clause(error)}. Nothing was returned (sample(n, skip_unavailable=True) "
+            "draws from the reachable shards only)"
         )
 
     def _all(self, fn: Callable[[int], T], shards: Sequence[int]) -> list[T | _Failed]:
@@ -151,14 +164,21 @@ class ShardedRing:
                 raise self._unavailable(shard, state.error) from state.error
             states.append(state)
         return ShardedRingState(
-            valid=sum(s.valid for s in states), total=sum(s.total for s in states),
-            capacity=sum(s.capacity for s in states), shards=tuple(states),
+            valid=sum(s.valid for s in states),
+            total=sum(s.total for s in states),
+            capacity=sum(s.capacity for s in states),
+            shards=tuple(states),
         )
 
     # ------------------------------------------------------------------ sampling
     def sample(
-        self, n: int, *, generator: torch.Generator | None = None, prioritized: bool = False,
-        return_info: bool = False, skip_unavailable: bool = False,
+        self,
+        n: int,
+        *,
+        generator: torch.Generator | None = None,
+        prioritized: bool = False,
+        return_info: bool = False,
+        skip_unavailable: bool = False,
     ) -> TensorDictBase | tuple[TensorDictBase, dict[str, torch.Tensor]]:
         """``n`` rows drawn (with replacement) from the union of the shards: see the module docstring."""
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -214,8 +234,10 @@ class ShardedRing:
             live[reachable] = weights[reachable]
             if float(live.sum()) <= 0:
                 raise ValueError(
-                    f"{what} from {self._where()}: no row " + ("has a priority to draw" if prioritized else "was appended yet")
-                    + (" in the reachable shards" if len(reachable) < len(self._shards) else "") + " (extend() first)"
+                    f"{what} from {self._where()}: no row "
+                    + ("has a priority to draw" if prioritized else "was appended yet")
+                    + (" in the reachable shards" if len(reachable) < len(self._shards) else "")
+                    + " (extend() first)"
                 )
             counts = torch.bincount(
                 torch.multinomial(live, need, replacement=True, generator=generator), minlength=len(self._shards)
@@ -224,7 +246,9 @@ class ShardedRing:
 
             def draw(shard: int, counts: torch.Tensor = counts) -> tuple[TensorDictBase, dict[str, torch.Tensor]]:
                 gen = torch.Generator().manual_seed(int(seeds[shard]) + len(parts))
-                got = self._shards[shard].sample(int(counts[shard]), generator=gen, prioritized=prioritized, return_info=True)
+                got = self._shards[shard].sample(
+                    int(counts[shard]), generator=gen, prioritized=prioritized, return_info=True
+                )
                 return got  # type: ignore[no-any-return]
 
             results = self._all(draw, asked)
@@ -285,7 +309,9 @@ class ShardedRing:
         return any(list(self._pool().map(lambda s: s.disable_priorities(), self._shards)))
 
     def update_priority(
-        self, index: torch.Tensor | Sequence[int], priority: torch.Tensor | Sequence[float] | float,
+        self,
+        index: torch.Tensor | Sequence[int],
+        priority: torch.Tensor | Sequence[float] | float,
         generation: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Routes each row's update to its shard (one step per shard, in parallel); which were applied.
@@ -307,7 +333,9 @@ class ShardedRing:
         if pri.numel() == 1 and idx.numel() != 1:
             pri = pri.expand(idx.numel())
         if pri.numel() != idx.numel():
-            raise ValueError(f"{what}: {idx.numel()} rows and {pri.numel()} priorities; give one priority per row (or one for all)")
+            raise ValueError(
+                f"{what}: {idx.numel()} rows and {pri.numel()} priorities; give one priority per row (or one for all)"
+            )
         if not bool(torch.isfinite(pri).all()) or bool((pri < 0).any()):
             bad_p = pri[~torch.isfinite(pri) | (pri < 0)][0].item()
             raise ValueError(f"{what}: priorities must be finite and >= 0, got {bad_p}; nothing was changed")
@@ -318,7 +346,9 @@ class ShardedRing:
                 raise ValueError(f"{what}: generation must hold integers, got dtype {gen.dtype}")
             gen = gen.reshape(-1).to(torch.int64)
             if gen.numel() != idx.numel():
-                raise ValueError(f"{what}: {idx.numel()} rows and {gen.numel()} generations; give one generation per row")
+                raise ValueError(
+                    f"{what}: {idx.numel()} rows and {gen.numel()} generations; give one generation per row"
+                )
             if gen.numel() and int(gen.min()) < 0:
                 raise ValueError(f"{what}: generations are counts >= 0, got {int(gen.min())}")
         applied = torch.zeros(idx.numel(), dtype=torch.bool)
