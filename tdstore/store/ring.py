@@ -199,7 +199,7 @@ def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | No
     capacity = store.batch_size[0] if store.batch_dims else 0
     large = capacity > _FLAGS_READ_MAX
 
-    def read() -> tuple[Any, Any, Any, Any]:
+    def read() -> tuple[bytes | None, int, bytes | int | None, bool]:
         cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
         if lv is None:
             raise store._not_found()
@@ -234,7 +234,7 @@ def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | No
         if written.numel() == 0:
             raise empty
         return written[torch.randint(0, written.numel(), (n,), generator=generator)]
-    if int(flags) == 0 or total == 0:
+    if int(flags or 0) == 0 or total == 0:
         raise empty
     # a large ring: draw among the rows reserved so far, check their flags, redraw the
     # few that are not written (in flight, or left by a dead appender)
@@ -254,13 +254,13 @@ def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | No
     )
 
 
-def _any_written(cursor: Any, exists: Any, flags: Any, large: bool) -> bool:
+def _any_written(cursor: bytes | None, exists: int, flags: bytes | int | None, large: bool) -> bool:
     """Whether a read of the ring's flags shows at least one written row (a damaged read
     counts as one: the caller then reports it)."""
     if not exists:
-        return bool(cursor) and cursor not in (b"0", "0")
+        return bool(cursor) and cursor != b"0"
     if large:
-        return flags not in (None, 0, b"0", "0")
+        return flags not in (None, 0, b"0")
     return not isinstance(flags, bytes) or b"\x01" in flags or bool(flags.translate(None, b"\x00\x01"))
 
 
