@@ -30,15 +30,18 @@ from __future__ import annotations
 from tdstore.server.cluster import ClusterHandle, start_cluster
 from tdstore.server.find import KINDS, ServerNotFoundError, find_server_binary
 from tdstore.server.handle import ServerHandle
+from tdstore.server.replication import ReplicationHandle, start_replication
 from tdstore.server.start import TLSFiles, start_server
 
 __all__ = [
     "KINDS",
     "ClusterHandle",
+    "ReplicationHandle",
     "ServerHandle",
     "ServerNotFoundError",
     "TLSFiles",
     "find_server_binary",
     "start_cluster",
+    "start_replication",
     "start_server",
 ]
