@@ -47,6 +47,16 @@ class ConnectSpec:
         "retry", "progress",
     )  # fmt: skip
 
+    # -- Redis Sentinel (tdstore/_backend/sentinel.py) --------------------------------
+    #: ``redis+sentinel://h1:p1,h2:p2/service_name`` (or ``redis://host:port/db``, ``unix:///path``)
+    url: str | None = None
+    #: ``[(host, port), ...]`` of the Sentinels, with ``service_name``: the master they name
+    sentinels: object = None
+    service_name: str | None = None
+    SENTINEL_NAMES: ClassVar[tuple[str, ...]] = ("url", "sentinels", "service_name")
+    NAMES = NAMES + SENTINEL_NAMES
+    # -- end of Redis Sentinel ---------------------------------------------------------
+
     @classmethod
     def take(cls, kwargs: dict[str, Any], **given: Any) -> ConnectSpec:
         """The spec of a constructor call: the one handed on in ``kwargs`` (``_connect=``), or
@@ -63,7 +73,11 @@ class ConnectSpec:
 
     def with_redis_kwargs(self, extra: Mapping[str, object]) -> ConnectSpec:
         """This spec with ``extra`` added to the keywords passed on to the redis-py client."""
-        return dataclasses.replace(self, redis_kwargs={**self.redis_kwargs, **extra}) if extra else self
+        # (keywords of the spec itself given among them, e.g. sentinels= to TensorDictStore(): its fields)
+        own: dict[str, Any] = {name: extra[name] for name in self.NAMES if name in extra}
+        spec = dataclasses.replace(self, **own) if own else self
+        rest = {name: value for name, value in extra.items() if name not in own}
+        return dataclasses.replace(spec, redis_kwargs={**spec.redis_kwargs, **rest}) if rest else spec
 
     def open(self, td_id: str) -> Connection:
         """The connection of a handle of store ``td_id`` (checked; nothing sent yet)."""

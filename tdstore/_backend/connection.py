@@ -28,6 +28,7 @@ from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend import row_writes as _row_writes
+from tdstore._backend import sentinel as _sentinel
 from tdstore._backend import step as _step
 from tdstore._backend import translate as _translate
 from tdstore._backend import wire as _wire
@@ -212,7 +213,40 @@ class Connection:
         self._client_node: tuple[str, int] | None = None
         self._retired: list[tuple[int, AsyncClient]] = []  # (loop generation, client) replaced by node_client()
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
-        if cluster_nodes is not None or _cluster.is_cluster_client(client):
+        # Redis Sentinel (see tdstore/_backend/sentinel.py): one plain client to the master the Sentinels name
+        self.sentinel_route: _sentinel.SentinelRoute | None = None
+        sentinels = redis_kwargs.pop("sentinels", None)
+        service_name = redis_kwargs.pop("service_name", None)
+        sentinel_kwargs = redis_kwargs.pop("sentinel_kwargs", None)
+        if sentinels is not None or service_name is not None:
+            where = f"TensorDictStore(td_id={td_id!r})"
+            if sentinels is None:
+                raise ClientConfigError(f"service_name= of {where} needs sentinels=[(host, port), ...] beside it")
+            if cluster_nodes is not None or client is not None or unix_socket_path is not None:
+                raise ClientConfigError(
+                    f"{where} got sentinels= beside cluster_nodes=, client= or unix_socket_path=: pass one way "
+                    "to reach the server (the Sentinels name the master)"
+                )
+            if (host, port) != ("localhost", 6379):
+                raise ClientConfigError(
+                    f"{where} got sentinels= beside host={host!r}, port={port!r}: the Sentinels name the master; "
+                    "pass one or the other"
+                )
+            _check_decode(redis_kwargs, "redis_kwargs")
+            nodes = _sentinel.check_sentinels(sentinels, service_name, where)
+            self.sentinel_route = _sentinel.SentinelRoute(nodes, service_name, sentinel_kwargs)
+            kwargs = dict(redis_kwargs)
+            use_tls = bool(kwargs.pop("ssl", False))
+            kwargs.setdefault("socket_timeout", timeout)
+            kwargs.setdefault("socket_connect_timeout", min(timeout, 10.0))
+            kwargs["db"] = db
+            self._client_class = redis.asyncio.Redis
+            self._pool_class = redis.asyncio.ConnectionPool
+            sentinel_class: type = redis.asyncio.SSLConnection if use_tls else redis.asyncio.Connection
+            self._connection_class = sentinel_class
+            self._conn_kwargs = kwargs
+            self._credentials_from = _credentials.fill_from_env(kwargs)
+        elif cluster_nodes is not None or _cluster.is_cluster_client(client):
             _check_decode(redis_kwargs, "redis_kwargs")
             route, kwargs, node_class = _cluster.connection_settings(
                 client, cluster_nodes, redis_kwargs, db=db, timeout=timeout, where=f"TensorDictStore(td_id={td_id!r})"
@@ -261,6 +295,12 @@ class Connection:
         # an in-process server (fakeredis) may hand out its own stored objects.
         self.owned_replies = self._connection_class.__module__.startswith("redis.")
 
+    @property
+    def routed(self) -> bool:
+        """Whether the node is found per call (a cluster slot's master, a Sentinel's master): no
+        direct client, no connection kept armed across calls."""
+        return self.cluster_route is not None or self.sentinel_route is not None
+
     # -- description -------------------------------------------------------------------
     @property
     def pool_kwargs(self) -> dict[str, Any]:
@@ -270,6 +310,8 @@ class Connection:
 
     def describe(self) -> str:
         kw = self._conn_kwargs
+        if self.sentinel_route is not None:
+            return f"{self.sentinel_route.describe()} db={kw.get('db', 0)}"
         if self.cluster_route is not None:
             node = self._client_node or self.cluster_route.node or self.cluster_route.startup[0]
             return f"Redis Cluster node {node[0]}:{node[1]} (of {len(self.cluster_route.nodes)} known)"
@@ -305,6 +347,7 @@ class Connection:
             "allow_pickle": self.pickle_policy.allow,
             "retry": self.retry_policy,
             "cluster_nodes": self.cluster_route.nodes if self.cluster_route is not None else None,
+            **_sentinel_state(self.sentinel_route),
         }
 
     @classmethod
@@ -319,6 +362,10 @@ class Connection:
         self.retry_policy = state.get("retry") or RetryPolicy.from_env()
         nodes = state.get("cluster_nodes")
         self.cluster_route = _cluster.ClusterRoute(nodes) if nodes else None
+        sentinels = state.get("sentinels")
+        self.sentinel_route = (
+            _sentinel.SentinelRoute(sentinels, state["service_name"], state.get("sentinel_kwargs")) if sentinels else None
+        )
         self._client_node = None
         self._retired = []
         self.closed = False
@@ -358,6 +405,7 @@ class Connection:
             "timeout": self.timeout,
             "retry": self.retry_policy,
             "cluster_nodes": self.cluster_route.nodes if self.cluster_route is not None else None,
+            **_sentinel_state(self.sentinel_route),
             "pickle_secrets": self.pickle_secrets,
             "credentials_from": getattr(self, "_credentials_from", None),
         }
@@ -370,8 +418,8 @@ class Connection:
         # tdstore retries by its own policy (run()); redis-py's default Retry would re-send a
         # command whose connection broke mid-flight, and re-sending extend() double-applies it
         kwargs = {**self._conn_kwargs, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0), "retry_on_error": []}
-        if self.cluster_route is not None:
-            route = self.cluster_route
+        route = self.cluster_route or self.sentinel_route
+        if route is not None:
             self._client_node = node = node or route.node or route.startup[0]
             kwargs.update(host=node[0], port=node[1])
         pool = self._pool_class(connection_class=self._connection_class, **kwargs)
@@ -469,7 +517,7 @@ class Connection:
         if direct is not None:
             _INHERITED_CLIENTS.append(direct)  # inherited through fork(): never close the parent's sockets
             self._direct = None
-        if self.closed or self._runner is None or self._generation != generation or self.cluster_route is not None:
+        if self.closed or self._runner is None or self._generation != generation or self.routed:
             return None
         if not _wire.direct_ok():  # a redis-py without the parts the blocking drivers use
             return None
@@ -552,7 +600,7 @@ class Connection:
         done = self._direct_call(lambda c: write_runs_direct(c, keys, self.direct_slot, groups, expected=expected))
         if done is True:
             return
-        if done is False or not self.owned_replies or self.cluster_route is not None:
+        if done is False or not self.owned_replies or self.routed:
             self.run(lambda c: _row_writes.write_runs_watched(c, keys, self.runner, groups, expected=expected))
         else:
             self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
@@ -589,6 +637,8 @@ class Connection:
         async def call() -> T:
             if self.cluster_route is not None:
                 return await _cluster.call_routed(self, tracked, limit)
+            if self.sentinel_route is not None:
+                return await _sentinel.call_sentinel(self, tracked, limit)
             if self._runner is None:
                 await self._setup(client)
             return await tracked(client)
@@ -699,6 +749,13 @@ class Connection:
         self._retired = []
 
 
+def _sentinel_state(route: _sentinel.SentinelRoute | None) -> dict[str, Any]:
+    """The Sentinel route's part of a pickle state (the master is asked again after unpickling)."""
+    if route is None:
+        return {}
+    return {"sentinels": route.sentinels, "service_name": route.service_name, "sentinel_kwargs": route.sentinel_kwargs}
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1024 * 1024):.1f} MiB"
 
@@ -725,6 +782,8 @@ def connection_defaults(host: str, port: int, unix_socket_path: str | None) -> t
     if not url or host != "localhost" or port != 6379 or unix_socket_path is not None:
         return host, port, unix_socket_path
     parsed = urlparse(url)
+    if parsed.scheme.lower() == _sentinel.SCHEME:
+        return host, port, unix_socket_path  # (see _sentinel_url)
     if parsed.scheme == "unix":
         return host, port, parsed.path
     return parsed.hostname or host, parsed.port or port, None
@@ -751,6 +810,7 @@ def open_connection(
     Both store classes open theirs here (the dense class in ``__init__``, the lazy one in
     its constructors). Nothing is sent: the client connects on the first call.
     """
+    host, port, db, unix_socket_path = _sentinel_url(td_id, host, port, db, unix_socket_path, redis_kwargs)
     host, port, unix_socket_path = connection_defaults(host, port, unix_socket_path)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
@@ -760,6 +820,43 @@ def open_connection(
     )
     conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
     return conn
+
+
+def _sentinel_url(
+    td_id: str, host: str, port: int, db: int, unix_socket_path: str | None, redis_kwargs: dict[str, Any]
+) -> tuple[str, int, int, str | None]:
+    """Applies ``url=`` (any form), or a ``redis+sentinel://`` ``TDSTORE_URL`` when the caller kept the
+    defaults and named no Sentinels; the Sentinel settings go into ``redis_kwargs`` (in place)."""
+    where = f"TensorDictStore(td_id={td_id!r})"
+    url = redis_kwargs.pop("url", None)
+    defaults = (host, port, unix_socket_path) == ("localhost", 6379, None)
+    if url is None:
+        env = os.environ.get("TDSTORE_URL", "")
+        if not env.lower().startswith(_sentinel.SCHEME + "://") or not defaults:
+            return host, port, db, unix_socket_path
+        if redis_kwargs.get("sentinels") is not None or redis_kwargs.get("cluster_nodes") is not None:
+            return host, port, db, unix_socket_path
+        if redis_kwargs.get("client") is not None:
+            return host, port, db, unix_socket_path
+        given = _sentinel.parse_url(env, f"{where} (from TDSTORE_URL)")
+    else:
+        given = _sentinel.parse_url(url, where)
+        clash = [name for name in ("sentinels", "service_name", "cluster_nodes") if redis_kwargs.get(name) is not None]
+        if not defaults or clash:
+            raise ClientConfigError(
+                f"{where} got url={url!r} beside "
+                + (", ".join(f"{n}=" for n in clash) if clash else f"host={host!r}/port={port!r}/unix_socket_path=")
+                + ": the URL names the server; pass one or the other"
+            )
+    for name in ("username", "password", "ssl"):
+        if name in given and redis_kwargs.get(name) is None:
+            redis_kwargs[name] = given[name]
+    if "sentinels" in given:
+        redis_kwargs["sentinels"] = given["sentinels"]
+        redis_kwargs["service_name"] = given["service_name"]
+    return (
+        given.get("host", host), given.get("port", port), given.get("db", db), given.get("unix_socket_path", unix_socket_path)
+    )
 
 
 def _pickle_policy(allow: bool | None, key: bytes | str | None) -> PicklePolicy:

@@ -66,6 +66,8 @@ def _env_url(kwargs: dict[str, Any]) -> ParseResult | None:
     if not url:
         return None
     parsed = urlparse(url)
+    if parsed.scheme.lower() == "redis+sentinel":
+        return None  # several hosts: its credentials are applied with it (tdstore/_backend/sentinel.py)
     if parsed.scheme == "unix":
         same = kwargs.get("path") == parsed.path
     else:
