@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from tdstore._backend import loop as _io
 from tdstore._backend.connection import Connection, open_connection
+from tdstore._backend.sentinel import Kwargs as _Kwargs
 
 __all__ = ["ConnectSpec"]
 
@@ -74,7 +75,7 @@ class ConnectSpec:
     def with_redis_kwargs(self, extra: Mapping[str, object]) -> ConnectSpec:
         """This spec with ``extra`` added to the keywords passed on to the redis-py client."""
         # (keywords of the spec itself given among them, e.g. sentinels= to TensorDictStore(): its fields)
-        own: dict[str, Any] = {name: extra[name] for name in self.NAMES if name in extra}
+        own: _Kwargs = {name: extra[name] for name in self.NAMES if name in extra}
         spec = dataclasses.replace(self, **own) if own else self
         rest = {name: value for name, value in extra.items() if name not in own}
         return dataclasses.replace(spec, redis_kwargs={**spec.redis_kwargs, **rest}) if rest else spec

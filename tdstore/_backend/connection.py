@@ -749,7 +749,7 @@ class Connection:
         self._retired = []
 
 
-def _sentinel_state(route: _sentinel.SentinelRoute | None) -> dict[str, Any]:
+def _sentinel_state(route: _sentinel.SentinelRoute | None) -> _sentinel.Kwargs:
     """The Sentinel route's part of a pickle state (the master is asked again after unpickling)."""
     if route is None:
         return {}
@@ -823,7 +823,7 @@ def open_connection(
 
 
 def _sentinel_url(
-    td_id: str, host: str, port: int, db: int, unix_socket_path: str | None, redis_kwargs: dict[str, Any]
+    td_id: str, host: str, port: int, db: int, unix_socket_path: str | None, redis_kwargs: _sentinel.Kwargs
 ) -> tuple[str, int, int, str | None]:
     """Applies ``url=`` (any form), or a ``redis+sentinel://`` ``TDSTORE_URL`` when the caller kept the
     defaults and named no Sentinels; the Sentinel settings go into ``redis_kwargs`` (in place)."""

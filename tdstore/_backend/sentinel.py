@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 import redis.asyncio
@@ -35,6 +35,11 @@ __all__ = ["SCHEME", "SentinelRoute", "call_sentinel", "check_sentinels", "parse
 
 T = TypeVar("T")
 
+if TYPE_CHECKING:
+    from tdstore._backend.connection import Connection
+
+Kwargs = dict[str, Any]
+
 #: The URL scheme of a store behind Sentinel.
 SCHEME = "redis+sentinel"
 
@@ -44,7 +49,7 @@ _READONLY_TEXT = "READONLY"
 _SENTINEL_KWARGS = ("socket_timeout", "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options")
 
 
-def check_sentinels(sentinels: Any, service_name: Any, where: str = "TensorDictStore") -> list[tuple[str, int]]:
+def check_sentinels(sentinels: object, service_name: object, where: str = "TensorDictStore") -> list[tuple[str, int]]:
     """Validates ``sentinels=[(host, port), ...]`` (or ``"host:port"`` strings) and ``service_name=``."""
     if not isinstance(service_name, str) or not service_name:
         raise ClientConfigError(
@@ -71,7 +76,7 @@ def check_sentinels(sentinels: Any, service_name: Any, where: str = "TensorDictS
     return out
 
 
-def parse_url(url: Any, where: str = "TensorDictStore") -> dict[str, Any]:
+def parse_url(url: object, where: str = "TensorDictStore") -> Kwargs:
     """The connection keywords a ``url=`` (or ``TDSTORE_URL``) names.
 
     ``redis+sentinel://[[user]:password@]h1:p1[,h2:p2...]/service_name[/db]`` gives
@@ -83,7 +88,7 @@ def parse_url(url: Any, where: str = "TensorDictStore") -> dict[str, Any]:
         raise ClientConfigError(f"url= of {where} takes a str, got {type(url).__name__}")
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
-    out: dict[str, Any] = {}
+    out: Kwargs = {}
     if parsed.password is not None:
         out["password"] = unquote(parsed.password)
     if parsed.username:
@@ -139,7 +144,7 @@ def _db(text: str, url: str, where: str) -> int:
     return int(text)
 
 
-def sentinel_client_kwargs(conn_kwargs: dict[str, Any], given: dict[str, Any] | None) -> dict[str, Any]:
+def sentinel_client_kwargs(conn_kwargs: Kwargs, given: Kwargs | None) -> Kwargs:
     """The keywords of the clients to the Sentinels: the store's socket settings, then ``sentinel_kwargs=``
     (a Sentinel has its own password, if any: the master's is not sent to it)."""
     out = {name: conn_kwargs[name] for name in _SENTINEL_KWARGS if name in conn_kwargs}
@@ -164,7 +169,7 @@ class SentinelRoute:
     """Which node is the master of ``service_name`` now, and how to find it again after a failover."""
 
     def __init__(
-        self, sentinels: list[tuple[str, int]], service_name: str, sentinel_kwargs: dict[str, Any] | None = None
+        self, sentinels: list[tuple[str, int]], service_name: str, sentinel_kwargs: Kwargs | None = None
     ) -> None:
         self.sentinels = list(sentinels)
         self.service_name = service_name
@@ -178,7 +183,7 @@ class SentinelRoute:
         node = f"{self.node[0]}:{self.node[1]}" if self.node else "not located yet"
         return f"Sentinel master {self.service_name!r} at {node} (of {len(self.sentinels)} Sentinels)"
 
-    async def locate(self, conn_kwargs: dict[str, Any], connection_class: type) -> tuple[str, int]:
+    async def locate(self, conn_kwargs: Kwargs, connection_class: type) -> tuple[str, int]:
         """Asks the Sentinels, in turn, for the master of the service, and checks it with ROLE."""
         problems = []
         answered = False
@@ -227,7 +232,7 @@ class SentinelRoute:
         )
 
 
-async def _role(node: tuple[str, int], conn_kwargs: dict[str, Any], connection_class: type) -> str:
+async def _role(node: tuple[str, int], conn_kwargs: Kwargs, connection_class: type) -> str:
     """``"master"``, ``"slave"``..., or what kept the node from answering."""
     kwargs = {**conn_kwargs, "host": node[0], "port": node[1]}
     kwargs.pop("path", None)
@@ -242,11 +247,11 @@ async def _role(node: tuple[str, int], conn_kwargs: dict[str, Any], connection_c
         await client.aclose()
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def call_sentinel(conn: Any, fn: Callable[[AsyncClient], Awaitable[T]], limit: float) -> T:
+async def call_sentinel(conn: Connection, fn: Callable[[AsyncClient], Awaitable[T]], limit: float) -> T:
     """Runs ``fn(client)`` on the master the Sentinels name, following a demotion (``READONLY``).
 
     A ``READONLY`` reply comes from a replica, which applied nothing (inside a MULTI the whole
@@ -254,7 +259,8 @@ async def call_sentinel(conn: Any, fn: Callable[[AsyncClient], Awaitable[T]], li
     A connection failure marks the route stale (the next call asks the Sentinels again) and goes
     on to the caller's retry policy, which knows whether the operation may be sent again.
     """
-    route: SentinelRoute = conn.sentinel_route
+    route = conn.sentinel_route
+    assert route is not None
     deadline = time.monotonic() + limit
     attempt = 0
     while True:

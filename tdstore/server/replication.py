@@ -40,6 +40,9 @@ from tdstore.server.start import start_server
 
 __all__ = ["ReplicationHandle", "start_replication"]
 
+#: an INFO reply, or connection keywords
+Info = dict[str, Any]
+
 
 def _client(node: ServerHandle, timeout: float = 5.0) -> redis.Redis:
     return redis.Redis(
@@ -47,7 +50,7 @@ def _client(node: ServerHandle, timeout: float = 5.0) -> redis.Redis:
     )
 
 
-def _info(node: ServerHandle, section: str) -> dict[str, Any]:
+def _info(node: ServerHandle, section: str) -> Info:
     client = _client(node)
     try:
         return dict(client.info(section))
@@ -147,7 +150,7 @@ class ReplicationHandle(ServerHandle):
         hosts = ",".join(f"{h}:{p}" for h, p in self.sentinel_addresses)
         return f"redis+sentinel://{hosts}/{self.service_name}"
 
-    def connection_kwargs(self, *, unix: bool = False) -> dict[str, Any]:
+    def connection_kwargs(self, *, unix: bool = False) -> Info:
         """``{"sentinels": [...], "service_name": ...}`` (the first master's host/port without
         Sentinels), for ``TensorDictStore(**kwargs)``."""
         if not self.sentinel_nodes:
@@ -258,13 +261,13 @@ class ReplicationHandle(ServerHandle):
     ) -> None:
         self.stop()
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> Info:
         raise TypeError("a ReplicationHandle is not picklable; pass connection_kwargs() or sentinel_url")
 
 
 def _wait_in_sync(master: ServerHandle, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    last: dict[str, Any] = {}
+    last: Info = {}
     while time.monotonic() < deadline:
         last = _info(master, "replication")
         offset = int(last.get("master_repl_offset", 0))
@@ -279,7 +282,7 @@ def _wait_in_sync(master: ServerHandle, timeout: float) -> None:
 
 def _wait_replica_up(replica: ServerHandle, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    info: dict[str, Any] = {}
+    info: Info = {}
     while time.monotonic() < deadline:
         info = _info(replica, "replication")
         if info.get("master_link_status") == "up" and not int(info.get("master_sync_in_progress", 0)):
