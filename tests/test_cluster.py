@@ -263,6 +263,43 @@ def test_operations_wait_out_a_slot_migration(cluster_server, request):
     store.close()
 
 
+def test_appends_and_reads_on_a_cluster_take_the_direct_one_packet_path(cluster_server, request):
+    """On a cluster, appends go armed in one packet on a blocking client to the slot's master,
+    as on one server: no reserve script once armed (the async two-step path cost the master
+    3.4x the server CPU per append, benchmarks/bench_sharded.py). After the slot moves, the
+    direct client follows it to the new master."""
+    store = TensorDictStore.from_schema({"x": ([4], torch.int64)}, batch_size=[64], **cluster_server.connection_kwargs())
+    rows = TensorDict({"x": torch.arange(32).reshape(8, 4)}, [8])
+    for _ in range(3):
+        store.extend(rows)
+    node = cluster_server.node_of_store(store.td_id)
+    with cluster_server.node_client(node) as client:
+        client.config_resetstat()
+        for _ in range(10):
+            store.extend(rows)
+        stats = client.info("commandstats")
+    assert store._conn._direct_node == store._conn._client_node
+    assert "cmdstat_evalsha" not in stats, stats  # the reserve script: only on the two-step path
+    assert stats["cmdstat_exec"]["calls"] == 10, stats
+    _record(request, execs=stats["cmdstat_exec"]["calls"])
+    assert store.ring_state().total == 13 * 8
+    assert torch.equal(store["x"][:8], rows["x"])
+    move = _Migration(cluster_server, store._conn.keys.meta)
+    try:
+        move.start()
+        move.finish()
+    finally:
+        move.close()
+    store.extend(rows)  # the old master answers MOVED: nothing ran; the store follows the slot
+    assert store._conn._client_node == (cluster_server.nodes[move.dst].host, cluster_server.nodes[move.dst].port)
+    store.extend(rows)
+    assert store._conn._direct_node == store._conn._client_node  # a new direct client, to the new master
+    assert store.ring_state().total == 15 * 8
+    assert torch.equal(store["x"][14 * 8 % 64 : 14 * 8 % 64 + 8], rows["x"])
+    store.clear_redis()
+    store.close()
+
+
 def test_scripts_are_reloaded_on_each_master(cluster_server):
     stores = [TensorDictStore(batch_size=[64], **cluster_server.connection_kwargs()) for _ in range(6)]
     for store in stores:

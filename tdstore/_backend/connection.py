@@ -198,6 +198,8 @@ class Connection:
         self._runner: ScriptRunner | None = None
         self._direct: redis.Redis | None = None  # see direct_client()
         self._direct_generation = -1
+        self._direct_node: tuple[str, int] | None = None  # on a cluster: the master the direct client is to
+        self._direct_retired: list[redis.Redis] = []  # direct clients to a slot's former master
         self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
         self.direct_slot = ArmedSlot()  # ... and the direct client's
         self.append_slot = ArmedSlot()  # the direct client's armed appends (tdstore/_backend/append.py)
@@ -298,7 +300,8 @@ class Connection:
     @property
     def routed(self) -> bool:
         """Whether the node is found per call (a cluster slot's master, a Sentinel's master): no
-        direct client, no connection kept armed across calls."""
+        connection of the IO loop kept armed across calls (on a cluster the direct client may
+        be, see :meth:`direct_client`; under Sentinel there is none)."""
         return self.cluster_route is not None or self.sentinel_route is not None
 
     # -- description -------------------------------------------------------------------
@@ -375,6 +378,8 @@ class Connection:
         self._runner = None
         self._direct = None
         self._direct_generation = -1
+        self._direct_node = None
+        self._direct_retired = []
         self.armed_slot = ArmedSlot()
         self.direct_slot = ArmedSlot()
         self.append_slot = ArmedSlot()
@@ -497,27 +502,50 @@ class Connection:
 
         A one-command read costs more in the hop to the IO loop and back (two thread
         switches, a task) than on the wire; a blocking ``redis.Redis`` on the same server
-        avoids both. Only for plain TCP and unix-socket connections (not cluster, TLS,
-        fakeredis or custom connection classes), and only once the IO-loop client of this
+        avoids both. Only for plain TCP and unix-socket connections (not TLS, fakeredis,
+        custom connection classes or Sentinel), and only once the IO-loop client of this
         process has set the connection up (scripts loaded, first contact made). After a
         fork the parent's direct client is left untouched, like the asyncio one.
+
+        On a cluster it is a client to the master of the store's slot, the one the IO-loop
+        client was set up on; none while the route is being found again (after a connection
+        failure), and a new one once the slot has a new master (MOVED, failover): a reply
+        that redirects or a failed connection makes the direct call give up before anything
+        ran (see :meth:`_direct_call`), and :meth:`run` follows the cluster from there.
         """
         generation = _io.loop_generation()
         direct = self._direct
-        if direct is not None and self._direct_generation == generation:
+        route = self.cluster_route
+        node = None if route is None else self._cluster_direct_node(route)
+        if direct is not None and self._direct_generation == generation and self._direct_node == node:
             return None if self.closed else direct
         with _DIRECT_LOCK:
-            return self._make_direct(generation)
+            return self._make_direct(generation, node)
 
-    def _make_direct(self, generation: int) -> redis.Redis | None:
-        """:meth:`direct_client`'s slow path, under ``_DIRECT_LOCK``."""
+    def _cluster_direct_node(self, route: _cluster.ClusterRoute) -> tuple[str, int] | None:
+        """The master a direct client may talk to: the slot's, when the IO-loop client is set up on it."""
+        node = route.node
+        if route.stale or node is None or node != self._client_node or self._runner is None:
+            return None
+        return node
+
+    def _make_direct(self, generation: int, node: tuple[str, int] | None = None) -> redis.Redis | None:
+        """:meth:`direct_client`'s slow path, under ``_DIRECT_LOCK``; ``node``: on a cluster,
+        the slot's master (None: no direct client for now)."""
         direct = self._direct
         if direct is not None and self._direct_generation == generation:
-            return None if self.closed else direct  # another thread made it meanwhile
-        if direct is not None:
+            if self._direct_node == node:
+                return None if self.closed else direct  # another thread made it meanwhile
+            # the slot's master changed: another thread may still be in a call on the old client,
+            # whose pool is disconnected at close()
+            self._direct_retired.append(direct)
+            self._direct = None
+        elif direct is not None:
             _INHERITED_CLIENTS.append(direct)  # inherited through fork(): never close the parent's sockets
             self._direct = None
-        if self.closed or self._runner is None or self._generation != generation or self.routed:
+        if self.closed or self._runner is None or self._generation != generation or self.sentinel_route is not None:
+            return None
+        if self.cluster_route is not None and node is None:
             return None
         if not _wire.direct_ok():  # a redis-py without the parts the blocking drivers use
             return None
@@ -526,6 +554,8 @@ class Connection:
         if sync_class is None or kw.get("redis_connect_func") is not None or kw.get("credential_provider") is not None:
             return None
         kwargs = {name: kw[name] for name in _DIRECT_KWARGS if name in kw}
+        if node is not None:
+            kwargs.update(host=node[0], port=node[1])
         if kwargs.get("socket_timeout") is None:
             kwargs["socket_timeout"] = self.timeout
         try:
@@ -535,7 +565,7 @@ class Connection:
             direct = redis.Redis(connection_pool=pool)
         except (TypeError, ValueError):  # settings the blocking client does not take: stay on the IO loop
             return None
-        self._direct, self._direct_generation = direct, generation
+        self._direct, self._direct_generation, self._direct_node = direct, generation, node
         return direct
 
     def _direct_call(self, call: Callable[[redis.Redis], T]) -> T | object:
@@ -728,10 +758,12 @@ class Connection:
         if direct is not None and self._direct_generation == _io.loop_generation():
             self.direct_slot.take(direct)  # (its connection is one of the pool's, disconnected next)
             self.append_slot.take(direct)
-            try:
-                direct.connection_pool.disconnect()
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
+            for one in [direct, *self._direct_retired]:
+                try:
+                    one.connection_pool.disconnect()
+                except Exception:  # noqa: BLE001 - closing is best effort
+                    pass
+        self._direct_retired = []
         if client is not None and self._generation == _io.loop_generation() and not _io.exiting():
             # (at exit the IO loop disconnected every client; a loop started now would not own them)
             armed = self.armed_slot.take(client)
