@@ -506,8 +506,34 @@ class ShardedStore:
             block.close()
         self._manifest.close()
 
+    def __reduce__(self) -> tuple[Callable[..., ShardedStore], tuple[object, ...]]:
+        # by td_id: the manifest and block handles pickle as TensorDictStore does (the
+        # connection, not the rows); unpickling checks the manifest as from_store does
+        return (_reopen, (self._manifest, self._blocks, self._block_rows, self._ring.pin_shard))
+
     def __enter__(self) -> ShardedStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reopen(
+    manifest: TensorDictStore, blocks: Sequence[TensorDictStore], block_rows: int, pin_shard: int | None
+) -> ShardedStore:
+    """Unpickles a :class:`ShardedStore` (see ``__reduce__``): its manifest must still be there."""
+    try:
+        raw = manifest.get(_MANIFEST_KEY)
+    except KeyError:
+        raise StoreNotFoundError(
+            f"no ShardedStore with td_id={manifest.td_id!r} on {manifest._conn.describe()}: its manifest "
+            f"(store {manifest.td_id!r}, entry {_MANIFEST_KEY!r}) is missing"
+        ) from None
+    info = json.loads(raw.data if hasattr(raw, "data") else raw)
+    if int(info["blocks"]) != len(blocks) or int(info["block_rows"]) != block_rows:
+        raise FormatVersionError(
+            f"ShardedStore td_id={manifest.td_id!r}: the server's manifest ({info['blocks']} blocks of "
+            f"{info['block_rows']} rows) is not the pickled handle's ({len(blocks)} of {block_rows}); reconnect "
+            "with ShardedStore.from_store(td_id=...)"
+        )
+    return ShardedStore(manifest, blocks, block_rows, pin_shard)

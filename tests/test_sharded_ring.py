@@ -331,3 +331,24 @@ def test_writer_processes_and_a_sampler(server, pool, pin, request):
     assert buf.ring_state().valid == total
     buf.clear_redis()
     buf.close()
+
+
+@pytest.mark.parametrize("server", ["redis", "cluster"], indirect=True)
+def test_pickles_by_td_id(server):
+    """A pickled handle is the same buffer (not a copy of its rows); a deleted one fails clearly."""
+    import pickle
+
+    from tdstore import StoreNotFoundError
+
+    buf = _buf(server, rows=24, block_rows=8, pin_shard=1)
+    buf.extend(w.tagged_rows(1, 0, 3))
+    blob = pickle.dumps(buf)
+    clone = pickle.loads(blob)
+    assert clone.td_id == buf.td_id and clone.pin_shard == 1 and clone.ring_state().valid == 3
+    assert clone.extend(w.tagged_rows(2, 0, 2)).tolist() == [11, 12]
+    assert buf.ring_state().valid == 5 and torch.equal(buf.to_tensordict()["tag"], clone.to_tensordict()["tag"])
+    clone.close()
+    buf.clear_redis()
+    buf.close()
+    with pytest.raises(StoreNotFoundError, match=rf"no ShardedStore with td_id='{buf.td_id}'"):
+        pickle.loads(blob)
