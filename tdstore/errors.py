@@ -16,6 +16,7 @@ them are retried) is ``tdstore._backend.translate``; every call site goes throug
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import redis.exceptions
@@ -47,6 +48,7 @@ __all__ = [
     "EventLoopError",
     "ServerUnavailableError",
     "OutcomeUnknownError",
+    "DurabilityError",
     "ShardUnavailableError",
     "RateLimitTimeoutError",
     "KeyTypeError",
@@ -220,6 +222,26 @@ class OutcomeUnknownError(ServerUnavailableError):
     The server applied all of it or none of it (scripts and MULTI/EXEC are atomic), but the
     client cannot tell which, so it did not send it again. Read the store to find out.
     """
+
+
+class DurabilityError(TDStoreError, RuntimeError):
+    """A write of a store created with ``durability=`` was applied on the master, but fewer
+    replicas than it requires acknowledged it (``WAIT``), or the master did not fsync it
+    (``WAITAOF``), within ``durability_timeout=``. The data is written, not yet safe: a
+    failover now may lose it. ``spec`` is the setting (``"replicas:1"``), ``detail`` the
+    shortfall (for example "only 0 of the 1 replica it requires acknowledged it within 1 s")."""
+
+    def __init__(self, message: str, *, spec: str = "", detail: str = "") -> None:
+        super().__init__(message)
+        self.spec = spec
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[Callable[[str, str, str], DurabilityError], tuple[str, str, str]]:
+        return (_durability_error, (str(self), self.spec, self.detail))
+
+
+def _durability_error(message: str, spec: str, detail: str) -> DurabilityError:
+    return DurabilityError(message, spec=spec, detail=detail)
 
 
 class ShardUnavailableError(ServerUnavailableError):

@@ -58,6 +58,15 @@ class ConnectSpec:
     NAMES = NAMES + SENTINEL_NAMES
     # -- end of Redis Sentinel ---------------------------------------------------------
 
+    # -- durability (tdstore/_backend/durability.py) -----------------------------------
+    #: ``"replicas:N"`` (WAIT for N replicas after each write) or ``"fsync"`` (WAITAOF); None: no wait
+    durability: str | None = None
+    #: the seconds a write waits for them (default 1.0; below ``timeout``)
+    durability_timeout: float | None = None
+    DURABILITY_NAMES: ClassVar[tuple[str, ...]] = ("durability", "durability_timeout")
+    NAMES = NAMES + DURABILITY_NAMES
+    # -- end of durability -------------------------------------------------------------
+
     @classmethod
     def take(cls, kwargs: dict[str, Any], **given: Any) -> ConnectSpec:
         """The spec of a constructor call: the one handed on in ``kwargs`` (``_connect=``), or

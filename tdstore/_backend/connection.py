@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 from tdstore._backend import append as _append
 from tdstore._backend import cluster as _cluster
 from tdstore._backend import credentials as _credentials
+from tdstore._backend import durability as _durability
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
@@ -215,6 +216,11 @@ class Connection:
         self._client_node: tuple[str, int] | None = None
         self._retired: list[tuple[int, AsyncClient]] = []  # (loop generation, client) replaced by node_client()
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
+        # durability= (see tdstore/_backend/durability.py): WAIT/WAITAOF at the end of each writing packet
+        self.durability = _durability.parse(
+            redis_kwargs.pop("durability", None), redis_kwargs.pop("durability_timeout", None), timeout,
+            f"TensorDictStore(td_id={td_id!r})",
+        )
         # Redis Sentinel (see tdstore/_backend/sentinel.py): one plain client to the master the Sentinels name
         self.sentinel_route: _sentinel.SentinelRoute | None = None
         sentinels = redis_kwargs.pop("sentinels", None)
@@ -351,6 +357,7 @@ class Connection:
             "retry": self.retry_policy,
             "cluster_nodes": self.cluster_route.nodes if self.cluster_route is not None else None,
             **_sentinel_state(self.sentinel_route),
+            "durability": self.durability,
         }
 
     @classmethod
@@ -369,6 +376,7 @@ class Connection:
         self.sentinel_route = (
             _sentinel.SentinelRoute(sentinels, state["service_name"], state.get("sentinel_kwargs")) if sentinels else None
         )
+        self.durability = state.get("durability")
         self._client_node = None
         self._retired = []
         self.closed = False
@@ -411,6 +419,7 @@ class Connection:
             "retry": self.retry_policy,
             "cluster_nodes": self.cluster_route.nodes if self.cluster_route is not None else None,
             **_sentinel_state(self.sentinel_route),
+            "durability": self.durability,
             "pickle_secrets": self.pickle_secrets,
             "credentials_from": getattr(self, "_credentials_from", None),
         }
@@ -427,7 +436,11 @@ class Connection:
         if route is not None:
             self._client_node = node = node or route.node or route.startup[0]
             kwargs.update(host=node[0], port=node[1])
-        pool = self._pool_class(connection_class=self._connection_class, **kwargs)
+        connection_class = self._connection_class
+        if self.durability is not None:
+            connection_class = _durability.durable_class(connection_class)
+            kwargs["tdstore_durability"] = self.durability
+        pool = self._pool_class(connection_class=connection_class, **kwargs)
         return _io.track(self._client_class(connection_pool=pool))  # disconnected at exit
 
     def node_client(self, node: tuple[str, int] | None) -> Any:
@@ -558,6 +571,9 @@ class Connection:
             kwargs.update(host=node[0], port=node[1])
         if kwargs.get("socket_timeout") is None:
             kwargs["socket_timeout"] = self.timeout
+        if self.durability is not None:
+            sync_class = _durability.durable_class(sync_class)
+            kwargs["tdstore_durability"] = self.durability
         try:
             pool = redis.ConnectionPool(
                 connection_class=sync_class, retry=redis.retry.Retry(NoBackoff(), 0), retry_on_error=[], **kwargs
@@ -581,6 +597,9 @@ class Connection:
         client = self.direct_client()
         if client is None or threading.current_thread() is _io._thread:
             return _NOT_DIRECT
+        durability = self.durability
+        if durability is not None:
+            outcome, token = _durability.begin()
         try:
             result = call(client)
         except TDStoreError:
@@ -591,8 +610,17 @@ class Connection:
             return _NOT_DIRECT
         except (redis.exceptions.RedisError, OSError):
             return _NOT_DIRECT
+        finally:
+            if durability is not None:
+                _durability.end(token)
         self._reached = True
+        if durability is not None:
+            _durability.finish(outcome, durability, self.what())
         return result
+
+    def what(self) -> str:
+        """The store and its server, for messages."""
+        return f"TensorDictStore(td_id={self.keys.td_id!r}, prefix={self.keys.prefix!r}) on {self.describe()}"
 
     def read(self, direct: Callable[..., T], fn: Callable[..., Awaitable[T]]) -> T:
         """Runs a read-only operation: ``direct(client, runner)`` on :meth:`direct_client`, else ``run(fn)``.
@@ -664,7 +692,7 @@ class Connection:
             sent[0] = True
             return await fn(c)
 
-        async def call() -> T:
+        async def routed() -> T:
             if self.cluster_route is not None:
                 return await _cluster.call_routed(self, tracked, limit)
             if self.sentinel_route is not None:
@@ -672,6 +700,16 @@ class Connection:
             if self._runner is None:
                 await self._setup(client)
             return await tracked(client)
+
+        async def call() -> T:
+            durability = self.durability
+            if durability is None:
+                return await routed()
+            # (a task of its own on the IO loop: the outcome is this operation's; see durability.py)
+            outcome, _ = _durability.begin()
+            result = await routed()
+            _durability.finish(outcome, durability, self.what())
+            return result
 
         limit = self.timeout if timeout is None else timeout
         try:
@@ -745,9 +783,23 @@ class Connection:
         self.max_bulk = _config_int(replies[0], "proto-max-bulk-len", DEFAULT_MAX_BULK)
         self.max_query = _config_int(replies[1], "client-query-buffer-limit", DEFAULT_MAX_QUERY)
         _memory.note_setup(client, replies[2])
+        if self.durability is not None:
+            await self._check_durability(client)
         runner = ScriptRunner(shebang)
         await runner.load_all(client)
         self._runner = runner
+
+    async def _check_durability(self, client: AsyncClient) -> None:
+        """Refuses, at first contact, a server that lacks the wait ``durability=`` sends."""
+        durability = self.durability
+        assert durability is not None
+        try:
+            await client.execute_command(*durability.probe())
+        except redis.exceptions.ResponseError as err:
+            raise ClientConfigError(
+                f"{self.what()} was created with durability={durability.spec!r}, but the server refused "
+                f"{durability.probe()[0]}: {err}. {durability.needs()}. Nothing was written."
+            ) from err
 
     def close(self) -> None:
         if self.closed:

@@ -35,6 +35,7 @@ import redis.asyncio.connection
 import redis.connection
 import redis.exceptions
 
+from tdstore._backend import durability as _durability
 from tdstore._backend.protocols import AsyncConnection, SyncConnection
 from tdstore._core.layout import Command
 
@@ -232,17 +233,29 @@ def send_sync(connection: SyncConnection, pieces: Sequence[bytes | memoryview]) 
 
 
 def exchange_sync(connection: SyncConnection, commands: Sequence[Command]) -> list[Any]:
-    """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place."""
+    """Sends ``commands`` in one packet and reads their replies; an error reply is returned in place.
+
+    On a connection of a store with ``durability=`` a packet that writes ends with its WAIT
+    (see tdstore/_backend/durability.py), whose reply is noted and not returned.
+    """
+    durability = _durability.of(connection)
+    wait = None if durability is None else _durability.wait_for(durability, commands)
+    if wait is not None:
+        commands = [*commands, wait]
     send_sync(connection, packed(commands))
     reader = _hiredis_reader(connection)
     if reader is not None:
-        return _read_replies(getattr(connection, "_parser", None), reader, len(commands))
-    out: list[Any] = []
-    for _ in commands:
-        try:
-            out.append(connection.read_response())
-        except redis.exceptions.ResponseError as err:
-            out.append(err)
+        out = _read_replies(getattr(connection, "_parser", None), reader, len(commands))
+    else:
+        out = []
+        for _ in commands:
+            try:
+                out.append(connection.read_response())
+            except redis.exceptions.ResponseError as err:
+                out.append(err)
+    if wait is not None:
+        assert durability is not None
+        _durability.note(durability, out.pop())
     return out
 
 
