@@ -250,7 +250,10 @@ def test_writers_through_crash_restarts_never_half_apply(kind, request):
             half_applied=half, lost_acknowledged=lost, duplicate_appends=duplicates, lost_appends=lost_appends,
         )
         assert half == 0 and lost == 0 and duplicates == 0 and lost_appends == 0
-        assert state.total >= 2 * appended_ok and state.total <= 2 * (appended_ok + unknown)
+        # (an append whose reserve step ran before the server went down past the retry policy raises
+        # ServerUnavailableError: its rows are taken, never flagged, so never read; they count here)
+        raised_appends = sum(1 for log in logs for _, k, _kd, o in log if o == "raised" and k % 3 == 2)
+        assert state.total >= 2 * appended_ok and state.total <= 2 * (appended_ok + unknown + raised_appends)
         assert completed > 3 * nwriters
         store.close()
         ring.close()
