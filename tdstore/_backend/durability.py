@@ -279,8 +279,8 @@ def note(durability: Durability, reply: object) -> None:
 # --------------------------------------------------------------------------- #
 
 
-class _DurableAsync:
-    """Mixin of a ``redis.asyncio`` connection class: WAIT at the end of writing packets."""
+class _Durable:
+    """What both mixins share: the WAIT added to a writing packet, and the count of its replies."""
 
     tdstore_durability: Durability
 
@@ -289,25 +289,39 @@ class _DurableAsync:
         self.tdstore_durability = tdstore_durability
         self._tds_left: int | None = None  # replies of the packet before its WAIT's
 
-    def pack_commands(self, commands: Iterable[Sequence[object]]) -> object:
+    def _with_wait(self, commands: Iterable[Sequence[object]]) -> list[Sequence[object]] | None:
+        """``commands`` with the WAIT after them (its reply counted), or None: no wait."""
         commands = list(commands)
         wait = wait_for(self.tdstore_durability, commands)
-        if wait is not None:
-            self._tds_left = len(commands)
-            commands.append(wait)
-        return super().pack_commands(commands)  # type: ignore[misc]
+        if wait is None:
+            return None
+        self._tds_left = len(commands)
+        return [*commands, wait]
+
+    def pack_commands(self, commands: Iterable[Sequence[object]]) -> object:
+        commands = list(commands)
+        return super().pack_commands(self._with_wait(commands) or commands)  # type: ignore[misc]
+
+    def _replied(self) -> bool:
+        """Counts one reply of the packet; True when the WAIT's reply comes next."""
+        left = self._tds_left
+        assert left is not None
+        self._tds_left = left - 1 if left > 1 else None
+        return left == 1
+
+
+class _DurableAsync(_Durable):
+    """Mixin of a ``redis.asyncio`` connection class: WAIT at the end of writing packets."""
 
     async def send_command(self, *args: object, **kwargs: object) -> None:
-        wait = wait_for(self.tdstore_durability, (args,))
-        if wait is None:
+        commands = self._with_wait((args,))
+        if commands is None:
             return await super().send_command(*args, **kwargs)  # type: ignore[misc,no-any-return]
-        packet = super().pack_commands([args, wait])  # type: ignore[misc]
-        self._tds_left = 1
+        packet = super(_Durable, self).pack_commands(commands)  # type: ignore[misc]  # (the base's: no second WAIT)
         await self.send_packed_command(packet, check_health=kwargs.get("check_health", True))  # type: ignore[attr-defined]
 
     async def read_response(self, *args: object, **kwargs: object) -> object:
-        left = self._tds_left
-        if left is None:
+        if self._tds_left is None:
             return await super().read_response(*args, **kwargs)  # type: ignore[misc]
         error: BaseException | None = None
         reply: object = None
@@ -318,10 +332,7 @@ class _DurableAsync:
         except BaseException:
             self._tds_left = None
             raise
-        if left > 1:
-            self._tds_left = left - 1
-        else:
-            self._tds_left = None
+        if self._replied():
             try:
                 waited: object = await super().read_response()  # type: ignore[misc]
             except redis.exceptions.ResponseError as err:
@@ -336,37 +347,20 @@ class _DurableAsync:
         await super().disconnect(*args, **kwargs)  # type: ignore[misc]
 
 
-class _DurableSync:
+class _DurableSync(_Durable):
     """Mixin of a blocking ``redis`` connection class: WAIT at the end of writing packets
     (the blocking drivers' own packets: :func:`tdstore._backend.wire.exchange_sync`)."""
 
-    tdstore_durability: Durability
-
-    def __init__(self, *args: object, tdstore_durability: Durability, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self.tdstore_durability = tdstore_durability
-        self._tds_left: int | None = None
-
-    def pack_commands(self, commands: Iterable[Sequence[object]]) -> object:
-        commands = list(commands)
-        wait = wait_for(self.tdstore_durability, commands)
-        if wait is not None:
-            self._tds_left = len(commands)
-            commands.append(wait)
-        return super().pack_commands(commands)  # type: ignore[misc]
-
     def send_command(self, *args: object, **kwargs: object) -> None:
-        wait = wait_for(self.tdstore_durability, (args,))
-        if wait is None:
+        commands = self._with_wait((args,))
+        if commands is None:
             super().send_command(*args, **kwargs)  # type: ignore[misc]
             return
-        packet = super().pack_commands([args, wait])  # type: ignore[misc]
-        self._tds_left = 1
+        packet = super(_Durable, self).pack_commands(commands)  # type: ignore[misc]  # (the base's: no second WAIT)
         self.send_packed_command(packet, check_health=kwargs.get("check_health", True))  # type: ignore[attr-defined]
 
     def read_response(self, *args: object, **kwargs: object) -> object:
-        left = self._tds_left
-        if left is None:
+        if self._tds_left is None:
             return super().read_response(*args, **kwargs)  # type: ignore[misc]
         error: BaseException | None = None
         reply: object = None
@@ -377,10 +371,7 @@ class _DurableSync:
         except BaseException:
             self._tds_left = None
             raise
-        if left > 1:
-            self._tds_left = left - 1
-        else:
-            self._tds_left = None
+        if self._replied():
             try:
                 waited: object = super().read_response()  # type: ignore[misc]
             except redis.exceptions.ResponseError as err:
