@@ -38,6 +38,7 @@ from tensordict import TensorDictBase
 
 from tdstore.errors import ServerUnavailableError, ShardUnavailableError, clause
 from tdstore.replay import priorities as _priorities
+from tdstore.store import ring as _ring
 
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
@@ -191,6 +192,7 @@ class ShardedRing:
         least = torch.full((len(self._shards),), math.inf, dtype=torch.float64)
         beta = 0.0
         reachable: list[int] = []
+        flags: dict[int, _ring.Flags] = {}
         if prioritized:
             masses = self._all(lambda i: _priorities.mass(self._shards[i]), everyone)
             for shard, got in enumerate(masses):
@@ -210,13 +212,16 @@ class ShardedRing:
                     least[shard] = low
                 reachable.append(shard)
         else:
-            states = self._all(lambda i: self._shards[i].ring_state(), everyone)
-            for shard, state in enumerate(states):
-                if isinstance(state, _Failed):
+            # each shard's flags: its weight (the rows flagged as written), and then its draw,
+            # so that a shard costs its master the one flags read of a plain store's sample
+            reads = self._all(lambda i: _ring.read_flags(self._shards[i]), everyone)
+            for shard, read in enumerate(reads):
+                if isinstance(read, _Failed):
                     if not skip_unavailable:
-                        raise self._unavailable(shard, state.error) from state.error
+                        raise self._unavailable(shard, read.error) from read.error
                     continue
-                weights[shard] = float(state.valid)
+                weights[shard] = float(_ring.written_count(self._shards[shard], read))
+                flags[shard] = read
                 reachable.append(shard)
         if not reachable:
             raise ShardUnavailableError(
@@ -246,10 +251,13 @@ class ShardedRing:
 
             def draw(shard: int, counts: torch.Tensor = counts) -> tuple[TensorDictBase, dict[str, torch.Tensor]]:
                 gen = torch.Generator().manual_seed(int(seeds[shard]) + len(parts))
-                got = self._shards[shard].sample(
-                    int(counts[shard]), generator=gen, prioritized=prioritized, return_info=True
-                )
-                return got  # type: ignore[no-any-return]
+                store = self._shards[shard]
+                if prioritized:
+                    got = store.sample(int(counts[shard]), generator=gen, prioritized=True, return_info=True)
+                    return got  # type: ignore[no-any-return]
+                # (as store.sample() draws, from the flags read above: the same rows, one read fewer)
+                idx = _ring.draw_written(store, int(counts[shard]), gen, flags[shard])
+                return store[idx], {"index": idx}
 
             results = self._all(draw, asked)
             need = 0

@@ -27,7 +27,9 @@ from tdstore.replay import rate_limit as _rate
 if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
 
-__all__ = ["RingState", "extend", "ring_state", "set_ring_total", "sample", "draw_written"]
+__all__ = [
+    "RingState", "Flags", "extend", "ring_state", "set_ring_total", "sample", "read_flags", "written_count", "draw_written",
+]
 
 
 class RingState(NamedTuple):
@@ -192,29 +194,65 @@ def sample(
     idx = draw_written(store, n, generator)
     return (store[idx], {"index": idx}) if return_info else store[idx]
 
-def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | None) -> torch.Tensor:
-    """``n`` rows drawn uniformly (with replacement) among those flagged as written."""
+class Flags(NamedTuple):
+    """One snapshot of a ring's row flags (:func:`read_flags`): what a uniform draw chooses among."""
+
+    cursor: bytes | None  #: the append cursor as stored
+    exists: int  #: whether the flags string exists (a ring never appended to has none)
+    flags: bytes | int | None  #: the flag bytes of the ring's rows, or (a large ring) their count
+    limited: bool  #: whether a rate limiter is set
+
+
+def read_flags(store: TensorDictStore) -> Flags:
+    """The ring's flags, its cursor and whether it is rate-limited, in one server step."""
+    conn = store._conn
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    whole = capacity <= _FLAGS_READ_MAX
+    cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, conn.keys, capacity, whole))
+    if lv is None:
+        raise store._not_found()
+    return Flags(cursor, exists, flags, limited)
+
+
+def _flag_bytes(store: TensorDictStore, flags: bytes | int | None) -> bytes:
+    if not isinstance(flags, bytes) or flags.translate(None, b"\x00\x01"):
+        raise CorruptMetadataError(
+            f"sample() from {store._where()}: the row flags {store._conn.keys.flags} hold bytes other than 0 and 1"
+        )
+    return flags
+
+
+def written_count(store: TensorDictStore, read: Flags) -> int:
+    """How many rows a draw from ``read`` (:func:`read_flags`) chooses among: the rows flagged
+    as written (all reserved rows where the ring has no flags yet)."""
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    total = min(_append_mod.parse_cursor(read.cursor, store._conn.keys), capacity)
+    if not read.exists:
+        return total
+    if capacity > _FLAGS_READ_MAX:
+        return min(int(read.flags or 0), total)
+    return _flag_bytes(store, read.flags)[:capacity].count(1)
+
+
+def draw_written(
+    store: TensorDictStore, n: int, generator: torch.Generator | None, read: Flags | None = None
+) -> torch.Tensor:
+    """``n`` rows drawn uniformly (with replacement) among those flagged as written (as
+    ``read`` shows them, when given: one :func:`read_flags` already made)."""
     conn = store._conn
     keys = conn.keys
     capacity = store.batch_size[0] if store.batch_dims else 0
     large = capacity > _FLAGS_READ_MAX
-
-    def read() -> tuple[bytes | None, int, bytes | int | None, bool]:
-        cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, keys, capacity, not large))
-        if lv is None:
-            raise store._not_found()
-        return cursor, exists, flags, limited
-
-    cursor, exists, flags, limited = read()
+    cursor, exists, flags, limited = read if read is not None else read_flags(store)
     if limited and capacity:
         # (held back a while: the ring moved on meanwhile. Or the flags were read before the
         # limiter agreed, and showed no row: read again)
         if _rate.acquire_samples(store, n, capacity) or not _any_written(cursor, exists, flags, large):
-            cursor, exists, flags, _ = read()
+            cursor, exists, flags, _ = read_flags(store)
         # the limiter counts rows when their append reserves them: those it counted may all
         # still be in flight, written a moment later. Wait for the first (bounded)
         for _ in _rate.in_flight_pauses() if not _any_written(cursor, exists, flags, large) else ():
-            cursor, exists, flags, _ = read()
+            cursor, exists, flags, _ = read_flags(store)
             if _any_written(cursor, exists, flags, large):
                 break
     total = min(_append_mod.parse_cursor(cursor, keys), capacity)
@@ -224,10 +262,7 @@ def draw_written(store: TensorDictStore, n: int, generator: torch.Generator | No
             raise empty
         return torch.randint(0, total, (n,), generator=generator)
     if not large:
-        if not isinstance(flags, bytes) or flags.translate(None, b"\x00\x01"):
-            raise CorruptMetadataError(
-                f"sample() from {store._where()}: the row flags {keys.flags} hold bytes other than 0 and 1"
-            )
+        flags = _flag_bytes(store, flags)
         if not flags:
             raise empty
         written = torch.frombuffer(bytearray(flags), dtype=torch.uint8)[:capacity].nonzero().flatten()
