@@ -464,9 +464,9 @@ def test_buffer_sample_costs_at_most_1_2x_the_sharded_sample(cluster, rl, reques
 
 # --------------------------------------------------------------------------- the docs
 def test_docs_sharded_example_runs(cluster):
-    """The ShardedStore example of docs/torchrl.md (its one ```py block), on this cluster."""
+    """The ShardedStore example of docs/torchrl.md (its one ```py3 block), on this cluster."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "torchrl.md").read_text()
-    blocks = re.findall(r"```py\n(.*?)```", text, re.S)
+    blocks = re.findall(r"```py3\n(.*?)```", text, re.S)
     assert len(blocks) == 1
     code = blocks[0].replace('[("localhost", 7000)]', repr(cluster.connection_kwargs()["cluster_nodes"]))
     assert code != blocks[0]

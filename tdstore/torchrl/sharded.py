@@ -29,7 +29,7 @@ Examples:
     ...                   batch_size=4)
     >>> rb.extend(TensorDict(obs=torch.arange(4.0)[:, None], batch_size=[4]))    # shard 1: rows 10 to 19
     tensor([10, 11, 12, 13])
-    >>> sorted(set(rb.sample()["obs"][:, 0].tolist())) <= [0.0, 1.0, 2.0, 3.0]
+    >>> set(rb.sample()["obs"][:, 0].tolist()) <= {0.0, 1.0, 2.0, 3.0}
     True
     >>> rb.storage.store.clear_redis()
 """
