@@ -405,6 +405,28 @@ def test_priorities_enabled_on_a_given_store_are_used(cluster, rl):
     store.clear_redis()
 
 
+def test_state_dict_round_trip_into_another_sharded_buffer(cluster, rl):
+    """rb.state_dict() of a prioritized buffer loaded into a buffer of another td_id: the rows,
+    every shard's row count, and every row's priority come back."""
+    rb = _prio_buffer(rl, "helper", _storage(rl, cluster), batch_size=8)
+    payload = _fill(rb, [10, 4, 7])
+    valid = torch.nonzero(~torch.isnan(payload)).reshape(-1)
+    q = torch.linspace(0.2, 4.0, valid.numel(), dtype=torch.float64)
+    rb.update_priority(valid, q)
+    state = rb.state_dict()
+    other = _prio_buffer(rl, "helper", _storage(rl, cluster), batch_size=8)
+    other.load_state_dict(state)
+    a, b = rb.storage.store, other.storage.store
+    assert a.td_id != b.td_id
+    assert [s.total for s in b.ring_state().shards] == [10, 4, 7] and len(other) == 21
+    assert torch.equal(b.to_tensordict()["obs"], a.to_tensordict()["obs"])
+    assert torch.allclose(_leaves(cluster, b)[valid], _p(q), rtol=1e-9, atol=0)
+    batch = other.sample()
+    assert torch.equal(batch["obs"][:, 0].double(), payload[batch["index"]])
+    a.clear_redis()
+    b.clear_redis()
+
+
 # --------------------------------------------------------------------------- clearing
 def test_clear_through_the_storage_cleans_every_master(cluster, rl):
     storage = _storage(rl, cluster)
