@@ -171,3 +171,26 @@ def slice_learner(conn: dict[str, Any], td_id: str, slice_len: int, duration: fl
         counts["torn"] += int((batch["obs"] != expected[:, None]).any(dim=1).sum())
     rb.storage.store.close()
     return counts
+
+
+def sharded_sampler(storage: Any, prioritized: bool, alpha: float, beta: float, rounds: int) -> dict[str, list[Any]]:
+    """Samples a pickled ShardedStoreStorage (tests/test_torchrl_sharded.py) in this process:
+    a buffer of its own over the same ShardedStore; returns what it drew."""
+    from torchrl.data import ReplayBuffer
+
+    from tdstore.torchrl import ShardedStorePrioritizedSampler, ShardedStoreWriter, prioritized_replay_buffer
+
+    if prioritized:
+        rb = prioritized_replay_buffer(storage, alpha, beta, batch_size=64)
+    else:
+        rb = ReplayBuffer(storage=storage, writer=ShardedStoreWriter(), batch_size=64)
+    out: dict[str, list[Any]] = {"index": [], "obs": [], "weight": [], "len": [len(rb)], "td_id": [storage.store.td_id]}
+    for _ in range(rounds):
+        batch, info = rb.sample(return_info=True)
+        out["index"].extend(info["index"].tolist())
+        out["obs"].extend(batch["obs"][:, 0].tolist())
+        if prioritized:
+            out["weight"].extend(info["_weight"].tolist())
+    assert not prioritized or isinstance(rb._sampler, ShardedStorePrioritizedSampler)
+    storage.store.close()
+    return out

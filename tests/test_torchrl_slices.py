@@ -325,7 +325,8 @@ def test_bad_use_gives_clear_errors_and_changes_nothing(server, rl):
 
 # --------------------------------------------------------------------------- the docs
 @pytest.mark.parametrize(
-    "module", ["tdstore.torchrl", "tdstore.torchrl.storage", "tdstore.torchrl.prioritized", "tdstore.torchrl.slices"]
+    "module",
+    ["tdstore.torchrl", "tdstore.torchrl.storage", "tdstore.torchrl.prioritized", "tdstore.torchrl.slices", "tdstore.torchrl.sharded"],
 )
 def test_the_module_examples_run(redis_server, monkeypatch, module):
     """The docstring examples of tdstore.torchrl (test_docs skips them: the main run has no
@@ -339,7 +340,7 @@ def test_the_module_examples_run(redis_server, monkeypatch, module):
         runner.run(test)
     results = runner.summarize(verbose=False)
     assert results.failed == 0
-    if module in ("tdstore.torchrl", "tdstore.torchrl.slices"):
+    if module in ("tdstore.torchrl", "tdstore.torchrl.slices", "tdstore.torchrl.sharded"):
         assert results.attempted > 0
     client = redis_server.sync_client()
     try:

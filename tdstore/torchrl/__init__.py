@@ -17,6 +17,11 @@ buffer: ``ReplayBuffer(sampler=...)``, ``PrioritizedReplayBuffer(sampler=...)``,
 drawn on the server (``store.sample_slices``), and :class:`TensorDictStorePrioritizedSliceSampler`
 draws them by the priority of their start row (:mod:`tdstore.torchrl.slices`).
 
+:class:`ShardedStoreStorage`, :class:`ShardedStoreWriter` and :class:`ShardedStorePrioritizedSampler`
+do the same over a :class:`~tdstore.ShardedStore`, a buffer split over several stores (spread
+over Redis Cluster masters): appends go to one shard each, samples draw from the union of the
+shards (:mod:`tdstore.torchrl.sharded`).
+
 torchrl is an optional dependency: ``pip install 'tdstore[torchrl]'``. This module imports
 it; ``import tdstore`` does not.
 
@@ -40,6 +45,7 @@ from tdstore.torchrl.prioritized import (
     TensorDictStorePrioritizedSampler,
     prioritized_replay_buffer,
 )
+from tdstore.torchrl.sharded import ShardedStorePrioritizedSampler, ShardedStoreStorage, ShardedStoreWriter
 from tdstore.torchrl.slices import TensorDictStorePrioritizedSliceSampler, TensorDictStoreSliceSampler
 from tdstore.torchrl.storage import TensorDictStoreStorage, TensorDictStoreWriter
 
@@ -51,4 +57,7 @@ __all__ = [
     "prioritized_replay_buffer",
     "TensorDictStoreSliceSampler",
     "TensorDictStorePrioritizedSliceSampler",
+    "ShardedStoreStorage",
+    "ShardedStoreWriter",
+    "ShardedStorePrioritizedSampler",
 ]

@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from tensordict import TensorDictBase
 
 from tdstore.replay import priorities as _priorities
+from tdstore.sharded import ShardedStore
 from tdstore.store import TensorDictStore
-from tdstore.torchrl.storage import TensorDictStoreStorage, TensorDictStoreWriter
+from tdstore.torchrl.storage import TensorDictStoreStorage
 
 try:
     from torchrl.data.replay_buffers.replay_buffers import (
@@ -185,10 +187,10 @@ class TensorDictStorePrioritizedSampler(PrioritizedSampler):
         store, old = self._store, self._alpha
         self._alpha = float(value)
         if store is not None and self._alpha != old:
-            saved = _read_priorities(store)
+            saved = self._read(store)
             self._enable(store)
             if saved is not None:
-                _write_priorities(store, *saved)
+                self._write(store, *saved)
 
     @property
     def beta(self) -> float:
@@ -218,6 +220,20 @@ class TensorDictStorePrioritizedSampler(PrioritizedSampler):
         return math.nan
 
     # ------------------------------------------------------------------ the store
+    #: what this sampler's storage must be (named in the TypeError of another one)
+    _storage_name = "TensorDictStoreStorage"
+
+    def _accepts(self, storage: Storage) -> bool:
+        return isinstance(storage, TensorDictStoreStorage) and not storage._holds_shards
+
+    def _read(self, store: TensorDictStore) -> tuple[torch.Tensor, float] | None:
+        """Every row's priority and the max priority (:func:`_read_priorities`); None when off."""
+        return _read_priorities(store)
+
+    def _write(self, store: TensorDictStore, q: torch.Tensor, top: float) -> None:
+        """Writes back what :meth:`_read` read (:func:`_write_priorities`)."""
+        _write_priorities(store, q, top)
+
     def _bind(self, storage: TensorDictStoreStorage) -> None:
         """Remembers ``storage`` (no server call): state_dict() and load_state_dict() use its store."""
         self._storage_ref = weakref.ref(storage)
@@ -238,10 +254,9 @@ class TensorDictStorePrioritizedSampler(PrioritizedSampler):
         """The store of ``storage`` with priorities enabled (None before its first write)."""
         if storage is None:
             return self._store
-        if not isinstance(storage, TensorDictStoreStorage):
-            raise TypeError(
-                f"TensorDictStorePrioritizedSampler needs a TensorDictStoreStorage, got {type(storage).__name__}"
-            )
+        if not self._accepts(storage):
+            raise TypeError(f"{type(self).__name__} needs a {self._storage_name}, got {type(storage).__name__}")
+        assert isinstance(storage, TensorDictStoreStorage)
         store = storage._storage
         if store is None or store is self._store:
             return store
@@ -256,7 +271,7 @@ class TensorDictStorePrioritizedSampler(PrioritizedSampler):
         saved = None if pending is None else pending.get("priority")
         if pending is not None and isinstance(saved, torch.Tensor):
             top = pending.get("max_priority", math.nan)
-            _write_priorities(store, saved, float(top) if isinstance(top, (int, float)) else math.nan)
+            self._write(store, saved, float(top) if isinstance(top, (int, float)) else math.nan)
 
     # ------------------------------------------------------------------ sampling
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -278,6 +293,13 @@ class TensorDictStorePrioritizedSampler(PrioritizedSampler):
                 raise
             self._enable(store)  # turned off meanwhile (disable_priorities() from another process)
             batch, info = store.sample(batch_size, prioritized=True, return_info=True, generator=self._rng)
+        return self._pass_rows(storage, batch, info)
+
+    def _pass_rows(
+        self, storage: TensorDictStoreStorage, batch: TensorDictBase, info: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Hands the rows read with the draw to ``storage`` (its next ``get`` of ``index`` returns
+        them), remembers their generations; returns ``(index, info)`` as TorchRL's sampler does."""
         index = info["index"]
         if storage.device != "auto" and torch.device(storage.device).type != "cpu":
             index = index.to(storage.device)  # (the buffer moves it there before storage.get)
@@ -355,7 +377,7 @@ class TensorDictStorePrioritizedSampler(PrioritizedSampler):
         """The settings, and (once used with a storage) every row's priority and the max priority."""
         state: dict[str, object] = {"alpha": self._alpha, "beta": self._beta, "eps": self._eps, "arity": self._arity}
         store = self._known_store()
-        read = None if store is None else _read_priorities(store)
+        read = None if store is None else self._read(store)
         if read is not None:
             state["priority"], state["max_priority"] = read
         elif self._pending is not None and "priority" in self._pending:
@@ -406,8 +428,11 @@ class TensorDictStorePrioritizedReplayBuffer(TensorDictPrioritizedReplayBuffer):
     TorchRL's class builds its own ``PrioritizedSampler`` (which needs TorchRL's C++
     extension) and takes no ``sampler=``; this subclass takes the same arguments and uses the
     server-side sampler instead, with a :class:`TensorDictStoreWriter` unless ``writer=`` is
-    given. ``storage`` must be a :class:`TensorDictStoreStorage`. ``sync=False`` is not
-    supported (every process samples from the server's priorities).
+    given. ``storage`` must be a :class:`TensorDictStoreStorage`, or a
+    :class:`~tdstore.torchrl.ShardedStoreStorage` (then the sampler is a
+    :class:`~tdstore.torchrl.ShardedStorePrioritizedSampler` and the writer a
+    :class:`~tdstore.torchrl.ShardedStoreWriter`). ``sync=False`` is not supported (every
+    process samples from the server's priorities).
     """
 
     def __init__(
@@ -433,20 +458,31 @@ class TensorDictStorePrioritizedReplayBuffer(TensorDictPrioritizedReplayBuffer):
         self._sync = True
         self._prioritized_sampler = None
         self._prioritized_sampler_write_count = 0
-        sampler = TensorDictStorePrioritizedSampler(alpha, beta, eps, reduction=reduction)
-        sampler._bind(storage)
+        sampler = _sampler_for(storage, alpha, beta, eps, reduction)
         TensorDictReplayBuffer.__init__(
             self,
             priority_key=priority_key,
             storage=storage,
             sampler=sampler,
-            writer=writer if writer is not None else TensorDictStoreWriter(),
+            writer=writer if writer is not None else storage._default_writer(),
             **kwargs,
         )
 
 
+def _sampler_for(
+    storage: TensorDictStoreStorage, alpha: float, beta: float, eps: float, reduction: str = "max"
+) -> TensorDictStorePrioritizedSampler:
+    """The prioritized sampler of ``storage``'s kind (one store, or a ShardedStore), bound to it."""
+    from tdstore.torchrl.sharded import ShardedStorePrioritizedSampler  # (that module imports this one)
+
+    kind = ShardedStorePrioritizedSampler if storage._holds_shards else TensorDictStorePrioritizedSampler
+    sampler = kind(alpha, beta, eps, reduction=reduction)
+    sampler._bind(storage)
+    return sampler
+
+
 def prioritized_replay_buffer(
-    storage: TensorDictStoreStorage,
+    storage: TensorDictStoreStorage | ShardedStore,
     alpha: float,
     beta: float,
     eps: float = 1e-8,
@@ -463,7 +499,21 @@ def prioritized_replay_buffer(
     ``"priority_weight"`` and ``"generation"``; ``rb.update_tensordict_priority(batch)`` reads
     ``priority_key``). ``tensordict=False``: TorchRL's ``PrioritizedReplayBuffer`` given a
     :class:`TensorDictStorePrioritizedSampler`. Both append through a :class:`TensorDictStoreWriter`.
+
+    ``storage`` may also be a :class:`~tdstore.torchrl.ShardedStoreStorage` or a
+    :class:`~tdstore.ShardedStore` (wrapped in one): the buffer then samples the union of
+    the shards with a :class:`~tdstore.torchrl.ShardedStorePrioritizedSampler` and appends
+    through a :class:`~tdstore.torchrl.ShardedStoreWriter`.
     """
+    if isinstance(storage, ShardedStore):
+        from tdstore.torchrl.sharded import ShardedStoreStorage  # (that module imports this one)
+
+        storage = ShardedStoreStorage(store=storage)
+    if not isinstance(storage, TensorDictStoreStorage):
+        raise TypeError(
+            "prioritized_replay_buffer() needs a TensorDictStoreStorage, a ShardedStoreStorage or a ShardedStore, "
+            f"got {type(storage).__name__}"
+        )
     if tensordict:
         return TensorDictStorePrioritizedReplayBuffer(
             alpha=alpha,
@@ -474,8 +524,7 @@ def prioritized_replay_buffer(
             batch_size=batch_size,
             **kwargs,  # type: ignore[arg-type]  # (TorchRL's keywords, passed on)
         )
-    sampler = TensorDictStorePrioritizedSampler(alpha, beta, eps)
-    sampler._bind(storage)
+    sampler = _sampler_for(storage, alpha, beta, eps)
     rb = PrioritizedReplayBuffer(
         alpha=alpha,
         beta=beta,
@@ -485,5 +534,5 @@ def prioritized_replay_buffer(
         batch_size=batch_size,
         **kwargs,
     )
-    rb.set_writer(TensorDictStoreWriter())
+    rb.set_writer(storage._default_writer())
     return rb

@@ -184,7 +184,7 @@ class _Slices:
 
 
 def _store_of(who: str, storage: Storage) -> tuple[TensorDictStoreStorage, TensorDictStore]:
-    if not isinstance(storage, TensorDictStoreStorage):
+    if not isinstance(storage, TensorDictStoreStorage) or storage._holds_shards:
         raise TypeError(f"{who} needs a TensorDictStoreStorage, got {type(storage).__name__}")
     store = storage._storage
     if store is None:

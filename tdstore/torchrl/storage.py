@@ -6,7 +6,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
@@ -99,6 +99,8 @@ class TensorDictStoreStorage(TensorStorage):
     """
 
     _default_checkpointer = _StateDictCheckpointer  # TensorStorage's memmaps the tensors in place
+    #: the rows live in a ShardedStore (tdstore/torchrl/sharded.py): samplers of one store refuse it
+    _holds_shards: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -150,20 +152,26 @@ class TensorDictStoreStorage(TensorStorage):
             raise RuntimeError("TensorDictStoreStorage holds no store yet: write some data first")
         return self._storage
 
-    def _ensure_store(self, data: TensorDictBase, batched: bool) -> TensorDictStore:
-        if self._storage is not None:
-            return self._storage
+    def _schema_of(
+        self, data: TensorDictBase, batched: bool
+    ) -> tuple[dict[NestedKey, tuple[list[int], torch.dtype]], list[int]]:
+        """The entries (``{key: (element shape, dtype)}``) and inner batch dims of the store made for ``data``."""
         nb = 1 if batched else 0
         schema: dict[NestedKey, tuple[list[int], torch.dtype]] = {}
         for key, value in data.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
             if not isinstance(value, torch.Tensor):
                 raise SchemaError(
-                    f"TensorDictStoreStorage stores tensor entries only; entry {key!r} is a {type(value).__name__}"
+                    f"{type(self).__name__} stores tensor entries only; entry {key!r} is a {type(value).__name__}"
                 )
             schema[key] = (list(value.shape[data.batch_dims :]), value.dtype)
         if not schema:
-            raise SchemaError("TensorDictStoreStorage: the first data written has no tensor entry")
-        inner = list(data.batch_size[nb:])
+            raise SchemaError(f"{type(self).__name__}: the first data written has no tensor entry")
+        return schema, list(data.batch_size[nb:])
+
+    def _ensure_store(self, data: TensorDictBase, batched: bool) -> TensorDictStore:
+        if self._storage is not None:
+            return self._storage
+        schema, inner = self._schema_of(data, batched)
         kwargs = dict(self._store_kwargs)
         if self._td_id is not None:
             kwargs["td_id"] = self._td_id
@@ -337,10 +345,7 @@ class TensorDictStoreStorage(TensorStorage):
         """Writes the rows of ``state_dict`` into the store and restores its row counter."""
         from tensordict import TensorDict
 
-        for entity in self._attached_entities_iter():  # (a buffer loads its sampler next: it finds this storage)
-            sampler = getattr(entity, "_sampler", None)
-            if sampler is not None and getattr(sampler, "_binds_to_store_storage", False):
-                sampler._bind(self)  # (a TensorDictStorePrioritizedSampler)
+        self._bind_samplers()
         if not state_dict.get("initialized"):
             self._empty()
             return
@@ -355,6 +360,17 @@ class TensorDictStoreStorage(TensorStorage):
         store.set_ring_total(int(state_dict.get("total", state_dict["_len"])))
         self._local_len = int(state_dict["_len"])
         self._bump_mutation_revision()
+
+    def _bind_samplers(self) -> None:
+        """Before a load: a buffer loads its sampler next, which then finds this storage."""
+        for entity in self._attached_entities_iter():
+            sampler = getattr(entity, "_sampler", None)
+            if sampler is not None and getattr(sampler, "_binds_to_store_storage", False):
+                sampler._bind(self)  # (a TensorDictStorePrioritizedSampler)
+
+    def _default_writer(self) -> TensorDictStoreWriter:
+        """The writer a buffer built for this storage appends with (prioritized_replay_buffer)."""
+        return TensorDictStoreWriter()
 
     def __getstate__(self) -> dict[str, object]:
         # Storage.__getstate__ swaps the shared counters for plain values; the store pickles by td_id
@@ -398,13 +414,17 @@ class TensorDictStoreWriter(Writer):
 
     def add(self, data: Any) -> int:
         data = _as_tensordict(data, "add")
-        index = self._storage.extend(data.unsqueeze(0) if data.batch_dims == 0 else data[None])
+        index = self._append(data.unsqueeze(0) if data.batch_dims == 0 else data[None])
         self._write_count += 1
         self._mark_update_entities(index[0])
         return int(index[0])
 
+    def _append(self, data: object) -> torch.Tensor:
+        """One append through the storage (ShardedStoreWriter passes its shard)."""
+        return self._storage.extend(data)  # type: ignore[no-any-return]
+
     def extend(self, data: object) -> torch.Tensor:
-        index = self._storage.extend(data)
+        index = self._append(data)
         self._write_count += index.numel()
         self._mark_update_entities(index)
         return index
