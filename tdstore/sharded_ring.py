@@ -180,11 +180,19 @@ class ShardedRing:
         prioritized: bool = False,
         return_info: bool = False,
         skip_unavailable: bool = False,
+        drawn_first: bool = True,
     ) -> TensorDictBase | tuple[TensorDictBase, dict[str, torch.Tensor]]:
-        """``n`` rows drawn (with replacement) from the union of the shards: see the module docstring."""
+        """``n`` rows drawn (with replacement) from the union of the shards: see the module docstring.
+
+        ``drawn_first``: where every shard is known full, try :meth:`_sample_drawn_first` first."""
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
             raise ValueError(f"sample() from {self._where()}: n must be an int >= 1, got {n!r}")
         n = int(n)
+        if drawn_first and not prioritized and all(s._conn.ring_full for s in self._shards):
+            fast = self._sample_drawn_first(n, generator, skip_unavailable)
+            if fast is not None:
+                batch, index = fast
+                return (batch, {"index": index}) if return_info else batch
         what = "sample(prioritized=True)" if prioritized else "sample()"
         everyone = list(range(len(self._shards)))
         # 1. the weight of each shard: its valid rows, or its priority mass (one parallel round)
@@ -304,6 +312,47 @@ class ShardedRing:
         batch = batch[shuffle]
         info = {k: v[shuffle] for k, v in info.items()}
         return (batch, info) if return_info else batch
+
+    def _sample_drawn_first(
+        self, n: int, generator: torch.Generator | None, skip_unavailable: bool
+    ) -> tuple[TensorDictBase, torch.Tensor] | None:
+        """A uniform sample of the union of full shards, one server step per shard: the rows
+        are drawn among all rows of all shards (a shard in proportion to its capacity), each
+        shard's read in one snapshot with its flags (:func:`~tdstore.store.ring.read_drawn`),
+        and the rows found not written are drawn again from the union by the general path
+        (rejection: every row of the batch is uniform over the written rows of all shards).
+        None when a shard's snapshot shows it not full or rate-limited, or (skipping) one
+        failed: the general path then samples."""
+        caps = torch.tensor([float(s.batch_size[0]) for s in self._shards], dtype=torch.float64)
+        counts = torch.bincount(
+            torch.multinomial(caps, n, replacement=True, generator=generator), minlength=len(self._shards)
+        ).tolist()
+        asked = [s for s, c in enumerate(counts) if c > 0]
+        rows = {s: torch.randint(0, int(caps[s]), (counts[s],), generator=generator) for s in asked}
+        got = self._all(lambda s: _ring.read_drawn(self._shards[s], rows[s]), asked)
+        batches: list[TensorDictBase] = []
+        index: list[torch.Tensor] = []
+        rejected = 0
+        for shard, part in zip(asked, got, strict=True):
+            if isinstance(part, _Failed):
+                if not skip_unavailable:
+                    raise self._unavailable(shard, part.error) from part.error
+                return None
+            if part is None:
+                return None
+            batch, idx, ok = part
+            keep = ok.nonzero().flatten()
+            batches.append(batch if keep.numel() == ok.numel() else batch[keep])
+            index.append(idx[keep] + shard * self._block_rows)
+            rejected += ok.numel() - keep.numel()
+        if rejected:
+            extra, info = self.sample(
+                rejected, generator=generator, return_info=True, skip_unavailable=skip_unavailable, drawn_first=False
+            )  # type: ignore[misc]
+            batches.append(extra)
+            index.append(info["index"])
+        shuffle = torch.randperm(n, generator=generator)
+        return torch.cat(batches)[shuffle], torch.cat(index)[shuffle]
 
     # ------------------------------------------------------------------ priorities
     def enable_priorities(self, alpha: float, beta: float, eps: float, arity: int) -> None:

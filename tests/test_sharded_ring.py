@@ -162,6 +162,57 @@ def test_uniform_sample_is_uniform_over_the_union(server, request):
     buf.close()
 
 
+@pytest.mark.parametrize("server", ["redis", "cluster"], indirect=True)
+def test_full_shards_are_sampled_drawn_first_and_uniform_over_their_written_rows(server, request, monkeypatch):
+    """Two full shards of 20 rows, 6 rows of the first reserved again by an appender that
+    died: no flags read first, and every written row equally likely over the union (the
+    rows drawn unwritten are drawn again from the union; chi-square)."""
+    from test_append_flags import dead_reservation
+
+    from tdstore._backend import append as _append
+
+    buf = ShardedStore.from_schema(_SCHEMA, batch_size=[40], block_rows=20, **server.connection_kwargs())
+    buf.extend(w.tagged_rows(1, 0, 20), shard=0)
+    buf.extend(w.tagged_rows(1, 1, 10), shard=1)  # (a shard of 20 rows, half of them: not full)
+    buf.blocks[1].set_ring_total(20)  # ... now counted full: rows 10-19 hold zeros, flagged
+    buf.sample(4)  # (the two-step sample: each shard now known full)
+    assert all(b._conn.ring_full for b in buf.blocks)
+    monkeypatch.setattr("test_append_flags.CAP", 20)  # (the helper's ring size)
+    assert dead_reservation(buf.blocks[0], 6) == 20  # rows 0-5 of shard 0: not written
+    flag_reads: list[int] = []
+    real = _append.ring_flags
+
+    async def counted(*args, **kwargs):
+        flag_reads.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(_append, "ring_flags", counted)
+    g = torch.Generator().manual_seed(8)
+    counts = torch.zeros(40, dtype=torch.float64)
+    draws = calls = 0
+    while draws < 100_000:
+        batch, info = buf.sample(5_000, return_info=True, generator=g)
+        counts += torch.bincount(info["index"], minlength=40).double()
+        draws += 5_000
+        calls += 1
+        assert torch.equal(batch["v"][:, 0], batch["tag"])  # each row whole
+    written = torch.ones(40, dtype=torch.bool)
+    written[0:6] = False
+    assert float(counts[~written].sum()) == 0, "a row not written was drawn"
+    # the rows drawn unwritten are drawn again by the two-step path: one flags read per shard per call at most
+    assert len(flag_reads) <= 2 * calls
+    p = chi_square_p(counts[written], torch.full((34,), draws / 34, dtype=torch.float64))
+    _record(request, draws=draws, chi_square_p=f"{p:.4f}", flag_reads=len(flag_reads), calls=calls)
+    assert p > 0.001
+    flag_reads.clear()
+    for _ in range(5):
+        buf.blocks[0].extend(w.tagged_rows(1, 2, 6))  # the dead rows written: nothing to draw again
+    buf.sample(64)
+    assert flag_reads == [], "full shards with every row written were read in two steps"
+    buf.clear_redis()
+    buf.close()
+
+
 @pytest.mark.parametrize("server", ["redis"], indirect=True)
 def test_prioritized_sample_and_weights_are_over_the_union(server, request):
     buf = _buf(server, rows=60, block_rows=20)

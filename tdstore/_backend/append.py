@@ -63,7 +63,7 @@ from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
-from tdstore._core.layout import Command
+from tdstore._core.layout import Arg, Command
 from tdstore.errors import (
     CorruptMetadataError,
     DataLostError,
@@ -567,6 +567,30 @@ async def ring_flags(client: AsyncClient, keys: StoreKeys, capacity: int, whole:
     _check_flags_reply(keys, flags)
     lv, limited = (meta[0], meta[1] is not None) if isinstance(meta, list) else (None, False)
     return cursor, lv, int(exists or 0), flags, limited
+
+
+def draw_check_prefix(keys: StoreKeys, capacity: int, rows: Sequence[int], whole: bool) -> list[Command]:
+    """Read commands for the snapshot of a sample's rows drawn before their flags were read
+    (``store/ring.py``): the cursor, the meta field "lim" (a rate limiter is set) and the flags,
+    of the whole ring (``whole``: one GETRANGE) or of ``rows`` (one BITFIELD)."""
+    if whole:
+        flags: Command = ("GETRANGE", keys.flags, 0, max(capacity - 1, 0))
+    else:
+        args: list[Arg] = []
+        for r in rows:
+            args += ["GET", "u8", f"#{r}"]
+        flags = ("BITFIELD", keys.flags, *args)
+    return [("GET", keys.ring), ("HGET", keys.meta, "lim"), flags]
+
+
+def parse_draw_check(keys: StoreKeys, replies: Sequence[object]) -> tuple[object, bool, object]:
+    """The replies of :func:`draw_check_prefix`: ``(cursor, limited, flags)``."""
+    cursor, lim, flags = replies
+    for reply in (cursor, lim):
+        if isinstance(reply, Exception):
+            raise CorruptMetadataError(f"the ring counters of the store {keys.base} cannot be read: {reply}")
+    _check_flags_reply(keys, flags)
+    return cursor, lim is not None, flags
 
 
 async def flag_bytes(client: AsyncClient, keys: StoreKeys, rows: Sequence[int]) -> list[int]:

@@ -204,6 +204,9 @@ class Connection:
         self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
         self.direct_slot = ArmedSlot()  # ... and the direct client's
         self.append_slot = ArmedSlot()  # the direct client's armed appends (tdstore/_backend/append.py)
+        #: the last read of the ring showed it full and without a rate limiter: sample() draws
+        #: its rows before reading their flags (tdstore/store/ring.py)
+        self.ring_full = False
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
         redis_kwargs = dict(redis_kwargs)
@@ -391,6 +394,7 @@ class Connection:
         self.armed_slot = ArmedSlot()
         self.direct_slot = ArmedSlot()
         self.append_slot = ArmedSlot()
+        self.ring_full = False
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
         self._client_class = state["client_class"]

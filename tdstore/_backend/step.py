@@ -24,7 +24,7 @@ from tdstore._backend.translate import translate
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import Arg, Command
 
-__all__ = ["ReadStep", "run_async", "run_blocking", "read_snapshot"]
+__all__ = ["ReadStep", "with_prefix", "run_async", "run_blocking", "read_snapshot"]
 
 T = TypeVar("T")
 
@@ -47,6 +47,23 @@ class ReadStep(Generic[T]):
     parse: Callable[[list[Any]], T]
     commands: Sequence[Command] = ()
     script: tuple[str, list[str], list[Arg]] | None = None
+
+
+def with_prefix(step: ReadStep[T], prefix: Sequence[Command], sink: Callable[[list[object]], None]) -> ReadStep[T]:
+    """``step`` with the read commands ``prefix`` first, in the same snapshot: ``sink`` gets
+    their replies (errors as values) before ``step`` parses its own. A ``"packet"`` step
+    becomes a snapshot (a stronger guarantee than its order); a ``"script"`` one stays as it
+    is, without the prefix, and ``sink`` is then not called."""
+    if not prefix or step.how == "script":
+        return step
+    count = len(prefix)
+    inner = step.parse
+
+    def parse(replies: list[object]) -> T:
+        sink(replies[:count])
+        return inner(replies[count:])
+
+    return ReadStep("snapshot", parse, [*prefix, *step.commands])
 
 
 async def _exec(pipe: AsyncPipeline) -> list[Any]:

@@ -21,6 +21,7 @@ from tdstore._backend import append as _append
 from tdstore._backend import large as _large
 from tdstore._backend import ops as _backend
 from tdstore._backend import reads as _run_reads
+from tdstore._backend import step as _step
 from tdstore._backend import transfer as _transfer
 from tdstore._backend.lease import ReadLease
 from tdstore._backend.optimistic import Retry, optimistic
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from tensordict.utils import DeviceType, IndexType
 
     from tdstore._backend.protocols import AsyncClient
+    from tdstore._core.layout import Command
 
 __all__ = ["StoreReads"]
 
@@ -388,7 +390,14 @@ class StoreReads(DenseBase):
         layout.memo[key] = plan
         return plan
 
-    def _read_index(self, index: IndexType, only: tuple[str, ...] | None = None) -> TensorDictBase | torch.Tensor:
+    def _read_index(
+        self, index: IndexType, only: tuple[str, ...] | None = None,
+        prefix: Sequence[Command] = (), sink: Callable[[list[object]], None] | None = None,
+    ) -> TensorDictBase | torch.Tensor:
+        """``self[index]`` (or, ``only``, one entry of it). ``prefix``: read commands sent first
+        in the same snapshot as the rows, their replies given to ``sink`` (see
+        :func:`~tdstore._backend.step.with_prefix`; a read that ends up another way, such as
+        a small store read whole under churn, does not call ``sink``)."""
         conn = self._conn
         asked = index
         index = normalize_index(index)
@@ -441,7 +450,9 @@ class StoreReads(DenseBase):
             sizes = self._entry_sizes(layout, plan)
             try:
                 lv, parts = conn.read_step(
-                    lambda r: _run_reads.runs_step(conn.keys, r, plans, gathers, sizes),
+                    lambda r: _step.with_prefix(_run_reads.runs_step(conn.keys, r, plans, gathers, sizes), prefix, sink)
+                    if sink is not None
+                    else _run_reads.runs_step(conn.keys, r, plans, gathers, sizes),
                 )
             except _run_reads.SizeMismatch as bad:
                 if bad.lv == layout.lv:

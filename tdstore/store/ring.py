@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
 
 __all__ = [
-    "RingState", "Flags", "extend", "ring_state", "set_ring_total", "sample", "read_flags", "written_count", "draw_written",
+    "RingState", "Flags", "extend", "ring_state", "set_ring_total", "sample", "sample_drawn_first", "read_drawn", "read_flags",
+    "written_count", "draw_written",
 ]
 
 
@@ -191,8 +192,78 @@ def sample(
     if prioritized:
         batch, info = _priorities.sample(store, n, generator=generator)
         return (batch, info) if return_info else batch
-    idx = draw_written(store, n, generator)
-    return (store[idx], {"index": idx}) if return_info else store[idx]
+    got = sample_drawn_first(store, n, generator) if store._conn.ring_full else None
+    if got is not None:
+        batch, idx = got
+    else:
+        idx = draw_written(store, n, generator)
+        batch = store[idx]
+    return (batch, {"index": idx}) if return_info else batch
+
+
+def sample_drawn_first(store: TensorDictStore, n: int, generator: torch.Generator | None) -> tuple[TensorDictBase, torch.Tensor] | None:
+    """A uniform sample of a full ring in one server step: ``n`` rows drawn among all its
+    rows and read by :func:`read_drawn`; a row whose flag is clear (an append in flight, or
+    one that died between its two steps) is drawn again by :func:`draw_written` and read
+    (rejection: each row is uniform among the written ones). None, with nothing kept, when
+    the snapshot shows the ring not full or rate-limited: the caller reads the flags first."""
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    if capacity < 1:
+        return None
+    got = read_drawn(store, torch.randint(0, capacity, (n,), generator=generator))
+    if got is None:
+        return None
+    batch, idx, ok = got
+    if bool(ok.all()):
+        return batch, idx
+    again = (~ok).nonzero().flatten()
+    redrawn = draw_written(store, again.numel(), generator)
+    kept = ok.nonzero().flatten()
+    order = torch.argsort(torch.cat([kept, again]))
+    out = torch.cat([batch[kept], store[redrawn]])[order]  # type: ignore[index]
+    return out, torch.cat([idx[kept], redrawn])[order]
+
+
+def read_drawn(store: TensorDictStore, idx: torch.Tensor) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor] | None:
+    """Rows ``idx`` of a full ring, drawn before their flags were read, read in one snapshot
+    with the cursor, the rate-limiter mark and their flags: ``(batch, idx, written)``, where
+    ``written[i]`` says whether row ``idx[i]`` was flagged as written (the others are to be
+    drawn again). None when the snapshot shows the ring not full, rate-limited, or without
+    flags (nothing drawn is kept: the caller reads the flags first); it then also clears
+    the connection's ``ring_full``."""
+    conn = store._conn
+    keys = conn.keys
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    n = idx.numel()
+    whole = capacity <= _FLAGS_READ_MAX
+    seen: list[list[object]] = []
+    prefix = _append_mod.draw_check_prefix(keys, capacity, [] if whole else idx.tolist(), whole)
+    batch = store._read_index(idx, prefix=prefix, sink=seen.append)
+    if not seen:  # (read another way: a small store under churn is read whole)
+        return None
+    cursor, limited, flags = _append_mod.parse_draw_check(keys, seen[-1])
+    if limited or _append_mod.parse_cursor(cursor, keys) < capacity or not flags:
+        conn.ring_full = False  # (no flags: a ring appended to before they existed, read as such)
+        return None
+    if whole:
+        marks = torch.frombuffer(bytearray(_flag_bytes(store, flags)), dtype=torch.uint8)
+        if marks.numel() < capacity:
+            raise CorruptMetadataError(
+                f"sample() from {store._where()}: the row flags {keys.flags} hold {marks.numel()} bytes, "
+                f"not one per row of the ring's {capacity}"
+            )
+        ok = marks[idx] == 1
+    else:
+        if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
+            raise CorruptMetadataError(
+                f"sample() from {store._where()}: the row flags {keys.flags} hold bytes other than 0 and 1"
+            )
+        if not any(flags):
+            conn.ring_full = False
+            return None  # (no row drawn is written: the flags may be gone; read them first)
+        ok = torch.tensor(flags, dtype=torch.bool)
+    return batch, idx, ok  # type: ignore[return-value]
+
 
 class Flags(NamedTuple):
     """One snapshot of a ring's row flags (:func:`read_flags`): what a uniform draw chooses among."""
@@ -211,10 +282,12 @@ def read_flags(store: TensorDictStore) -> Flags:
     cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, conn.keys, capacity, whole))
     if lv is None:
         raise store._not_found()
+    # (the next sample may draw first: see sample_drawn_first)
+    conn.ring_full = bool(exists) and not limited and capacity > 0 and _append_mod.parse_cursor(cursor, conn.keys) >= capacity
     return Flags(cursor, exists, flags, limited)
 
 
-def _flag_bytes(store: TensorDictStore, flags: bytes | int | None) -> bytes:
+def _flag_bytes(store: TensorDictStore, flags: object) -> bytes:
     if not isinstance(flags, bytes) or flags.translate(None, b"\x00\x01"):
         raise CorruptMetadataError(
             f"sample() from {store._where()}: the row flags {store._conn.keys.flags} hold bytes other than 0 and 1"

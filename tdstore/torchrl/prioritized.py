@@ -469,13 +469,26 @@ class TensorDictStorePrioritizedReplayBuffer(TensorDictPrioritizedReplayBuffer):
         )
 
 
+#: The sampler and the storage of a ShardedStore, registered by tdstore/torchrl/sharded.py
+#: (which imports this module: importing it back would be a cycle). Importing this module
+#: runs ``tdstore/torchrl/__init__.py`` first, which imports both, so they are always set.
+_SHARDED: dict[str, type] = {}
+
+
+def register_sharded(sampler: type[TensorDictStorePrioritizedSampler], storage: type[TensorDictStoreStorage]) -> None:
+    """Called by tdstore/torchrl/sharded.py: the classes :func:`prioritized_replay_buffer` uses for a ShardedStore."""
+    _SHARDED["sampler"], _SHARDED["storage"] = sampler, storage
+
+
+def _sharded(what: str) -> type:
+    return _SHARDED[what]  # (importing this module runs tdstore/torchrl/__init__.py, which imports sharded.py)
+
+
 def _sampler_for(
     storage: TensorDictStoreStorage, alpha: float, beta: float, eps: float, reduction: str = "max"
 ) -> TensorDictStorePrioritizedSampler:
     """The prioritized sampler of ``storage``'s kind (one store, or a ShardedStore), bound to it."""
-    from tdstore.torchrl.sharded import ShardedStorePrioritizedSampler  # (that module imports this one)
-
-    kind = ShardedStorePrioritizedSampler if storage._holds_shards else TensorDictStorePrioritizedSampler
+    kind = _sharded("sampler") if storage._holds_shards else TensorDictStorePrioritizedSampler
     sampler = kind(alpha, beta, eps, reduction=reduction)
     sampler._bind(storage)
     return sampler
@@ -506,9 +519,7 @@ def prioritized_replay_buffer(
     through a :class:`~tdstore.torchrl.ShardedStoreWriter`.
     """
     if isinstance(storage, ShardedStore):
-        from tdstore.torchrl.sharded import ShardedStoreStorage  # (that module imports this one)
-
-        storage = ShardedStoreStorage(store=storage)
+        storage = _sharded("storage")(store=storage)
     if not isinstance(storage, TensorDictStoreStorage):
         raise TypeError(
             "prioritized_replay_buffer() needs a TensorDictStoreStorage, a ShardedStoreStorage or a ShardedStore, "

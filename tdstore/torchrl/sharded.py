@@ -46,7 +46,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from tdstore.errors import SchemaError, StoreExistsError, StoreNotFoundError
 from tdstore.sharded import ShardedStore
-from tdstore.torchrl.prioritized import TensorDictStorePrioritizedSampler, _read_priorities, _write_priorities
+from tdstore.torchrl.prioritized import (
+    TensorDictStorePrioritizedSampler,
+    _read_priorities,
+    _write_priorities,
+    register_sharded,
+)
 from tdstore.torchrl.storage import TensorDictStoreStorage, TensorDictStoreWriter, _as_tensordict
 
 if TYPE_CHECKING:
@@ -491,3 +496,6 @@ class ShardedStorePrioritizedSampler(TensorDictStorePrioritizedSampler):
         assert isinstance(got, tuple)
         batch, info = got
         return self._pass_rows(storage, batch, info)
+
+
+register_sharded(ShardedStorePrioritizedSampler, ShardedStoreStorage)
