@@ -272,6 +272,73 @@ def test_a_reply_lost_after_the_write_is_an_unknown_outcome_not_a_second_append(
     assert store.extend(batch(2.0, 1)).tolist() == [2]  # the store goes on
 
 
+def test_a_reply_lost_during_the_reserve_step_sends_the_append_again_once(store, monkeypatch):
+    """The IO-loop driver: the connection dies after the server ran the reserve script,
+    before its reply came back. No row was written yet, so the append is sent again
+    (ReserveReplyLost, retried as nothing applied): it succeeds once, in new rows; the first
+    reservation's rows are left as a dead appender's (unflagged, never sampled, counted by total)."""
+    monkeypatch.setattr(type(store._conn), "direct_client", lambda self: None)
+    _lose_the_reserve_reply(store, monkeypatch)
+
+
+def test_a_reply_lost_during_the_reserve_step_of_a_direct_append(real_server, monkeypatch):
+    """The same through the blocking driver of the calling thread (real servers: fakeredis
+    has no direct client), whose failure goes on through the IO loop."""
+    s = TensorDictStore.from_schema({"x": ([2], torch.float32), "y": ([], torch.float32)}, batch_size=[CAP],
+                                    **real_server.connection_kwargs())
+    try:
+        assert s._conn.direct_client() is not None  # (the driver this test is for)
+        _lose_the_reserve_reply(s, monkeypatch)
+    finally:
+        s.clear_redis()
+        s.close()
+
+
+def _lose_the_reserve_reply(store, monkeypatch) -> None:
+    import redis.exceptions
+
+    from tdstore._backend import wire
+
+    lost = []
+
+    def reserves(commands) -> bool:
+        return any(str(command[0]).upper() == "EVALSHA" for command in commands) and not any(
+            str(command[0]).upper() == "SETRANGE" for command in commands
+        )
+
+    real_async, real_sync = wire.exchange, wire.exchange_sync
+
+    async def exchange_then_lose(connection, commands):
+        replies = await real_async(connection, commands)  # the server runs it
+        if reserves(commands) and not lost:
+            lost.append(1)
+            await connection.disconnect()
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return replies
+
+    def exchange_sync_then_lose(connection, commands):
+        replies = real_sync(connection, commands)
+        if reserves(commands) and not lost:
+            lost.append(1)
+            connection.disconnect()
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return replies
+
+    monkeypatch.setattr(wire, "exchange", exchange_then_lose)
+    monkeypatch.setattr(wire, "exchange_sync", exchange_sync_then_lose)
+    store._conn.append_slot.cool = 10**6  # (never armed: every append takes the two steps)
+    got = store.extend(batch(1.0, 2))
+    monkeypatch.setattr(wire, "exchange", real_async)
+    monkeypatch.setattr(wire, "exchange_sync", real_sync)
+    assert lost == [1]
+    assert got.tolist() == [2, 3], "the append was sent again into the rows after its first reservation"
+    state = store.ring_state()
+    assert (state.valid, state.total) == (2, 4)  # written once; rows 0-1 reserved, never written
+    assert store["y"].tolist() == [0.0, 0.0, 1.0, 1.0] + [0.0] * (CAP - 4)
+    assert set(store.sample(200, return_info=True)[1]["index"].tolist()) == {2, 3}
+    assert store.extend(batch(2.0, 1)).tolist() == [4]
+
+
 def test_a_damaged_counter_fails_the_append_once_and_clearly(store, server):
     """A key of the store holding another type (here the append counters): the write's MULTI
     ran but for that command; the append is reported once, never sent again."""

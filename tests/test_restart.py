@@ -253,11 +253,10 @@ def test_writers_through_crash_restarts_never_half_apply(kind, request):
         # (an append whose reserve step ran before the server went down past the retry policy raises
         # ServerUnavailableError: its rows are taken, never flagged, so never read; they count here)
         raised_appends = sum(1 for log in logs for _, k, _kd, o in log if o == "raised" and k % 3 == 2)
-        # KNOWN ISSUE (roadmap, not the contract): about one run in several, under load, a crash
-        # leaves one append acknowledged once with a second reservation of its size before it,
-        # taken, never flagged, never read (redis and valkey: total=550 for 274 acknowledged
-        # appends of 2 rows, none unknown or raised). No row is lost, torn or doubled (checked
-        # above); the cursor counts the orphaned rows. Bounded here by one per writer per crash.
+        # (and an append whose connection broke while its reserve step was in flight is sent
+        # again, docs/guarantees.md: the reserve, if it ran, left its rows as a dead appender's,
+        # counted by total; seen once in a loaded run: total=550 for 274 acknowledged appends of
+        # 2 rows, none unknown or raised. At most one per writer per crash)
         orphaned = nwriters * (restarts + 1)
         assert state.total >= 2 * appended_ok
         assert state.total <= 2 * (appended_ok + unknown + raised_appends + orphaned), (state, appended_ok, unknown)

@@ -61,6 +61,7 @@ from tdstore._backend.drive import Checkout, ConnOp, Discard, Exchange, Release,
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.translate import ReserveReplyLost
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
 from tdstore._core.layout import Arg, Command
@@ -479,7 +480,12 @@ def _append_op(client: SyncClient | AsyncClient, sha: str, plan: AppendPlan, slo
         yield Discard(client, connection)
         if sent_write:
             raise _connection_broke(plan, err) from err
-        raise
+        if isinstance(err, redis.exceptions.TimeoutError):
+            raise  # (a slow server: reported as the call's timeout, never sent again)
+        # the reserve step was in flight: the append may be sent again (ReserveReplyLost)
+        raise ReserveReplyLost(
+            f"the connection broke during the reserve step of an append to {plan.keys.base}: {err}"
+        ) from err
     except BaseException:
         yield Discard(client, connection)  # forgets the WATCH
         raise

@@ -293,6 +293,14 @@ class RetryRule(_Row):
 
 _LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
+
+class ReserveReplyLost(redis.exceptions.ConnectionError):
+    """The connection broke while an append's reserve step (tdstore/_backend/append.py) was in
+    flight, before any of its rows was written. Sending the append again is safe: a reserve
+    that did run leaves its rows unflagged, as an appender that died between its two steps
+    does (never sampled, taken over when the ring comes round, counted by
+    ``ring_state().total``), and the append writes its rows once, in the rows it reserves next."""
+
 #: Failures -> retry class; the first matching row wins, no row: ``None`` (never retried).
 RETRY_RULES: tuple[RetryRule, ...] = (
     RetryRule("server loading its data", (redis.exceptions.BusyLoadingError,), retry="unsent",
@@ -303,6 +311,9 @@ RETRY_RULES: tuple[RetryRule, ...] = (
     RetryRule("server busy running a script", (redis.exceptions.ResponseError,), retry="unsent",
               pattern="(?=.*BUSY )(?=.*busy running a script)",
               example="BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT."),
+    # an append's reserve step: sent again (its rows, if it ran, are left as a dead appender's)
+    RetryRule("connection lost during an append's reserve step", (ReserveReplyLost,), retry="unsent",
+              example="the connection broke during the reserve step of an append: Connection closed by server."),
     # redis-py's report of a connection lost during WATCH, before MULTI: nothing was written
     RetryRule("connection lost while watching", (redis.exceptions.WatchError,), retry="unsent",
               pattern="occurred while watching",
