@@ -24,7 +24,10 @@ Flags: no-writes
 
 Returns: {1, rows (0-based), their p as stored (lua/lib/prio.lua) joined by spaces, their generations
           (16 digits each, back to back), the least positive p of the tree as text, the
-          settings JSON, lim}: fewer than n rows when the uniforms ran out;
+          settings JSON, lim, the ring cursor as stored (false: none)}: fewer than n rows
+          when the uniforms ran out. A row drawn is not appended to later as long as the
+          cursor has not reached its next position: the client reads the cursor again with
+          the rows' bytes, and draws again the rows reserved in between;
          {0} when priorities are off; {-1, lim} when no row has a positive p.
          lim is 1 when the ring has a rate limiter (the meta hash's "lim": the client counts
          the sample against it, lua/rate_sample.lua), else 0
@@ -56,8 +59,10 @@ return protect(function()
   if not (total > 0) then return {-1, lim} end
 
   local flagged = rcall('EXISTS', KEYS[3]) == 1
+  local cursor = redis.pcall('GET', KEYS[2])
+  if type(cursor) == 'table' then cursor = false end  -- (not a string: the client checks the rows instead)
   local counted = 0
-  if not flagged then counted = math.min(tonumber(rcall('GET', KEYS[2]) or '0') or 0, t.cap) end
+  if not flagged then counted = math.min(tonumber(cursor or '0') or 0, t.cap) end
   local descend = prio_descender(t, total)
   local rows, values, gens = {}, {}, {}
   local next_u = 2
@@ -80,5 +85,5 @@ return protect(function()
       gens[#gens + 1] = rcall('GETRANGE', t.pg, int_str(node * GW), int_str(node * GW + GW - 1))
     end
   end
-  return {1, rows, table.concat(values, ' '), table.concat(gens), string.format('%.17g', low[1]), s.raw, lim}
+  return {1, rows, table.concat(values, ' '), table.concat(gens), string.format('%.17g', low[1]), s.raw, lim, cursor}
 end)

@@ -134,6 +134,49 @@ def test_sample_returns_the_rows_drawn_with_their_weights(server, make):
     assert uniform["a"].tolist() == uinfo["index"].tolist()
 
 
+def test_a_sample_is_two_steps_and_draws_again_the_rows_appended_to_in_between(server, make, monkeypatch):
+    """The draw, then the rows with the cursor in one snapshot: no check step while no
+    reservation came between; rows an append reached between the two are drawn again, so
+    every row comes back with the generation of the bytes read (an append between draw and
+    read is made here by hand, from another handle)."""
+    from tdstore._backend import priorities as _io
+
+    store = _ring(make, 8, 8)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    scripts: list[str] = []
+    real_call = _io.call
+
+    async def counted(client, runner, name, keys, args):
+        scripts.append(name)
+        return await real_call(client, runner, name, keys, args)
+
+    monkeypatch.setattr(_io, "call", counted)
+    batch, info = store.sample(32, prioritized=True, return_info=True)
+    assert scripts == ["prio_draw"], scripts
+    assert batch["a"].tolist() == info["index"].tolist()
+    # an append between the draw and the read: rows 0-3 get new tokens and generations
+    other = make("from_store", td_id=store.td_id)
+    real_draw = P._draw
+    appended = []
+
+    def draw_then_append(*args, **kwargs):
+        got = real_draw(*args, **kwargs)
+        if not appended:
+            appended.append(other.extend(w.rows([100, 101, 102, 103])).tolist())
+        return got
+
+    monkeypatch.setattr(P, "_draw", draw_then_append)
+    scripts.clear()
+    batch, info = store.sample(64, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(1))
+    assert appended == [[0, 1, 2, 3]]
+    assert scripts.count("prio_draw") >= 2 and "prio_check" not in scripts  # (rows 0-3 were drawn again)
+    now = P.generations(store, info["index"])
+    assert info["generation"].tolist() == now.tolist(), "a row came back with another generation than its bytes"
+    token = batch["a"]
+    assert bool(((info["index"] < 4) == (token >= 100)).all())  # rows 0-3 hold the new tokens, the rest theirs
+    assert bool((token[info["index"] >= 4] == info["index"][info["index"] >= 4]).all())
+
+
 def test_new_rows_get_the_max_priority_and_a_new_generation(server, make):
     store = _ring(make, 8, 4)
     alpha, eps = 0.5, 0.01

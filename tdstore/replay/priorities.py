@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import numpy as np
 import torch
 
+from tdstore._backend import append as _append
 from tdstore._backend import priorities as _io
 from tdstore.errors import CorruptMetadataError, StaleLayoutError, StoreNotFoundError
 from tdstore.replay import rate_limit as _rate
@@ -38,6 +39,7 @@ from tdstore.replay import rate_limit as _rate
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
+    from tdstore._core.keys import StoreKeys
     from tdstore.store import TensorDictStore
 
 __all__ = [
@@ -158,6 +160,7 @@ class _Drawn(NamedTuple):
     gens: torch.Tensor  # int64
     p_min: float
     beta: float
+    cursor: int | None  # the ring cursor at the draw (the earliest of its rounds); None: not known
 
 
 def _draw(
@@ -177,6 +180,8 @@ def _draw(
     gens: list[torch.Tensor] = []
     need = n
     p_min, beta = math.inf, 0.0
+    cursor: int | None = None
+    known = True  # (every round's reply gave its cursor)
     in_flight: Iterator[None] | None = None  # (the waits for rows the limiter counted, not yet written)
     for _ in range(_REDRAWS):
         u = torch.rand(need + max(8, need // 4), dtype=torch.float64, generator=generator)
@@ -185,7 +190,7 @@ def _draw(
         status = int(reply[0])
         if status == 0:
             raise ValueError(f"sample(prioritized=True) from {where}: priorities are off; call enable_priorities() first")
-        if acquire is not None and int(reply[-1]) == 1:
+        if acquire is not None and int(reply[6] if len(reply) > 6 else reply[-1]) == 1:  # (lim: {1, ..., lim, cursor} or {-1, lim})
             waited, acquire = acquire(), None
             in_flight = _rate.in_flight_pauses()
             if waited or status < 0:
@@ -208,13 +213,40 @@ def _draw(
         rows.append(got)
         values.append(vals)
         gens.append(_gens(reply[3], k, where))
+        at = _draw_cursor(reply, keys)
+        known = known and at is not None
+        if at is not None:
+            cursor = at if cursor is None else min(cursor, at)
         need -= k
         if need == 0:
-            return _Drawn(torch.cat(rows), torch.cat(values), torch.cat(gens), p_min, beta)
+            return _Drawn(torch.cat(rows), torch.cat(values), torch.cat(gens), p_min, beta, cursor if known else None)
     raise StaleLayoutError(
         f"sample(prioritized=True) from {where}: kept drawing rows not written yet ({need} of {n} after "
         f"{_REDRAWS} draws); appends may be failing between their two steps"
     )
+
+
+def _draw_cursor(reply: list[Any], keys: StoreKeys) -> int | None:
+    """The ring cursor a draw read (its reply's 8th item), or None where the reply has none
+    (or it does not parse: the sample then checks its rows by their generations)."""
+    if len(reply) < 8:
+        return None
+    try:
+        return _append.parse_cursor(reply[7] or None, keys)
+    except CorruptMetadataError:
+        return None
+
+
+def _reserved_since(rows: torch.Tensor, before: int, after: int, capacity: int) -> torch.Tensor | None:
+    """Which of ``rows`` reservations may have reached while the ring cursor went from
+    ``before`` to ``after`` (positions ``before .. after - 1``, rows ``position % capacity``);
+    None when the cursor went back (a cursor set by hand): the caller checks otherwise."""
+    if after < before:
+        return None
+    span = after - before
+    if span >= capacity:
+        return torch.ones(rows.numel(), dtype=torch.bool)
+    return torch.remainder(rows - before % capacity, capacity) < span
 
 
 def _weights(values: torch.Tensor, p_min: float, beta: float) -> torch.Tensor:
@@ -281,16 +313,28 @@ def sample(
     for _ in range(_REDRAWS):
         d, acquire = _draw(store, todo.numel(), generator, acquire), None  # (a sample counts once)
         p_min, beta = min(p_min, d.p_min), d.beta
-        batch = store[d.rows]
-        rows = d.rows.tolist()
-        gen_blob, flags = cast("list[Any]", conn.run(
-            lambda c, rows=rows: _io.call(c, conn.runner, "prio_check", [keys.flags, keys.prio_gens, keys.ring], rows)
-        ))
-        try:
-            now = _gens(gen_blob, len(rows), where)
-        except CorruptMetadataError:
-            now = torch.full((len(rows),), -1, dtype=torch.int64)  # (the tree went: drawn again, or refused)
-        ok = (now == d.gens) & (torch.frombuffer(bytearray(flags), dtype=torch.uint8) == ord("1"))
+        # the rows, with the cursor in the same snapshot: a row no reservation reached since
+        # the draw still holds the generation drawn (appends move it), so no check step
+        seen: list[list[object]] = []
+        batch = store._read_index(d.rows, prefix=_io.cursor_read(keys) if d.cursor is not None else (), sink=seen.append)
+        moved = None
+        if seen and d.cursor is not None:
+            try:
+                moved = _reserved_since(d.rows, d.cursor, _append.parse_cursor(seen[-1][0], keys), capacity)
+            except CorruptMetadataError:
+                moved = None
+        if moved is not None:
+            ok = ~moved
+        else:  # (the cursor went back, or the read went another way: check the rows' generations)
+            rows = d.rows.tolist()
+            gen_blob, flags = cast("list[Any]", conn.run(
+                lambda c, rows=rows: _io.call(c, conn.runner, "prio_check", [keys.flags, keys.prio_gens, keys.ring], rows)
+            ))
+            try:
+                now = _gens(gen_blob, len(rows), where)
+            except CorruptMetadataError:
+                now = torch.full((len(rows),), -1, dtype=torch.int64)  # (the tree went: drawn again, or refused)
+            ok = (now == d.gens) & (torch.frombuffer(bytearray(flags), dtype=torch.uint8) == ord("1"))
         positions = todo[ok]
         index[positions], gens[positions], values[positions] = d.rows[ok], d.gens[ok], d.values[ok]
         parts.append((positions, batch if bool(ok.all()) else batch[ok]))
