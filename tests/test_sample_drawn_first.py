@@ -31,7 +31,7 @@ def rows(first: int, n: int) -> TensorDict:
     return TensorDict(x=y[:, None].expand(n, 2).clone(), y=y, batch_size=[n])
 
 
-def make(server, cap: int = CAP) -> TensorDictStore:
+def new_ring(server, cap: int = CAP) -> TensorDictStore:
     return TensorDictStore.from_schema(
         {"x": ([2], torch.float32), "y": ([], torch.float32)}, batch_size=[cap], **server.connection_kwargs()
     )
@@ -39,7 +39,7 @@ def make(server, cap: int = CAP) -> TensorDictStore:
 
 @pytest.fixture
 def store(server):
-    s = make(server)
+    s = new_ring(server)
     yield s
     s.clear_redis()
     s.close()
@@ -95,7 +95,7 @@ def test_rows_not_written_are_never_drawn(store, monkeypatch, large):
 
 def test_the_draw_is_uniform_over_the_written_rows(server):
     cap = 64
-    store = make(server, cap)
+    store = new_ring(server, cap)
     try:
         store.extend(rows(0, cap))
         store.sample(1)
