@@ -226,7 +226,7 @@ def _draw(
     )
 
 
-def _draw_cursor(reply: list[Any], keys: StoreKeys) -> int | None:
+def _draw_cursor(reply: Sequence[object], keys: StoreKeys) -> int | None:
     """The ring cursor a draw read (its reply's 8th item), or None where the reply has none
     (or it does not parse: the sample then checks its rows by their generations)."""
     if len(reply) < 8:
