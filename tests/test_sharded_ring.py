@@ -168,8 +168,7 @@ def test_full_shards_are_sampled_drawn_first_and_uniform_over_their_written_rows
     died: no flags read first, and every written row equally likely over the union (the
     rows drawn unwritten are drawn again from the union; chi-square)."""
     from test_append_flags import dead_reservation
-
-    from tdstore._backend import append as _append
+    from test_sample_drawn_first import count_flag_reads
 
     buf = ShardedStore.from_schema(_SCHEMA, batch_size=[40], block_rows=20, **server.connection_kwargs())
     buf.extend(w.tagged_rows(1, 0, 20), shard=0)
@@ -179,14 +178,7 @@ def test_full_shards_are_sampled_drawn_first_and_uniform_over_their_written_rows
     assert all(b._conn.ring_full for b in buf.blocks)
     monkeypatch.setattr("test_append_flags.CAP", 20)  # (the helper's ring size)
     assert dead_reservation(buf.blocks[0], 6) == 20  # rows 0-5 of shard 0: not written
-    flag_reads: list[int] = []
-    real = _append.ring_flags
-
-    async def counted(*args, **kwargs):
-        flag_reads.append(1)
-        return await real(*args, **kwargs)
-
-    monkeypatch.setattr(_append, "ring_flags", counted)
+    flag_reads = count_flag_reads(monkeypatch)
     g = torch.Generator().manual_seed(8)
     counts = torch.zeros(40, dtype=torch.float64)
     draws = calls = 0
