@@ -1,9 +1,11 @@
 """Server time of the candidate priority structures (issue 26, item 1): before choosing one.
 
 The candidates are the tree of ``lua/prio_*.lua`` at several arities (children per inner
-node): the binary sum tree of the literature (2), and wider trees (8, 16, 32, 64), all in
-the text encoding (fixed-width '%.17g' nodes read with GETRANGE + tonumber: fakeredis's Lua
-has no struct library). Each is timed through the store's own steps on a ring of 100,000
+node): the binary sum tree of the literature (2), and wider trees (8, 16, 32, 64), in each
+of its two encodings (``--encodings``): "f64", little-endian doubles packed with the
+server's struct library (what enable_priorities chooses on Redis and Valkey), and "text",
+fixed-width '%.17g' nodes read with GETRANGE + tonumber (what fakeredis, whose Lua has no
+struct, gets). Each is timed through the store's own steps on a ring of 100,000
 and of 1,000,000 rows (1-byte rows: the tree's cost does not depend on the rows' size):
 
 * ``sample``: the draw of 256 rows (``tdstore.replay.priorities.draw``: one EVALSHA of
@@ -61,7 +63,9 @@ def per_call_us(client: object, fn, calls: int) -> float:  # type: ignore[no-unt
     return (server_cpu(client) - c0) / calls * 1e6
 
 
-def structures(kind: str, sizes: list[int], arities: list[int], calls: int) -> list[tuple[int, int, str, float]]:
+def structures(
+    kind: str, sizes: list[int], arities: list[int], calls: int, encodings: list[str]
+) -> list[tuple[int, int, str, str, float]]:
     out = []
     g = torch.Generator().manual_seed(0)
     with start_server(kind) as srv:
@@ -72,9 +76,9 @@ def structures(kind: str, sizes: list[int], arities: list[int], calls: int) -> l
             store.set_ring_total(rows)  # every row written
             one = TensorDict(x=torch.zeros(16, dtype=torch.uint8), batch_size=[16])
             off = per_call_us(client, lambda store=store, one=one: store.extend(one), calls)
-            for k in arities:
+            for k, enc in ((k, enc) for k in arities for enc in encodings):
                 c0 = server_cpu(client)
-                store.enable_priorities(alpha=0.6, beta=0.4, arity=k)
+                P.enable(store, 0.6, 0.4, arity=k, encoding=enc)
                 build = (server_cpu(client) - c0) * 1e6
                 for _ in range(64):
                     store.update_priority(torch.randint(0, rows, (4096,), generator=g), torch.rand(4096, generator=g) * 10)
@@ -93,8 +97,8 @@ def structures(kind: str, sizes: list[int], arities: list[int], calls: int) -> l
                 assert report["problems"] == [], report["problems"][:3]
                 store.disable_priorities()
                 for what, us in (("sample 256", draw), ("update 256", upd), ("append 16 (extra)", on - off), ("build", build)):
-                    out.append((rows, k, what, us))
-                    print(f"{rows:>9} rows  arity {k:>2}  {what:<18} {us:>10.1f} us", flush=True)
+                    out.append((rows, k, enc, what, us))
+                    print(f"{rows:>9} rows  arity {k:>2}  {enc:<4}  {what:<18} {us:>10.1f} us", flush=True)
             store.clear_redis()
             store.close()
         client.close()
@@ -154,12 +158,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="100000,1000000")
     parser.add_argument("--arities", default="2,16,32")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--encodings", default="f64,text", help="tree encodings to time (lua/lib/prio.lua)")
     parser.add_argument("--round", action="store_true")
     parser.add_argument("--round-rows", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    structures(args.server, [int(x) for x in args.sizes.split(",")], [int(x) for x in args.arities.split(",")], args.calls)
+    sizes, arities = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.arities.split(",")]
+    structures(args.server, sizes, arities, args.calls, args.encodings.split(","))
     if args.round:
         round_trip(args.server, args.round_rows, args.repeat)
 

@@ -8,7 +8,7 @@ written (lua/reserve.lua; with no flags key, the first min(cursor, capacity) row
 initial priority 1, so p = (1 + eps)^alpha; the other rows 0 (never drawn, until their
 append gives them the max priority). Every generation is 0, the max priority none. It
 bumps the layout version, so that every appender re-plans and its next append's MULTI
-carries lua/prio_new.lua. Called again with the same alpha, eps, arity and capacity, it
+carries lua/prio_new.lua. Called again with the same alpha, eps, arity, capacity and encoding, it
 only replaces the settings (a new beta) and keeps the priorities. "reset" rebuilds the
 tree under the settings kept (nothing when priorities are off). "off" deletes the tree
 and the settings and bumps the layout version. The keys written get the store's expiry.
@@ -22,7 +22,9 @@ KEYS[6]   generations
 KEYS[7]   max priority
 
 ARGV[1]   "enable", "reset" or "off"
-ARGV[2]   "enable": the settings, a JSON object {alpha, beta, eps, k, cap} (cap: the capacity)
+ARGV[2]   "enable": the settings, a JSON object {alpha, beta, eps, k, cap} (cap: the capacity),
+          and optionally enc ("f64" or "text", lua/lib/prio.lua); without it, the settings
+          kept get "enc": "f64" where this server's Lua has struct, else "text"
 
 Returns: "enable": 2 when it built the tree, 1 when it only replaced the settings;
          "reset", "off": 1, or 0 when priorities were off (nothing written)
@@ -31,7 +33,7 @@ Damaged settings or a damaged tree are replaced by "enable" and deleted by "off"
 
 Errors:
   TDS_NOSTORE  the store does not exist
-  TDS_BADARG   an unknown mode
+  TDS_BADARG   an unknown mode, or the encoding "f64" on a server whose Lua has no struct
   TDS_CORRUPT  the settings (given, or kept for "reset") are malformed, or the cursor is
                not a row count
 ]]
@@ -61,9 +63,18 @@ return protect(function()
   local s
   if mode == 'enable' then
     s = prio_parse(ARGV[2] or '', 'the settings given')  -- (checked before the first write)
-    rcall('HSET', KEYS[1], 'prio', ARGV[2])
+    if not s.enc_given then
+      -- (doubles wherever this server's Lua can read them: lib/prio.lua)
+      if STRUCT then s.enc = 'f64' end
+      local raw, n = string.gsub(s.raw, '}%s*$', ', "enc": "' .. s.enc .. '"}', 1)
+      if n ~= 1 then return fail('TDS_BADARG', 'the settings given are not a JSON object') end
+      s.raw = raw
+    elseif s.enc == 'f64' and not STRUCT then
+      return fail('TDS_BADARG', 'the encoding "f64" needs the struct library, which this server\'s Lua has not')
+    end
+    rcall('HSET', KEYS[1], 'prio', s.raw)
     if old and not old.damaged and old.alpha == s.alpha and old.eps == s.eps and old.k == s.k and old.cap == s.cap
-        and pcall(prio_check_sizes, prio_tree(old, KEYS[4], KEYS[5], KEYS[6], KEYS[7])) then
+        and old.enc == s.enc and pcall(prio_check_sizes, prio_tree(old, KEYS[4], KEYS[5], KEYS[6], KEYS[7])) then
       return 1
     end
   elseif mode == 'reset' then
@@ -88,7 +99,7 @@ return protect(function()
     flags = string.rep('\1', math.min(cursor, cap))
   end
   local p0 = (1 + s.eps) ^ s.alpha
-  local one, zero = pfmt(p0), pfmt(0)
+  local one, zero = penc(t, p0), penc(t, 0)
 
   -- leaves: runs of written rows, and of the others
   local out, pos = {}, 1
@@ -135,7 +146,7 @@ return protect(function()
       sums, mins = up_s, up_m
     end
     local text = {}
-    for i = 1, #sums do text[i] = pfmt(sums[i]) .. pfmt(mins[i]) end
+    for i = 1, #sums do text[i] = penc_node(t, sums[i], mins[i]) end
     levels[t.depth - l + 1] = table.concat(text)
   end
 

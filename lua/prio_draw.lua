@@ -22,7 +22,7 @@ ARGV[2..] uniforms in [0, 1), at least n of them (the extra ones replace rejecte
 
 Flags: no-writes
 
-Returns: {1, rows (0-based), their p as stored (lua/lib/prio.lua) joined by spaces, their generations
+Returns: {1, rows (0-based), their p as text (exact) joined by spaces, their generations
           (16 digits each, back to back), the least positive p of the tree as text, the
           settings JSON, lim, the ring cursor as stored (false: none)}: fewer than n rows
           when the uniforms ran out. A row drawn is not appended to later as long as the

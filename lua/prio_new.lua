@@ -40,22 +40,26 @@ return protect(function()
   local t = prio_tree(s, KEYS[2], KEYS[3], KEYS[4], KEYS[5])
   prio_check_sizes(t)
   local m = prio_max(t) or 1
-  local leaf = pfmt((m + s.eps) ^ s.alpha)
+  local value = (m + s.eps) ^ s.alpha
+  local leaf = penc(t, value)
   local row0 = start % s.cap
   local first = math.min(n, s.cap - row0)
   local runs = {}
+  if first < n then runs[1] = {0, n - first - 1} end
+  runs[#runs + 1] = {row0, row0 + first - 1}
+  -- (the leaves and the tree in one go, all read before the first write: damage changes nothing)
+  prio_fix(t, runs, function(row)
+    for _, run in ipairs(runs) do
+      if row >= run[1] and row <= run[2] then return value end
+    end
+    return nil
+  end, function(lo, hi) return string.rep(leaf, hi - lo + 1) end)
   local function put(row, count, g)
-    rcall('SETRANGE', t.pl, int_str(row * PW), string.rep(leaf, count))
     local gens = {}
     for i = 1, count do gens[i] = gfmt(g + i) end
     rcall('SETRANGE', t.pg, int_str(row * GW), table.concat(gens))
   end
   put(row0, first, start)
-  if first < n then
-    put(0, n - first, start + first)
-    runs[1] = {0, n - first - 1}
-  end
-  runs[#runs + 1] = {row0, row0 + first - 1}
-  prio_fix(t, runs)
+  if first < n then put(0, n - first, start + first) end
   return n
 end)

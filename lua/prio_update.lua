@@ -73,7 +73,7 @@ return protect(function()
     end
   end
 
-  local applied, touched, top = {}, {}, nil
+  local applied, touched, new, top = {}, {}, {}, nil  -- (new: row -> its value, the last given)
   for i = 1, #rows do
     local r = rows[i]
     local ok = true
@@ -82,8 +82,8 @@ return protect(function()
       ok = g == tonumber(gens[i])
     end
     if ok then
-      rcall('SETRANGE', t.pl, int_str(r * PW), pfmt(values[i]))
-      touched[#touched + 1] = r
+      if not new[r] then touched[#touched + 1] = r end
+      new[r] = values[i]
       if top == nil or prios[i] > top then top = prios[i] end
       applied[i] = '1'
     else
@@ -101,8 +101,13 @@ return protect(function()
         runs[#runs + 1] = {r, r}
       end
     end
-    prio_fix(t, runs)
+    -- (the leaves and the tree in one go, all read before the first write: damage changes nothing)
     local m = prio_max(t)
+    prio_fix(t, runs, function(row) return new[row] end, function(lo, hi)
+      local out = {}
+      for row = lo, hi do out[#out + 1] = penc(t, new[row]) end
+      return table.concat(out)
+    end)
     if m == nil or top > m then rcall('SETRANGE', t.pm, '0', pfmt(top)) end
   end
   return {1, table.concat(applied)}

@@ -163,8 +163,9 @@ return protect(function()
 
   -- the leaf of a row, as stored, and its value
   local function leaf(row)
-    local raw = rcall('GETRANGE', t.pl, int_str(row * PW), int_str(row * PW + PW - 1))
-    return raw, pnum(raw, t.pl)
+    local raw = rcall('GETRANGE', t.pl, int_str(row * t.pw), int_str(row * t.pw + t.pw - 1))
+    local v = pget(t, raw, 1, t.pl)
+    return ptext(t, v, raw), v
   end
 
   -- a descent of the tree for the mass u * total (lib/prio.lua): the row and its leaf text

@@ -10,6 +10,7 @@ the new keys, damaged tree keys. On the real servers, appenders and learners in 
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import time
 
@@ -47,6 +48,16 @@ def _raw(server, store) -> dict[str, bytes | None]:
         client.close()
 
 
+def _encoding(server) -> str:
+    """The tree encoding the server's enable chooses: "f64" where its Lua has struct (lua/lib/prio.lua)."""
+    client = server.sync_client()
+    try:
+        probe = "local ok, lib = pcall(function() return struct end)\nif ok and type(lib) == 'table' then return 1 end\nreturn 0"
+        return "f64" if client.eval(probe, 0) == 1 else "text"
+    finally:
+        client.close()
+
+
 def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """The chi-square test's p-value: Q(df/2, stat/2), the regularized upper incomplete gamma
     function (torch.special.gammaincc), df = cells - 1."""
@@ -73,7 +84,7 @@ def test_enable_builds_the_tree_and_another_handle_sees_the_settings(server, mak
     assert store.priority_settings() is None
     store.enable_priorities(alpha=0.7, beta=0.5, eps=1e-3)
     other = make("from_store", td_id=store.td_id)
-    assert other.priority_settings() == P.PrioritySettings(0.7, 0.5, 1e-3, P.DEFAULT_ARITY, 40)
+    assert other.priority_settings() == P.PrioritySettings(0.7, 0.5, 1e-3, P.DEFAULT_ARITY, 40, _encoding(server))
     report = P.tree_report(other)
     assert report["problems"] == []
     # the rows written get priority 1, the others none
@@ -89,6 +100,50 @@ def test_enable_builds_the_tree_and_another_handle_sees_the_settings(server, mak
     assert store.disable_priorities() is True and store.priority_settings() is None
     assert _raw(server, store) == dict.fromkeys([*_keys(store), "prio"])
     assert store.disable_priorities() is False
+
+
+def _draw_with(store, uniforms: list[float]) -> list[object]:
+    from tdstore._backend import priorities as _io
+
+    conn = store._conn
+    args = [str(len(uniforms)), *map(repr, uniforms)]
+    return conn.run(lambda c: _io.call(c, conn.runner, "prio_draw", _io.draw_keys(conn.keys), args))
+
+
+def test_both_encodings_draw_the_same_rows_with_the_same_values(server, make):
+    """A tree of doubles ("f64", where the server's Lua has struct) and one of text give the
+    same rows, values and least value for the same uniforms, after the same appends and
+    updates; the server without struct refuses "f64" with a clear error, unchanged."""
+    store = _ring(make, 50, 37)
+    enc = _encoding(server)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 37, (60,), generator=gen)
+    prios = torch.rand(60, generator=gen, dtype=torch.float64) * 7
+    uniforms = torch.rand(200, generator=gen, dtype=torch.float64).tolist()
+    found = {}
+    for encoding in ("text", "f64") if enc == "f64" else ("text",):
+        P.enable(store, 0.6, 0.4, encoding=encoding)
+        assert store.priority_settings().encoding == encoding
+        store.update_priority(rows, prios)
+        store.extend(w.rows(list(range(37, 45))))  # (new rows at the max priority)
+        found[encoding] = (_draw_with(store, uniforms), P.tree_report(store))
+        assert found[encoding][1]["problems"] == []
+        store.disable_priorities()
+        store.set_ring_total(37)
+    if enc == "f64":
+        (a, rep_a), (b, rep_b) = found["text"], found["f64"]
+        assert a[1] == b[1] and len(a[1]) == 200  # the same rows
+        assert [float(v) for v in a[2].split()] == [float(v) for v in b[2].split()]  # (exact: %.17g both ways)
+        assert float(a[4]) == float(b[4]) and a[3] == b[3]
+        assert rep_a["leaves"].tolist() == rep_b["leaves"].tolist()
+    else:
+        P.enable(store, 0.6, 0.4)
+        before = _raw(server, store)
+        with pytest.raises(ValueError, match="struct"):
+            P.enable(store, 0.6, 0.4, encoding="f64")
+        assert _raw(server, store) == before
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        P.enable(store, 0.6, 0.4, encoding="f32")
 
 
 @pytest.mark.parametrize("arity", [2, 16])
@@ -308,14 +363,25 @@ def test_the_lifetime_covers_the_priority_keys(server, make):
         client.close()
 
 
-@pytest.mark.parametrize("damage", ["leaves", "tree", "settings", "gens"])
+def _value_bytes(store, value: float) -> bytes:
+    """``value`` as the store's tree stores it (lua/lib/prio.lua: a double, or 23 bytes of text)."""
+    if store.priority_settings().encoding == "f64":
+        return struct.pack("<d", value)
+    return repr(value).encode().ljust(23)
+
+
+@pytest.mark.parametrize("damage", ["leaves", "tree", "settings", "gens", "leaf_nan", "root_negative", "leaf_inf"])
 def test_a_damaged_tree_gives_one_clear_error(server, make, damage):
     store = _ring(make, 8, 5)
     store.enable_priorities(alpha=1.0, beta=1.0)
     keys = store._conn.keys
     client = server.sync_client()
     try:
-        if damage == "leaves":
+        if damage in ("leaf_nan", "leaf_inf"):  # (sizes kept: only the value tells)
+            client.setrange(keys.prio_leaves, 0, _value_bytes(store, math.nan if damage == "leaf_nan" else math.inf))
+        elif damage == "root_negative":
+            client.setrange(keys.prio_tree, 0, _value_bytes(store, -1.0))
+        elif damage == "leaves":
             client.setrange(keys.prio_leaves, 3 * 23, b"garbage")
         elif damage == "tree":
             client.set(keys.prio_tree, b"short")
@@ -327,8 +393,13 @@ def test_a_damaged_tree_gives_one_clear_error(server, make, damage):
         client.close()
     with pytest.raises(CorruptMetadataError, match="rebuild it"):
         P.draw(store, 8)
-    with pytest.raises(CorruptMetadataError, match="rebuild it"):
-        store.update_priority([0], [1.0])
+    if damage == "root_negative":
+        # an update rewrites the path to the root from the children, which are sound
+        assert store.update_priority([1], [1.0]).tolist() == [True]
+        assert P.tree_report(store)["problems"] == []
+    else:
+        with pytest.raises(CorruptMetadataError, match="rebuild it"):
+            store.update_priority([1], [1.0])  # (its group holds the damaged leaf 0)
     # disable_priorities() and enable_priorities() build it again
     store.disable_priorities()
     store.enable_priorities(alpha=1.0, beta=1.0)

@@ -108,8 +108,9 @@ async def read_generations(client: AsyncClient, keys: StoreKeys, runs: Sequence[
 
 
 async def read_root(client: AsyncClient, keys: StoreKeys) -> list[object]:
-    """The settings and the root node of the tree (46 bytes: the sum of p, then the least
-    positive p), in one snapshot: what a sharded buffer weighs its shards by."""
+    """The settings and the tree's first 46 bytes (the root node: the sum of p, then the least
+    positive p, as 2 doubles or 46 bytes of text by the settings' encoding), in one snapshot:
+    what a sharded buffer weighs its shards by."""
 
     def build(pipe: AsyncPipeline) -> None:
         pipe.hget(keys.meta, "prio")

@@ -13,11 +13,15 @@ rows in one EVALSHA, an update of any number of rows is one EVALSHA, and an appe
 rows get their priority inside the append's MULTI (``AppendPlan(new_rows=...)``). No row
 byte passes through Lua.
 
-A prioritized sample is three steps: the draw (rows, their generations, their values),
-the read of the rows (one snapshot, as ``store[idx]``), and the check of their generations
-and flags (``lua/prio_check.lua``). A row whose generation moved or whose flag was cleared
-in between (an append came round to it) is drawn again, so every row returned holds the
-bytes of the generation returned with it.
+A prioritized sample is two steps: the draw (rows, their generations, their values and
+the ring cursor) and the read of the rows with the cursor in the same snapshot. A row that
+a reservation reached in between (an append came round to it) is drawn again, so every row
+returned holds the bytes of the generation returned with it; where the cursor went back,
+a third step checks the rows' generations and flags (``lua/prio_check.lua``).
+
+The tree's values are little-endian doubles where the server's Lua has ``struct`` (the
+settings' ``"enc": "f64"``), else ``%.17g`` text (``"text"``: fakeredis); see
+``lua/lib/prio.lua``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 
 from tdstore._backend import append as _append
 from tdstore._backend import priorities as _io
-from tdstore.errors import CorruptMetadataError, StaleLayoutError, StoreNotFoundError
+from tdstore.errors import CorruptMetadataError, SchemaError, StaleLayoutError, StoreNotFoundError
 from tdstore.replay import rate_limit as _rate
 
 if TYPE_CHECKING:
@@ -43,14 +47,18 @@ if TYPE_CHECKING:
     from tdstore.store import TensorDictStore
 
 __all__ = [
-    "PrioritySettings", "DEFAULT_ARITY", "enable", "disable", "settings", "sample", "draw", "update",
+    "PrioritySettings", "DEFAULT_ARITY", "ENCODINGS", "enable", "disable", "settings", "sample", "draw", "update",
     "new_rows", "set_ring_total", "tree_problems", "tree_report", "mass",
 ]
 
 #: The arity of the tree (children per inner node): measured best (benchmarks/bench_priority_structures.py).
 DEFAULT_ARITY = 8
-#: Width in bytes of a value, an inner node and a generation in the tree's strings (lua/lib/prio.lua).
-_PW, _NW, _GW = 23, 46, 16
+#: Width in bytes of a value in the tree's strings, by encoding, and of a generation (lua/lib/prio.lua).
+_PW = {"text": 23, "f64": 8}
+_GW = 16
+#: The encodings of the tree's values: little-endian doubles where the server's Lua has the
+#: struct library (Redis, Valkey, KeyDB), else text (fakeredis); the server chooses at enable.
+ENCODINGS = ("f64", "text")
 #: Draw steps before a sample gives up on rows that keep being appended to under it.
 _REDRAWS = 32
 
@@ -63,6 +71,8 @@ class PrioritySettings(NamedTuple):
     eps: float
     arity: int  #: children per inner node of the tree
     capacity: int  #: the ring's rows the tree covers
+    #: how the tree's values are stored: "f64" (doubles) or "text" (where the server's Lua has no struct)
+    encoding: str = "text"
 
 
 def _capacity(store: TensorDictStore, what: str) -> int:
@@ -78,8 +88,14 @@ def _real(value: Any, name: str, what: str) -> float:
     return float(value)
 
 
-def enable(store: TensorDictStore, alpha: float, beta: float, eps: float = 1e-8, arity: int = DEFAULT_ARITY) -> None:
-    """:meth:`TensorDictStore.enable_priorities` (its documentation is there)."""
+def enable(
+    store: TensorDictStore, alpha: float, beta: float, eps: float = 1e-8, arity: int = DEFAULT_ARITY,
+    encoding: str | None = None,
+) -> None:
+    """:meth:`TensorDictStore.enable_priorities` (its documentation is there).
+
+    ``encoding``: one of :data:`ENCODINGS`; None (the default) lets the server choose "f64"
+    where its Lua has struct. "f64" on a server without it raises ValueError."""
     what = f"enable_priorities() on {store._where()}"
     capacity = _capacity(store, "enable_priorities()")
     a, b, e = _real(alpha, "alpha", what), _real(beta, "beta", what), _real(eps, "eps", what)
@@ -87,12 +103,19 @@ def enable(store: TensorDictStore, alpha: float, beta: float, eps: float = 1e-8,
         raise ValueError(f"{what}: alpha and beta must be at most 1e6, got {alpha!r} and {beta!r}")
     if isinstance(arity, bool) or not isinstance(arity, numbers.Integral) or not 2 <= int(arity) <= 64:
         raise ValueError(f"{what}: arity must be an int from 2 to 64, got {arity!r}")
-    text = json.dumps({"alpha": a, "beta": b, "eps": e, "k": int(arity), "cap": capacity})
+    fields: dict[str, object] = {"alpha": a, "beta": b, "eps": e, "k": int(arity), "cap": capacity}
+    if encoding is not None:
+        if encoding not in ENCODINGS:
+            raise ValueError(f"{what}: encoding must be one of {ENCODINGS} or None, got {encoding!r}")
+        fields["enc"] = encoding
+    text = json.dumps(fields)
     conn = store._conn
     try:
         conn.run(lambda c: _io.call(c, conn.runner, "prio_build", _io.build_keys(conn.keys), ["enable", text]))
     except StoreNotFoundError:
         raise store._not_found() from None
+    except SchemaError as err:
+        raise ValueError(f"{what}: {err}") from None
     conn.layout = None  # the layout version moved (the appends re-plan with the tree's command)
 
 
@@ -110,9 +133,13 @@ def disable(store: TensorDictStore) -> bool:
 def _parse_settings(raw: Any, where: str) -> PrioritySettings:
     try:
         got = json.loads(raw)
-        out = PrioritySettings(float(got["alpha"]), float(got["beta"]), float(got["eps"]), int(got["k"]), int(got["cap"]))
-    except (ValueError, TypeError, KeyError) as err:
+        out = PrioritySettings(
+            float(got["alpha"]), float(got["beta"]), float(got["eps"]), int(got["k"]), int(got["cap"]), got.get("enc", "text"),
+        )
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise CorruptMetadataError(f"the priority settings of {where} are damaged: {raw!r:.100}") from err
+    if out.encoding not in ENCODINGS:
+        raise CorruptMetadataError(f"the priority settings of {where} are damaged (encoding {out.encoding!r}): {raw!r:.100}")
     return out
 
 
@@ -417,9 +444,12 @@ def update(store: TensorDictStore, index: Any, priority: Any, generation: Any = 
 # --------------------------------------------------------------------------- #
 
 
-def _values(blob: bytes, width: int, what: str) -> np.ndarray:
+def _values(blob: bytes, encoding: str, what: str) -> np.ndarray:
+    width = _PW[encoding]
     if len(blob) % width:
         raise CorruptMetadataError(f"{what} is {len(blob)} bytes, not a multiple of {width}")
+    if encoding == "f64":
+        return np.frombuffer(blob, dtype="<f8").astype(np.float64)
     try:
         return np.frombuffer(blob, dtype=f"S{width}").astype(np.float64)
     except ValueError as err:
@@ -431,13 +461,13 @@ def tree_problems(s: PrioritySettings, leaves_b: bytes, tree_b: bytes, rel: floa
     every inner node must equal the sum of its children (to ``rel``) and hold their least
     positive value (lua/lib/prio.lua)."""
     problems: list[str] = []
-    leaves = _values(leaves_b, _PW, "the leaves")
+    leaves = _values(leaves_b, s.encoding, "the leaves")
     if leaves.size != s.capacity:
         return leaves, [f"{leaves.size} leaves for {s.capacity} rows"]
     sizes = [s.capacity]
     while sizes[-1] > 1 or len(sizes) == 1:
         sizes.append(-(-sizes[-1] // s.arity))
-    inner = _values(tree_b, _PW, "the inner levels").reshape(-1, 2) if tree_b else np.zeros((0, 2))
+    inner = _values(tree_b, s.encoding, "the inner levels").reshape(-1, 2) if tree_b else np.zeros((0, 2))
     if inner.shape[0] != sum(sizes[1:]):
         return leaves, [f"{inner.shape[0]} inner nodes, expected {sum(sizes[1:])}"]
     offsets: dict[int, int] = {}  # (the inner levels lie root first)
@@ -492,7 +522,13 @@ def mass(store: TensorDictStore) -> tuple[PrioritySettings, float, float] | None
     where = store._where()
     s = _parse_settings(raw, where)
     try:
-        total, least = (float(v) for v in bytes(root or b"").split())
+        blob = bytes(root or b"")
+        if s.encoding == "f64":
+            if len(blob) < 16:
+                raise ValueError("short")
+            total, least = (float(v) for v in np.frombuffer(blob[:16], dtype="<f8"))
+        else:
+            total, least = (float(v) for v in blob[:46].split())
     except ValueError:
         raise CorruptMetadataError(f"the priority tree of {where} is damaged: its root is {root!r:.100}") from None
     if not (math.isfinite(total) and total >= 0 and math.isfinite(least) and least >= 0):

@@ -717,7 +717,8 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         the max priority given so far (1 while none was). The rows written now get priority 1.
         The settings are kept on the server. Called again with the same ``alpha``, ``eps``
         and ``arity``, only ``beta`` changes (the priorities are kept); else the tree is
-        rebuilt. See docs/replay.md.
+        rebuilt. The tree holds doubles where the server's Lua has ``struct`` (Redis,
+        Valkey), else text (fakeredis): ``priority_settings().encoding``. See docs/replay.md.
 
         Raises:
             ValueError: a setting out of range, or a store without a first batch dim.

@@ -6,9 +6,12 @@ script the way a Redis-wire server does:
 
 * a fresh ``LuaRuntime`` per call, with ``KEYS``/``ARGV`` tables of binary-safe strings,
   a ``redis`` table (``call``, ``pcall``, ``error_reply``, ``status_reply``, ``log``,
-  ``sha1hex``) and a ``cjson`` table (``encode``, ``decode``, ``null``);
+  ``sha1hex``) and a ``cjson`` table (``encode``, ``decode``, ``null``); with
+  ``struct_lib=True`` also Redis's ``struct`` (``pack``, ``unpack``: the formats Python's
+  struct module shares with it), as on Redis, Valkey and KeyDB;
 * the sandbox Redis builds: no ``os``/``io``/``require``/``dofile``/``loadfile``, no
-  ``struct``/``bit``/``cmsgpack`` (the scripts must not need them), creating a global is
+  ``bit``/``cmsgpack`` and by default no ``struct`` (as fakeredis: a script may use
+  struct only behind a probe, lua/lib/prio.lua), creating a global is
   an error, and on Lua 5.1 so is reading a global that does not exist (Redis 5.1 sets the
   same metatable on ``_G``);
 * ``redis.call`` arguments are converted as the server converts them: strings as they
@@ -37,6 +40,7 @@ import hashlib
 import json
 import math
 import re
+import struct as pystruct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -266,6 +270,7 @@ class LuaRedis:
         virtual_above: when set, a SETRANGE that would grow a real string past this many
             bytes turns it into a :class:`VirtualString` (its bytes so far become its
             first write) instead of allocating it.
+        struct_lib: give the scripts Redis's ``struct`` library (see the module docstring).
     """
 
     def __init__(
@@ -277,7 +282,9 @@ class LuaRedis:
         strict_globals: bool = True,
         virtual_strlen: dict[Any, int] | None = None,
         virtual_above: int | None = None,
+        struct_lib: bool = False,
     ) -> None:
+        self.struct_lib = struct_lib
         self.data: dict[bytes, bytes | dict[bytes, bytes] | VirtualString] = {}
         self.ttls: dict[bytes, int] = {}
         self.log: list[tuple[bytes, ...]] = []
@@ -390,6 +397,8 @@ class LuaRedis:
                 b"null": null,
             }
         )
+        if self.struct_lib:
+            g.struct = lua.table_from({b"pack": _struct_pack, b"unpack": _struct_unpack})
         lua.execute(_SANDBOX_LUA, self.strict_globals and lua_version == "5.1")
 
     @staticmethod
@@ -709,6 +718,33 @@ class LuaRedis:
             table = self.data[key] = {}
         table[name] = str(new).encode()
         return new
+
+
+# --------------------------------------------------------------------------- #
+# struct (Redis's lua_struct.c; only what Python's struct module means the same way)
+# --------------------------------------------------------------------------- #
+
+_STRUCT_FMT = re.compile(rb"\A[<>=!]?[dfxbBhHiIlL0-9]*\Z")
+
+
+def _struct_fmt(fmt: bytes) -> str:
+    if not isinstance(fmt, bytes) or not _STRUCT_FMT.match(fmt):
+        raise ShimError(f"struct format {fmt!r}: the shim knows byte order and d f x b B h H i I l L only")
+    return fmt.decode()
+
+
+def _struct_pack(fmt: bytes, *values: Any) -> bytes:
+    return pystruct.pack(_struct_fmt(fmt), *values)
+
+
+def _struct_unpack(fmt: bytes, data: bytes, pos: int | float = 1) -> tuple[Any, ...]:
+    """The values, then the position after them (1-based), as Redis's struct.unpack returns them."""
+    code = _struct_fmt(fmt)
+    start = int(pos) - 1
+    size = pystruct.calcsize(code)
+    if start < 0 or start + size > len(data):
+        raise ValueError("data string too short")  # (a Lua error inside the script, as on Redis)
+    return (*pystruct.unpack_from(code, data, start), start + size + 1)
 
 
 # --------------------------------------------------------------------------- #

@@ -395,13 +395,20 @@ _FORBIDDEN_FIELDS = {
 }
 
 
+def _guarded_probe(tokens: list[Token], i: int) -> bool:
+    """``pcall(function() return struct end)``: the one way a script may reach a library that
+    exists on some servers only (lua/lib/prio.lua uses struct where the server has it)."""
+    window = [t.text for t in tokens[max(i - 6, 0) : i + 2]]
+    return tokens[i].text == "struct" and window == ["pcall", "(", "function", "(", ")", "return", "struct", "end"]
+
+
 def dialect_problems(tokens: list[Token]) -> list[str]:
     problems = []
     for i, t in enumerate(tokens):
         prev = tokens[i - 1].text if i else ""
         if t.kind == "op" and t.text in _FORBIDDEN_OPS:
             problems.append(f"line {t.line}: {t.text!r}: {_FORBIDDEN_OPS[t.text]}")
-        elif t.kind == "name" and t.text in _FORBIDDEN_NAMES and prev not in (".", ":"):
+        elif t.kind == "name" and t.text in _FORBIDDEN_NAMES and prev not in (".", ":") and not _guarded_probe(tokens, i):
             problems.append(f"line {t.line}: {t.text}: {_FORBIDDEN_NAMES[t.text]}")
         elif t.kind == "name" and prev == "." and i >= 2 and (tokens[i - 2].text, t.text) in _FORBIDDEN_FIELDS:
             problems.append(f"line {t.line}: {tokens[i - 2].text}.{t.text}: {_FORBIDDEN_FIELDS[(tokens[i - 2].text, t.text)]}")
@@ -477,6 +484,9 @@ def test_dialect_checks_catch_each_construct() -> None:
         assert construct in found, construct
     assert len(dialect_problems(bad)) == 13  # '::' twice; the string 'a // b' is not code
     assert dialect_problems(lex("if a ~= b then return 1 end -- a // b & c\n")) == []
+    # the guarded probe passes; struct used any other way does not
+    assert dialect_problems(lex("local ok, lib = pcall(function() return struct end)\n")) == []
+    assert len(dialect_problems(lex("local f = function() return struct end\n"))) == 1
 
 
 def test_global_assignment_check() -> None:

@@ -1,5 +1,6 @@
 """The prioritized-replay scripts (lua/prio_*.lua, lua/lib/prio.lua) on the in-memory shim,
-under Lua 5.1 and 5.4: the tree they build and keep (checked node by node with
+under Lua 5.1 and 5.4 and in both encodings of the tree (doubles where the shim has struct,
+as Redis and Valkey, text where it has none, as fakeredis): the tree they build and keep (checked node by node with
 tdstore.replay.priorities.tree_problems), the draws of chosen uniforms, the rejection of
 rows not written, stale generations, and bad arguments and damage refused with the key
 space unchanged.
@@ -8,6 +9,7 @@ space unchanged.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any
 
 import pytest
@@ -28,9 +30,21 @@ NEW_KEYS = [META, PL, PT, PG, PM]
 CHECK_KEYS = [FLAGS, PG, RING]
 
 
-@pytest.fixture
-def r() -> ClockRedis:
-    return with_neighbour(ClockRedis())
+@pytest.fixture(params=["f64", "text"])
+def r(request: pytest.FixtureRequest) -> ClockRedis:
+    """The shim, with struct ("f64": enable stores doubles) or without ("text")."""
+    shim = ClockRedis(struct_lib=request.param == "f64")
+    shim.enc = request.param  # type: ignore[attr-defined]
+    return with_neighbour(shim)
+
+
+def value_bytes(r: ClockRedis, v: float) -> bytes:
+    """``v`` as a leaf of the shim's encoding."""
+    return struct.pack("<d", v) if r.enc == "f64" else f"{v:<23.17g}".encode()  # type: ignore[attr-defined]
+
+
+def width(r: ClockRedis) -> int:
+    return 8 if r.enc == "f64" else 23  # type: ignore[attr-defined]
 
 
 def settings(cap: int = 10, k: int = 4, alpha: float = 1.0, beta: float = 1.0, eps: float = 0.0) -> str:
@@ -45,7 +59,10 @@ def ring(r: ClockRedis, flags: bytes | None, cursor: int) -> None:
 
 def leaves(r: ClockRedis) -> list[float]:
     raw = r.data[PL]
-    return [float(raw[i : i + 23]) for i in range(0, len(raw), 23)]
+    w = width(r)
+    if r.enc == "f64":  # type: ignore[attr-defined]
+        return [struct.unpack("<d", raw[i : i + w])[0] for i in range(0, len(raw), w)]
+    return [float(raw[i : i + w]) for i in range(0, len(raw), w)]
 
 
 def gens(r: ClockRedis) -> list[int]:
@@ -54,7 +71,8 @@ def gens(r: ClockRedis) -> list[int]:
 
 
 def consistent(r: ClockRedis, cap: int = 10, k: int = 4) -> None:
-    _leaves, problems = tree_problems(PrioritySettings(1.0, 1.0, 0.0, k, cap), r.data[PL], r.data[PT])
+    s = PrioritySettings(1.0, 1.0, 0.0, k, cap, r.enc)  # type: ignore[attr-defined]
+    _leaves, problems = tree_problems(s, r.data[PL], r.data[PT])
     assert problems == []
 
 
@@ -73,6 +91,7 @@ def test_enable_builds_the_tree_over_the_written_rows(r: ClockRedis, lua_version
     assert leaves(r) == [2.0, 2.0, 0.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0]  # (1 + 3) ** 0.5
     assert gens(r) == [0] * 10 and r.data[PM] == b" " * 23
     assert r.data[META][b"lv"] == b"3" and json.loads(r.data[META][b"prio"])["k"] == k
+    assert json.loads(r.data[META][b"prio"])["enc"] == r.enc  # type: ignore[attr-defined]  # (chosen by the script)
     consistent(r, k=k)
     neighbour_unchanged(r)
 
@@ -149,6 +168,9 @@ def test_new_rows_off_and_bad(r: ClockRedis, lua_version: str) -> None:
     expect_error(r, "TDS_BADARG", "prio_new", NEW_KEYS, ["-1", "1"], lua_version)
     r.data[PT] = r.data[PT][:-1]
     expect_error(r, "TDS_CORRUPT", "prio_new", NEW_KEYS, ["0", "1"], lua_version)
+    r.data[PT] = r.data[PT] + b" "
+    r.data[PL] = value_bytes(r, float("nan")) + r.data[PL][width(r):]  # (sizes kept: the value tells)
+    expect_error(r, "TDS_CORRUPT", "prio_new", NEW_KEYS, ["1", "1"], lua_version)
 
 
 def test_draw_follows_the_uniforms_and_rejects_rows_not_written(r: ClockRedis, lua_version: str) -> None:
@@ -183,7 +205,10 @@ def test_draw_off_empty_and_bad(r: ClockRedis, lua_version: str) -> None:
     r.run("prio_build", BUILD_KEYS, ["reset"], lua_version)
     expect_error(r, "TDS_BADARG", "prio_draw", BUILD_KEYS, ["2", "0.5"], lua_version)
     expect_error(r, "TDS_BADARG", "prio_draw", BUILD_KEYS, ["1", "1.0"], lua_version)
-    r.data[PT] = b"x" * len(r.data[PT])
+    r.data[PT] = b"x" * len(r.data[PT])  # (text: not numbers; doubles: huge but valid, so NaN too)
+    if r.enc == "text":  # type: ignore[attr-defined]
+        expect_error(r, "TDS_CORRUPT", "prio_draw", BUILD_KEYS, ["1", "0.5"], lua_version)
+    r.data[PT] = value_bytes(r, float("nan")) * (len(r.data[PT]) // width(r))
     expect_error(r, "TDS_CORRUPT", "prio_draw", BUILD_KEYS, ["1", "0.5"], lua_version)
 
 
@@ -239,8 +264,11 @@ def test_draw_and_update_refuse_a_missing_store_and_damage(r: ClockRedis, lua_ve
     expect_error(r, "TDS_NOSTORE", "prio_update", UPDATE_KEYS, ["0", "1", ""], lua_version)
     ring(r, b"\x01" * 10, 10)
     build(r, lua_version)
-    r.data[PL] = b"nonsense".ljust(23) + r.data[PL][23:]
-    expect_error(r, "TDS_CORRUPT", "prio_update", UPDATE_KEYS, ["1", "1", ""], lua_version)
+    bad = b"nonsense".ljust(23) if r.enc == "text" else value_bytes(r, -1.0)  # type: ignore[attr-defined]
+    r.data[PL] = bad + r.data[PL][width(r):]
+    # (row 1's group reads row 0; a new value for row 1, so that a write before the check would show)
+    expect_error(r, "TDS_CORRUPT", "prio_update", UPDATE_KEYS, ["1", "7", ""], lua_version)
+    expect_error(r, "TDS_CORRUPT", "prio_new", NEW_KEYS, ["11", "1"], lua_version)
     r.data[RING] = b"lots"
     expect_error(r, "TDS_CORRUPT", "prio_update", UPDATE_KEYS, ["1", "1", ""], lua_version)
 
