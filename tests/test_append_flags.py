@@ -281,6 +281,42 @@ def test_a_reply_lost_during_the_reserve_step_sends_the_append_again_once(store,
     _lose_the_reserve_reply(store, monkeypatch)
 
 
+def test_reserve_replies_lost_until_the_retries_run_out_say_what_was_left(store, monkeypatch):
+    """Every reserve reply lost: the append gives up with ServerUnavailableError, which says
+    that no row was written and what the reservations left (not "nothing was applied": a
+    reserve that ran counts its rows in ring_state().total)."""
+    import redis.exceptions
+
+    from tdstore._backend import wire
+    from tdstore._backend.retry import RetryPolicy
+    from tdstore.errors import ServerUnavailableError
+
+    monkeypatch.setattr(type(store._conn), "direct_client", lambda self: None)
+    store._conn.retry_policy = RetryPolicy(attempts=3, backoff_base=0.001, backoff_cap=0.002, deadline=30.0)
+    real = wire.exchange
+    lost = []
+
+    async def exchange_then_lose(connection, commands):
+        replies = await real(connection, commands)
+        names = [str(command[0]).upper() for command in commands]
+        if "EVALSHA" in names and "SETRANGE" not in names:
+            lost.append(1)
+            await connection.disconnect()
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return replies
+
+    monkeypatch.setattr(wire, "exchange", exchange_then_lose)
+    store._conn.append_slot.cool = 10**6
+    with pytest.raises(ServerUnavailableError, match=r"None of its rows was written.*ring_state\(\)\.total") as info:
+        store.extend(batch(1.0, 2))
+    assert "Nothing of this operation was applied" not in str(info.value)
+    monkeypatch.setattr(wire, "exchange", real)
+    assert len(lost) == 3
+    state = store.ring_state()
+    assert state.valid == 0 and state.total == 6  # (three reservations of 2 rows, none written)
+    assert store.extend(batch(2.0, 1)).tolist() == [6]
+
+
 def test_a_reply_lost_during_the_reserve_step_of_a_direct_append(real_server, monkeypatch):
     """The same through the blocking driver of the calling thread (real servers: fakeredis
     has no direct client), whose failure goes on through the IO loop."""

@@ -510,7 +510,7 @@ class Connection:
                         f"td_id={self.keys.td_id!r}, prefix={self.keys.prefix!r}): {clause(err)}. Gave up after "
                         f"{attempt} tries in {time.monotonic() - started:.1f} s ({policy.describe()}; "
                         "pass retry= to the store or set TDSTORE_RETRY to wait longer)."
-                        + (" Nothing of this operation was applied." if kind == "unsent" else "")
+                        + _nothing_applied(kind, err)
                     ) from err
 
     # -- direct reads -----------------------------------------------------------------
@@ -957,3 +957,15 @@ def _pickle_policy(allow: bool | None, key: bytes | str | None) -> PicklePolicy:
     if isinstance(key, str):
         key = key.encode()
     return _codec.PicklePolicy(default.allow if allow is None else bool(allow), key if key is not None else default.key)
+
+
+def _nothing_applied(kind: str | None, err: BaseException) -> str:
+    """What a retry that gave up says of the operation's effect (its failure's retry class)."""
+    if kind != "unsent":
+        return ""
+    if isinstance(err, _translate.ReserveReplyLost):
+        return (
+            " None of its rows was written; a reserve step that did run left its rows as a dead"
+            " appender's (unflagged, never sampled, counted by ring_state().total)."
+        )
+    return " Nothing of this operation was applied."
