@@ -48,12 +48,11 @@ return protect(function()
   if first < n then runs[1] = {0, n - first - 1} end
   runs[#runs + 1] = {row0, row0 + first - 1}
   -- (the leaves and the tree in one go, all read before the first write: damage changes nothing)
-  prio_fix(t, runs, function(row)
-    for _, run in ipairs(runs) do
-      if row >= run[1] and row <= run[2] then return value end
-    end
-    return nil
-  end, function(lo, hi) return string.rep(leaf, hi - lo + 1) end)
+  local leaves = {}
+  for _, run in ipairs(runs) do
+    for row = run[1], run[2] do leaves[row] = value end
+  end
+  prio_fix(t, runs, leaves, function(lo, hi) return string.rep(leaf, hi - lo + 1) end)
   local function put(row, count, g)
     local gens = {}
     for i = 1, count do gens[i] = gfmt(g + i) end

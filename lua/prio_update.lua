@@ -103,7 +103,7 @@ return protect(function()
     end
     -- (the leaves and the tree in one go, all read before the first write: damage changes nothing)
     local m = prio_max(t)
-    prio_fix(t, runs, function(row) return new[row] end, function(lo, hi)
+    prio_fix(t, runs, new, function(lo, hi)
       local out = {}
       for row = lo, hi do out[#out + 1] = penc(t, new[row]) end
       return table.concat(out)

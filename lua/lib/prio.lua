@@ -219,12 +219,16 @@ local function prio_read(t, l, first, last, mins)
 end
 
 -- recomputes the inner nodes above the leaf runs: sorted, disjoint {lo, hi} (0-based,
--- inclusive), whose new values leaf_of(row) gives and whose new bytes leaf_bytes(lo, hi)
--- (every row of a run gets a new value); it writes the leaves and the nodes. Every read
--- comes before the first write, so damage found on the way (a TDS_CORRUPT error) leaves
--- the tree as it was. (Reading the groups of a level in merged windows measured no
--- faster: a Lua string costs the server about what a call does for each 100 bytes.)
-local function prio_fix(t, runs, leaf_of, leaf_bytes)
+-- inclusive), whose new values the table leaves gives (row -> value; every row of a run
+-- gets one) and whose new bytes leaf_bytes(lo, hi); it writes the leaves and the nodes.
+-- Every read comes before the first write, so damage found on the way (a TDS_CORRUPT
+-- error) leaves the tree as it was. (Reading the groups of a level in merged windows
+-- measured no faster: a Lua string costs the server about what a call does for each 100
+-- bytes.)
+local prio_fix_f64
+
+local function prio_fix(t, runs, leaves, leaf_bytes)
+  if t.bin then return prio_fix_f64(t, runs, leaves, leaf_bytes) end
   local k = t.k
   local over = {}  -- (the nodes of the level below recomputed here: node -> {sum, least})
   local writes = {}
@@ -249,7 +253,7 @@ local function prio_fix(t, runs, leaf_of, leaf_bytes)
       local sums, low = prio_read(t, l - 1, clo, chi, true)
       for c = clo, chi do
         if l == 1 then
-          local v = leaf_of(c)
+          local v = leaves[c]
           if v then sums[c - clo + 1], low[c - clo + 1] = v, v end
         else
           local o = over[c]
@@ -273,6 +277,110 @@ local function prio_fix(t, runs, leaf_of, leaf_bytes)
     runs = parents
   end
   for _, w in ipairs(writes) do rcall('SETRANGE', w[1], w[2], w[3]) end
+end
+
+-- prio_fix of a tree of doubles: the same reads, sums and writes, with a group's values
+-- unpacked in one call and no table per run or node (the update's share of a prioritized
+-- round: about half of the server time of prio_fix's general path)
+prio_fix_f64 = function(t, runs, leaves, leaf_bytes)
+  local k, sizes, offs, floor, min = t.k, t.sizes, t.offs, math.floor, math.min
+  local unpack_d, pack = STRUCT.unpack, STRUCT.pack
+  local fmts = {}
+  local wkey, woff, wval, nw = {}, {}, {}, 0  -- (the writes, made after every read)
+  -- the runs of a level: lo[i] .. hi[i]
+  local lo, hi = {}, {}
+  for i, run in ipairs(runs) do
+    lo[i], hi[i] = run[1], run[2]
+    nw = nw + 1
+    wkey[nw], woff[nw], wval[nw] = t.pl, int_str(run[1] * 8), leaf_bytes(run[1], run[2])
+  end
+  local osum, omin = leaves, leaves  -- (the values of level l - 1 recomputed: node -> value)
+  for l = 1, t.depth do
+    local below = sizes[l - 1]
+    local plo, phi, np = {}, {}, 0
+    for i = 1, #lo do
+      local a, b = floor(lo[i] / k), floor(hi[i] / k)
+      if np > 0 and a <= phi[np] + 1 then
+        if b > phi[np] then phi[np] = b end
+      else
+        np = np + 1
+        plo[np], phi[np] = a, b
+      end
+    end
+    local nsum, nmin = {}, {}
+    local key, width, base, per = t.pt, 16, offs[l - 1], 2  -- (per: values per child, a node's sum and least)
+    if l == 1 then key, width, base, per = t.pl, 8, 0, 1 end
+    for i = 1, np do
+      local clo, chi = plo[i] * k, min((phi[i] + 1) * k, below) - 1
+      local count = chi - clo + 1
+      local raw = rcall('GETRANGE', key, int_str(base + clo * width), int_str(base + (chi + 1) * width - 1))
+      if #raw ~= count * width then pget(t, raw, #raw + 1, key) end  -- (a short read: damage)
+      local nv = count * per
+      local vals
+      if nv <= 64 then  -- (the usual group: one unpack)
+        local f = fmts[nv]
+        if not f then
+          f = '<' .. string.rep('d', nv)
+          fmts[nv] = f
+        end
+        vals = {unpack_d(f, raw)}
+      else
+        vals = {}
+        local done = 0
+        while done < nv do
+          local n = min(nv - done, 64)
+          local f = fmts[n]
+          if not f then
+            f = '<' .. string.rep('d', n)
+            fmts[n] = f
+          end
+          local got = {unpack_d(f, raw, done * 8 + 1)}
+          for j = 1, n do vals[done + j] = got[j] end
+          done = done + n
+        end
+      end
+      -- (a value read is checked where it is used: a child replaced here is not read)
+      local out, c, j = {}, clo, 1
+      for p = plo[i], phi[i] do
+        local s, m = 0, 0
+        local last = min(p * k + k, below) - 1
+        if per == 1 then
+          while c <= last do
+            local v = osum[c]
+            if not v then
+              v = vals[j]
+              if not (v >= 0 and v <= P_MAX) then pcheck(v, key) end
+            end
+            s = s + v
+            if v > 0 and (m == 0 or v < m) then m = v end
+            c, j = c + 1, j + 1
+          end
+        else
+          while c <= last do
+            local v, mc = osum[c], nil
+            if v then
+              mc = omin[c]
+            else
+              v, mc = vals[j], vals[j + 1]
+              if not (v >= 0 and v <= P_MAX and mc >= 0 and mc <= P_MAX) then
+                pcheck(v, key)
+                pcheck(mc, key)
+              end
+            end
+            s = s + v
+            if mc > 0 and (m == 0 or mc < m) then m = mc end
+            c, j = c + 1, j + 2
+          end
+        end
+        nsum[p], nmin[p] = s, m
+        out[#out + 1] = pack('<dd', s, m)
+      end
+      nw = nw + 1
+      wkey[nw], woff[nw], wval[nw] = t.pt, int_str(offs[l] + plo[i] * 16), table.concat(out)
+    end
+    osum, omin, lo, hi = nsum, nmin, plo, phi
+  end
+  for i = 1, nw do rcall('SETRANGE', wkey[i], woff[i], wval[i]) end
 end
 
 -- A descent of tree t (prio_tree) for masses u * total: returns a function of u giving the
@@ -322,20 +430,32 @@ local function prio_descender(t, total)
           end
           cache[below][node] = group
         end
-        local pick, before, acc = nil, 0, 0
-        for i = 1, #group do
-          local v = group[i]
-          if v > 0 then
-            pick, before = i, acc
-            acc = acc + v
-            if mass < acc then break end
+        -- (the child whose running sum first passes the mass: a zero child never does, as
+        -- adding 0 leaves the sum; past the end, by rounding, the last positive child)
+        local pick, acc, n = nil, 0, #group
+        for i = 1, n do
+          local after = acc + group[i]
+          if mass < after then
+            pick = i
+            break
           end
+          acc = after
         end
         if not pick then
-          tds_error('TDS_CORRUPT', 'the priority tree ' .. t.pt .. ' has a node with a positive sum and no positive child'
-            .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
+          for i = n, 1, -1 do
+            if group[i] > 0 then
+              pick = i
+              break
+            end
+          end
+          if not pick then
+            tds_error('TDS_CORRUPT', 'the priority tree ' .. t.pt .. ' has a node with a positive sum and no positive child'
+              .. ' (damaged?); disable_priorities() and enable_priorities() rebuild it')
+          end
+          acc = 0
+          for i = 1, pick - 1 do acc = acc + group[i] end
         end
-        mass = mass - before
+        mass = mass - acc
         value = group[pick]
         node = node * k + pick - 1
       end
