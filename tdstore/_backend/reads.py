@@ -8,9 +8,10 @@ a gather over its rows one gather call per chunk, the rows put back in the order
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+from tdstore._backend import placed as _placed
 from tdstore._backend.ops import _raise_first_error
 from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
@@ -18,6 +19,9 @@ from tdstore._backend.step import ReadStep, run_async
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import Command, parse_lv
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["runs_step", "read_runs", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
 
@@ -28,6 +32,7 @@ def runs_step(
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
     gathers: Sequence[tuple[int, str] | None] | None = None,
     sizes: Sequence[int | None] | None = None,
+    place: bool = False,
 ) -> ReadStep[tuple[int | None, list[list[bytes]]]]:
     """The read of byte runs ``(offset, length)`` of several entries in one snapshot, as a
     step for either driver (:mod:`tdstore._backend.step`; ``Connection.read_step``).
@@ -40,6 +45,10 @@ def runs_step(
     "row row ...")``: plan ``i`` is then read by the gather script in one call, and its
     runs are not used. The layout version comes back with the runs: the caller
     decodes them only if it is the version it planned with.
+
+    ``place``: a plan whose runs are large (:mod:`tdstore._backend.placed`) may be
+    received straight into one flat uint8 tensor of all its runs, back to back; its list
+    then holds that tensor alone.
 
     The step's result: (layout version, list of run bytes per entry).
     """
@@ -74,7 +83,46 @@ def runs_step(
         _raise_first_error(replies)
         return _split_checked(replies, recipe, checks, keys.base)
 
-    return ReadStep("snapshot", parse, _run_commands(keys, runner, recipe) + [("STRLEN", key) for _, key, _ in checks])
+    commands = _run_commands(keys, runner, recipe) + [("STRLEN", key) for _, key, _ in checks]
+    return ReadStep("snapshot", parse, commands, placed=_placer(recipe, checks, keys.base) if place else None)
+
+
+def _placer(recipe: _Recipe, checks: Sequence[tuple[int, str, int]], base: str) -> _Placed | None:
+    """The ``placed`` of a runs step (:class:`~tdstore._backend.step.ReadStep`), or None
+    when no plan's runs are large enough to be worth it."""
+    items: list[tuple[int, int, list[int]]] = []  # (recipe item, its first command's index, run lengths)
+    at = 1  # (command 0 reads the layout version)
+    for j, (kind, commands, _extra) in enumerate(recipe):
+        if kind == "runs" and commands:
+            lengths = [c[3] - c[2] + 1 if c[3] >= 0 else -1 for c in commands]
+            total = sum(lengths)
+            if min(lengths) > 0 and total >= _placed.PLACE_MIN and total >= _placed.PLACE_MIN_PIECE * len(lengths):
+                items.append((j, at, lengths))
+        at += len(commands)
+    if not items:
+        return None
+
+    def placed() -> tuple[dict[int, memoryview], Callable[[list[object]], _RunsResult]]:
+        import torch
+
+        targets: dict[int, memoryview] = {}
+        buffers: _Buffers = {}
+        for j, first, lengths in items:
+            buf = torch.empty(sum(lengths), dtype=torch.uint8)
+            view = buf.numpy().data.cast("B")
+            pos = 0
+            for m, n in enumerate(lengths):
+                targets[first + m] = view[pos : pos + n]
+                pos += n
+            buffers[j] = (buf, view, lengths)
+
+        def parse(replies: list[object]) -> _RunsResult:
+            _raise_first_error(replies)
+            return _split_checked(replies, recipe, checks, base, buffers)
+
+        return targets, parse
+
+    return placed
 
 
 async def read_runs(
@@ -123,12 +171,13 @@ def _check_sizes(lv: int | None, checks: Sequence[tuple[int, str, int]], lengths
 
 
 def _split_checked(
-    replies: list[Any], recipe: _Recipe, checks: Sequence[tuple[int, str, int]], base: str
+    replies: list[Any], recipe: _Recipe, checks: Sequence[tuple[int, str, int]], base: str,
+    buffers: _Buffers | None = None,
 ) -> tuple[int | None, list[list[bytes]]]:
     if checks:
         lengths = replies[-len(checks):]
         replies = replies[: -len(checks)]
-    lv, out = _split_runs(replies, recipe, base)
+    lv, out = _split_runs(replies, recipe, base, buffers)
     if checks:
         _check_sizes(lv, checks, lengths)
     return lv, out
@@ -166,6 +215,10 @@ def _single_run(
 # for a gather over the chunks of a chunked entry. A command is ("getrange", key, first,
 # last) or ("gather", key, (row bytes, "row row ...")).
 _Recipe = list[tuple[str, list[tuple[Any, ...]], Any]]
+# A placed read's buffers: recipe item -> (its flat uint8 tensor, that tensor's memory, run lengths)
+_Buffers = dict[int, tuple["torch.Tensor", memoryview, list[int]]]
+_RunsResult = tuple[int | None, list[list[bytes]]]
+_Placed = Callable[[], tuple[dict[int, memoryview], Callable[[list[object]], _RunsResult]]]
 
 
 def _read_recipe(
@@ -236,13 +289,29 @@ def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> lis
     return out
 
 
-def _split_runs(replies: list[Any], recipe: _Recipe, base: str) -> tuple[int | None, list[list[bytes]]]:
+def _split_runs(
+    replies: list[Any], recipe: _Recipe, base: str, buffers: _Buffers | None = None
+) -> tuple[int | None, list[list[bytes]]]:
+    """Each plan's runs from the replies; a placed plan's (``buffers``: recipe item ->
+    (tensor, its memory, run lengths)) is its tensor, unless a reply of it was not placed
+    (another length: the caller's size check then names the problem)."""
     lv = parse_lv(replies[0], base)
     out: list[list[bytes]] = []
     pos = 1
-    for kind, commands, extra in recipe:
+    for j, (kind, commands, extra) in enumerate(recipe):
         got = replies[pos : pos + len(commands)]
         pos += len(commands)
+        placed = buffers.get(j) if buffers else None
+        if placed is not None:
+            buf, view, lengths = placed
+            if all(r is _placed.PLACED for r in got):
+                out.append([buf])  # type: ignore[list-item]  # (a flat uint8 tensor: tensor_from_reply takes it as it takes bytes)
+                continue
+            at = 0
+            for m, n in enumerate(lengths):
+                if got[m] is _placed.PLACED:
+                    got[m] = bytes(view[at : at + n])
+                at += n
         if kind == "gather":
             out.append(got)
         elif kind == "cgather":

@@ -11,12 +11,13 @@ a MULTI refused over maxmemory), so a failed blocking try is simply sent again t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 import redis.exceptions
 
+from tdstore._backend import placed as _placed
 from tdstore._backend.blocking import exchange, transaction
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
@@ -41,12 +42,19 @@ class ReadStep(Generic[T]):
       refuses a MULTI, a pipeline bracketed by the store's versions: see ``read_snapshot``).
 
     ``parse`` gets the replies with errors as values, in the order of ``commands``.
+
+    ``placed`` (a packet or a snapshot), when given, makes where large replies may be
+    received for one sending: ``(targets, parse)``, ``targets[i]`` the memory of command
+    ``i``'s reply, and ``parse`` the parser of the replies of that sending, where a reply
+    received into its target is :data:`~tdstore._backend.placed.PLACED` (the blocking
+    driver's :func:`~tdstore._backend.placed.exchange`; the asyncio driver uses ``parse``).
     """
 
     how: Literal["script", "packet", "snapshot"]
     parse: Callable[[list[Any]], T]
     commands: Sequence[Command] = ()
     script: tuple[str, list[str], list[Arg]] | None = None
+    placed: Callable[[], tuple[Mapping[int, memoryview], Callable[[list[object]], T]]] | None = None
 
 
 def with_prefix(step: ReadStep[T], prefix: Sequence[Command], sink: Callable[[list[object]], None]) -> ReadStep[T]:
@@ -57,13 +65,24 @@ def with_prefix(step: ReadStep[T], prefix: Sequence[Command], sink: Callable[[li
     if not prefix or step.how == "script":
         return step
     count = len(prefix)
-    inner = step.parse
 
-    def parse(replies: list[object]) -> T:
-        sink(replies[:count])
-        return inner(replies[count:])
+    def prefixed(inner: Callable[[list[object]], T]) -> Callable[[list[object]], T]:
+        def parse(replies: list[object]) -> T:
+            sink(replies[:count])
+            return inner(replies[count:])
 
-    return ReadStep("snapshot", parse, [*prefix, *step.commands])
+        return parse
+
+    placed = None
+    inner_placed = step.placed
+    if inner_placed is not None:
+
+        def placed() -> tuple[Mapping[int, memoryview], Callable[[list[object]], T]]:
+            assert inner_placed is not None
+            targets, parse = inner_placed()
+            return {i + count: view for i, view in targets.items()}, prefixed(parse)
+
+    return ReadStep("snapshot", prefixed(step.parse), [*prefix, *step.commands], placed=placed)
 
 
 async def _exec(pipe: AsyncPipeline) -> list[Any]:
@@ -137,6 +156,9 @@ def run_blocking(client: SyncClient, runner: ScriptRunner | None, step: ReadStep
         assert step.script is not None and runner is not None
         name, script_keys, args = step.script
         return step.parse([client.evalsha(runner.sha(name), len(script_keys), *script_keys, *args)])
+    if step.placed is not None and _placed.usable(client):
+        targets, parse = step.placed()
+        return parse(_placed.exchange(client, list(step.commands), targets, transaction=step.how == "snapshot"))
     if step.how == "packet":
         return step.parse(exchange(client, list(step.commands)))
     return step.parse(transaction(client, list(step.commands)))

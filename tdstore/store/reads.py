@@ -448,11 +448,12 @@ class StoreReads(DenseBase):
                     plans.append((path, spans.runs(row_bytes)))
                     gathers.append(None)
             sizes = self._entry_sizes(layout, plan)
+            place = conn.owned_replies  # (large runs received into their tensor: tdstore/_backend/placed.py)
             try:
                 lv, parts = conn.read_step(
-                    lambda r: _step.with_prefix(_run_reads.runs_step(conn.keys, r, plans, gathers, sizes), prefix, sink)
+                    lambda r: _step.with_prefix(_run_reads.runs_step(conn.keys, r, plans, gathers, sizes, place), prefix, sink)
                     if sink is not None
-                    else _run_reads.runs_step(conn.keys, r, plans, gathers, sizes),
+                    else _run_reads.runs_step(conn.keys, r, plans, gathers, sizes, place),
                 )
             except _run_reads.SizeMismatch as bad:
                 if bad.lv == layout.lv:
