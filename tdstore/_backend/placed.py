@@ -58,37 +58,63 @@ def usable(client: SyncClient) -> bool:
 
 
 class _Replies:
-    """The RESP replies of one connection, parsed from its socket."""
+    """The RESP replies of one connection, parsed from its socket, through a buffer of
+    :data:`_RECV` bytes received into (``recv_into``: no copy per receive)."""
 
     def __init__(self, sock: socket.socket, parse_error: Callable[[str], Exception]) -> None:
         self.sock = sock
-        self.buf = bytearray()
-        self.pos = 0
+        self.buf = bytearray(_RECV)
+        self.mv = memoryview(self.buf)
+        self.pos = 0  # (the first byte not parsed yet)
+        self.end = 0  # (past the last byte received)
         self.parse_error = parse_error
 
     def _fill(self) -> None:
-        if self.pos:
-            del self.buf[: self.pos]
-            self.pos = 0
-        data = self.sock.recv(_RECV)
-        if not data:
+        """Receives more bytes after what is buffered (moving that to the front first)."""
+        if self.pos == self.end:
+            self.pos = self.end = 0
+        elif self.end == len(self.buf):
+            if self.pos == 0:
+                raise redis.exceptions.InvalidResponse(f"a reply line longer than {_RECV} bytes")
+            n = self.end - self.pos
+            self.buf[:n] = self.buf[self.pos : self.end]
+            self.pos, self.end = 0, n
+        got = self.sock.recv_into(self.mv[self.end :])
+        if not got:
             raise redis.exceptions.ConnectionError("the server closed the connection")
-        self.buf += data
+        self.end += got
 
-    def _line(self) -> bytes:
+    def _line(self) -> bytearray:
         while True:
-            end = self.buf.find(b"\r\n", self.pos)
-            if end >= 0:
-                line = bytes(self.buf[self.pos : end])
-                self.pos = end + 2
+            at = self.buf.find(b"\r\n", self.pos, self.end)
+            if at >= 0:
+                line = self.buf[self.pos : at]
+                self.pos = at + 2
                 return line
             self._fill()
 
+    def skip(self, expected: bytes) -> bool:
+        """Whether the next bytes are ``expected`` (then parsed past), compared as they arrive:
+        the MULTI's OK and QUEUEDs, which come back whole unless a command was refused."""
+        matched = 0
+        while matched < len(expected):
+            if self.pos + matched >= self.end:
+                if self.end == len(self.buf) and self.pos == 0:
+                    return False  # (longer than the buffer: parsed one by one)
+                self._fill()
+                continue
+            n = min(self.end - self.pos - matched, len(expected) - matched)
+            if self.mv[self.pos + matched : self.pos + matched + n] != expected[matched : matched + n]:
+                return False
+            matched += n
+        self.pos += matched
+        return True
+
     def _into(self, view: memoryview) -> None:
         """Fills ``view``: first from what is buffered, then straight from the socket."""
-        have = min(len(view), len(self.buf) - self.pos)
+        have = min(len(view), self.end - self.pos)
         if have:
-            view[:have] = self.buf[self.pos : self.pos + have]
+            view[:have] = self.mv[self.pos : self.pos + have]
             self.pos += have
         while have < len(view):
             got = self.sock.recv_into(view[have:])
@@ -97,19 +123,19 @@ class _Replies:
             have += got
 
     def _bytes(self, size: int) -> bytes:
-        while len(self.buf) - self.pos < size + 2 and size + 2 - (len(self.buf) - self.pos) < _RECV:
-            self._fill()
-        if len(self.buf) - self.pos >= size + 2:
-            end = self.pos + size
-            if self.buf[end : end + 2] != b"\r\n":
+        if size + 2 <= len(self.buf):
+            while self.end - self.pos < size + 2:
+                self._fill()
+            at = self.pos + size
+            if self.buf[at : at + 2] != b"\r\n":
                 raise redis.exceptions.InvalidResponse("a bulk reply does not end with CRLF")
-            out = bytes(self.buf[self.pos : end])
-            self.pos = end + 2
+            out = bytes(self.mv[self.pos : at])
+            self.pos = at + 2
             return out
         # (grown as the bytes arrive, not allocated at the size the server declares: a
         # hostile size costs what the server really sends)
-        raw = bytearray(self.buf[self.pos :])
-        self.pos = len(self.buf)
+        raw = bytearray(self.mv[self.pos : self.end])
+        self.pos = self.end
         while len(raw) < size + 2:
             data = self.sock.recv(min(_RECV * 4, size + 2 - len(raw)))
             if not data:
@@ -120,7 +146,7 @@ class _Replies:
         return bytes(raw[:size])
 
     def _crlf(self) -> None:
-        while len(self.buf) - self.pos < 2:
+        while self.end - self.pos < 2:
             self._fill()
         if self.buf[self.pos : self.pos + 2] != b"\r\n":
             raise redis.exceptions.InvalidResponse("a bulk reply does not end with CRLF")
@@ -145,7 +171,7 @@ class _Replies:
         if kind == b":":
             return int(rest)
         if kind == b"+":
-            return rest
+            return bytes(rest)
         if kind == b"-":
             return self.parse_error(rest.decode(errors="replace"))
         if kind == b"*" or kind == b"~":
@@ -194,7 +220,10 @@ def exchange(
         _wire.send_sync(connection, _wire.packed(sent))
         replies = _Replies(sock, parse_error)
         if transaction:
-            head = [replies.reply() for _ in range(len(commands) + 1)]
+            if replies.skip(b"+OK\r\n" + b"+QUEUED\r\n" * len(commands)):
+                head = []
+            else:
+                head = [replies.reply() for _ in range(len(commands) + 1)]
             result = replies.reply(targets=targets)
             for reply in head:
                 if isinstance(reply, Exception):
@@ -204,7 +233,7 @@ def exchange(
             out = result
         else:
             out = [replies.reply(targets.get(i)) for i in range(len(commands))]
-        if replies.pos != len(replies.buf):
+        if replies.pos != replies.end:
             raise redis.exceptions.InvalidResponse("the server sent more than the replies of a placed read")
     except TimeoutError:
         discard(client, connection)

@@ -266,10 +266,14 @@ def _read_recipe(
                 commands.append(("getrange", key, offset, -1 if length is None else offset + length - 1))
                 counts.append(1)
         else:
+            names: dict[int, str] = {}  # (the chunks' keys, made once each)
             for offset, length in runs:
                 n = 0
                 for k, local, size in _chunks.pieces(chunking, offset, chunking.nbytes - offset if length is None else length):
-                    commands.append(("getrange", keys.chunk(path, k), local, local + size - 1))
+                    name = names.get(k)
+                    if name is None:
+                        name = names[k] = keys.chunk(path, k)
+                    commands.append(("getrange", name, local, local + size - 1))
                     n += 1
                 counts.append(n)
         out.append(("runs", commands, counts))
