@@ -294,7 +294,7 @@ for _, op in ipairs(ops) do
     local n = tonumber(op.n)
     rcall('DEL', dst)
     if n > 0 then
-      rcall('SETRANGE', dst, int_str(n - 1), '\0')
+      rcall('SETRANGE', dst, iarg(n - 1), '\0')
     else
       rcall('SET', dst, '')
     end

@@ -30,12 +30,6 @@ local last = row_bytes - 1
 for row in string.gmatch(rows, '%d+') do
   local off = tonumber(row) * row_bytes
   n = n + 1
-  if off < 1e15 then
-    -- an integer below 2^53 goes as a number: the server prints it exactly ("%.17g" or
-    -- shortest round-trip) without making a Lua string per bound (half the script's time)
-    parts[n] = rcall('GETRANGE', KEYS[1], off, off + last)
-  else
-    parts[n] = rcall('GETRANGE', KEYS[1], int_str(off), int_str(off + last))
-  end
+  parts[n] = rcall('GETRANGE', KEYS[1], iarg(off), iarg(off + last))
 end
 return table.concat(parts)

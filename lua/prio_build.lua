@@ -90,7 +90,7 @@ return protect(function()
   -- the first min(cursor, capacity)
   local flags
   if rcall('EXISTS', KEYS[3]) == 1 then
-    flags = rcall('GETRANGE', KEYS[3], '0', int_str(cap - 1))
+    flags = rcall('GETRANGE', KEYS[3], '0', iarg(cap - 1))
   else
     local cursor = tonumber(rcall('GET', KEYS[2]) or '0')
     if cursor == nil or cursor ~= cursor or cursor < 0 then

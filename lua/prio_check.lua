@@ -31,10 +31,10 @@ for i = 1, #ARGV do
   if row == nil or row ~= row or row < 0 or row ~= math.floor(row) or row > 4503599627370496 then
     return fail('TDS_BADARG', 'not a row: ' .. tostring(ARGV[i]))
   end
-  gens[i] = rcall('GETRANGE', KEYS[2], int_str(row * GW), int_str(row * GW + GW - 1))
+  gens[i] = rcall('GETRANGE', KEYS[2], iarg(row * GW), iarg(row * GW + GW - 1))
   local ok
   if flagged then
-    ok = rcall('GETRANGE', KEYS[1], int_str(row), int_str(row)) == '\1'
+    ok = rcall('GETRANGE', KEYS[1], iarg(row), iarg(row)) == '\1'
   else
     ok = row < counted
   end

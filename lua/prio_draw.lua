@@ -75,14 +75,14 @@ return protect(function()
     local node, value = descend(u)
     local ok
     if flagged then
-      ok = rcall('GETRANGE', KEYS[3], int_str(node), int_str(node)) == '\1'
+      ok = rcall('GETRANGE', KEYS[3], iarg(node), iarg(node)) == '\1'
     else
       ok = node < counted
     end
     if ok then
       rows[#rows + 1] = node
       values[#values + 1] = value
-      gens[#gens + 1] = rcall('GETRANGE', t.pg, int_str(node * GW), int_str(node * GW + GW - 1))
+      gens[#gens + 1] = rcall('GETRANGE', t.pg, iarg(node * GW), iarg(node * GW + GW - 1))
     end
   end
   return {1, rows, table.concat(values, ' '), table.concat(gens), string.format('%.17g', low[1]), s.raw, lim, cursor}

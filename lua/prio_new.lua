@@ -56,7 +56,7 @@ return protect(function()
   local function put(row, count, g)
     local gens = {}
     for i = 1, count do gens[i] = gfmt(g + i) end
-    rcall('SETRANGE', t.pg, int_str(row * GW), table.concat(gens))
+    rcall('SETRANGE', t.pg, iarg(row * GW), table.concat(gens))
   end
   put(row0, first, start)
   if first < n then put(0, n - first, start + first) end

@@ -78,7 +78,7 @@ return protect(function()
     local r = rows[i]
     local ok = true
     if given then
-      local g = tonumber(rcall('GETRANGE', t.pg, int_str(r * GW), int_str(r * GW + GW - 1)))
+      local g = tonumber(rcall('GETRANGE', t.pg, iarg(r * GW), iarg(r * GW + GW - 1)))
       ok = g == tonumber(gens[i])
     end
     if ok then

@@ -168,13 +168,13 @@ end
 
 -- the last check: the INCRBY of the cursor is this script's first write (an INCRBY of a
 -- key that is not an integer changes nothing)
-local moved = redis.pcall('INCRBY', KEYS[2], int_str(n))
+local moved = redis.pcall('INCRBY', KEYS[2], iarg(n))
 if type(moved) ~= 'number' or moved < n then
-  if type(moved) == 'number' then rcall('INCRBY', KEYS[2], int_str(-n)) end
+  if type(moved) == 'number' then rcall('INCRBY', KEYS[2], iarg(-n)) end
   return fail('TDS_BADARG', 'the cursor of ' .. KEYS[1] .. ' is not a row count')
 end
 local cursor = moved - n
-if limiter then rcall('HINCRBY', KEYS[6], 'ins', int_str(n)) end
+if limiter then rcall('HINCRBY', KEYS[6], 'ins', iarg(n)) end
 local start = cursor % capacity
 local first = math.min(n, capacity - start)
 
@@ -188,7 +188,7 @@ end
 
 -- whether rows from .. from + count - 1 are all flagged as written
 local function written(from, count)
-  return rcall('GETRANGE', KEYS[3], int_str(from), int_str(from + count - 1)) == string.rep('\1', count)
+  return rcall('GETRANGE', KEYS[3], iarg(from), iarg(from + count - 1)) == string.rep('\1', count)
 end
 
 -- the rows these take that were reserved before (the cursor came round): a clear flag is
@@ -205,7 +205,7 @@ elseif cursor > 0 then
 end
 
 -- clear the flags of the rows (SETRANGE pads a new key with zeros: unflagged)
-rcall('SETRANGE', KEYS[3], int_str(start), string.rep('\0', first))
+rcall('SETRANGE', KEYS[3], iarg(start), string.rep('\0', first))
 if first < n then
   rcall('SETRANGE', KEYS[3], '0', string.rep('\0', n - first))
 end

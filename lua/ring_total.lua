@@ -58,10 +58,10 @@ if counted == 0 then
   rcall('DEL', KEYS[3])
 else
   -- the flags of the rows reserved before (clear: in flight or dead), then rows never reserved
-  local kept = rcall('GETRANGE', KEYS[3], '0', int_str(counted - 1))
+  local kept = rcall('GETRANGE', KEYS[3], '0', iarg(counted - 1))
   rcall('SET', KEYS[3], kept .. string.rep('\1', counted - #kept))
 end
-rcall('SET', KEYS[2], int_str(total))
+rcall('SET', KEYS[2], iarg(total))
 if total == 0 and rcall('EXISTS', KEYS[6]) == 1 then
   -- (pcall: a damaged limiter is reported by the next append or sample, not half-way here)
   redis.pcall('HSET', KEYS[6], 'ins', '0', 'smp', '0')

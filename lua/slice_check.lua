@@ -46,13 +46,13 @@ for i = 3, #ARGV do
   if flagged then
     local got
     if r + L <= cap then
-      got = rcall('GETRANGE', KEYS[1], int_str(r), int_str(r + L - 1))
+      got = rcall('GETRANGE', KEYS[1], iarg(r), iarg(r + L - 1))
     else
-      got = rcall('GETRANGE', KEYS[1], int_str(r), int_str(cap - 1)) .. rcall('GETRANGE', KEYS[1], '0', int_str(r + L - cap - 1))
+      got = rcall('GETRANGE', KEYS[1], iarg(r), iarg(cap - 1)) .. rcall('GETRANGE', KEYS[1], '0', iarg(r + L - cap - 1))
     end
     ok = got == ones
   end
   if ok then oks[#oks + 1] = '1' else oks[#oks + 1] = '0' end
-  if with_gens then gens[#gens + 1] = rcall('GETRANGE', KEYS[3], int_str(r * GW), int_str(r * GW + GW - 1)) end
+  if with_gens then gens[#gens + 1] = rcall('GETRANGE', KEYS[3], iarg(r * GW), iarg(r * GW + GW - 1)) end
 end
 return {cursor, table.concat(oks), table.concat(gens)}

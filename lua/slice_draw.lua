@@ -123,18 +123,18 @@ return protect(function()
   -- the bytes of rows r .. r + count - 1 of the ring (wrapping) of a string of w bytes per row
   local function span(key, r, count, w)
     if r + count <= cap then
-      return rcall('GETRANGE', key, int_str(r * w), int_str((r + count) * w - 1))
+      return rcall('GETRANGE', key, iarg(r * w), iarg((r + count) * w - 1))
     end
-    return rcall('GETRANGE', key, int_str(r * w), int_str(cap * w - 1))
-      .. rcall('GETRANGE', key, '0', int_str((r + count - cap) * w - 1))
+    return rcall('GETRANGE', key, iarg(r * w), iarg(cap * w - 1))
+      .. rcall('GETRANGE', key, '0', iarg((r + count - cap) * w - 1))
   end
   -- when the windows to test would cover the ring's column, it is read once (two GETRANGEs)
   -- and the windows cut from it; else each window's bytes are read on their own
   local whole_col, whole_fl
   if mode == 'u' or mode == 'p' then
     if (#ARGV - 7) * L >= size then
-      whole_col = rcall('GETRANGE', KEYS[4], '0', int_str(cap * isz - 1))
-      if flagged then whole_fl = rcall('GETRANGE', KEYS[3], '0', int_str(cap - 1)) end
+      whole_col = rcall('GETRANGE', KEYS[4], '0', iarg(cap * isz - 1))
+      if flagged then whole_fl = rcall('GETRANGE', KEYS[3], '0', iarg(cap - 1)) end
     end
   end
   local function cut(whole, r, count, w)
@@ -163,7 +163,7 @@ return protect(function()
 
   -- the leaf of a row, as stored, and its value
   local function leaf(row)
-    local raw = rcall('GETRANGE', t.pl, int_str(row * t.pw), int_str(row * t.pw + t.pw - 1))
+    local raw = rcall('GETRANGE', t.pl, iarg(row * t.pw), iarg(row * t.pw + t.pw - 1))
     local v = pget(t, raw, 1, t.pl)
     return ptext(t, v, raw), v
   end
@@ -177,7 +177,7 @@ return protect(function()
     if prioritized then
       values[#values + 1] = value
       local row = a % cap
-      gens[#gens + 1] = rcall('GETRANGE', t.pg, int_str(row * GW), int_str(row * GW + GW - 1))
+      gens[#gens + 1] = rcall('GETRANGE', t.pg, iarg(row * GW), iarg(row * GW + GW - 1))
     end
   end
 

@@ -70,11 +70,11 @@ local count = 0
 for _, group in ipairs(groups) do
   local key, runs, payload = group[1], group[2], group[3]
   if #runs == 1 and runs[1][2] == #payload then
-    rcall('SETRANGE', key, int_str(runs[1][1]), payload)
+    rcall('SETRANGE', key, iarg(runs[1][1]), payload)
   else
     for _, run in ipairs(runs) do
       if run[2] > 0 then
-        rcall('SETRANGE', key, int_str(run[1]), string.sub(payload, run[3] + 1, run[3] + run[2]))
+        rcall('SETRANGE', key, iarg(run[1]), string.sub(payload, run[3] + 1, run[3] + run[2]))
       end
     end
   end

@@ -11,6 +11,18 @@ local function int_str(x)
   return string.format('%d', x)
 end
 
+-- A whole number as an argument of redis.call (an offset, a count), cheaply: as it is where
+-- the server writes it exactly, else formatted with %d. Lua 5.1 (Redis, Valkey, KeyDB: no
+-- math.type, every number a double): the server writes a number argument with %.17g (or the
+-- shortest round trip), exact below 1e15; a string.format per bound cost a priority draw a
+-- quarter of its server time. Lua 5.4 (Dragonfly): exact for the integer subtype, while a
+-- float would go as "3.0".
+local mtype = math.type  -- (read, not called: nil on Lua 5.1, where no value needs it)
+local function iarg(x)
+  if x < 1e15 and x > -1e15 and (mtype == nil or mtype(x) == 'integer') then return x end
+  return string.format('%d', x)
+end
+
 local function fail(code, msg)
   return redis.error_reply(code .. ' ' .. msg)
 end

@@ -203,12 +203,12 @@ local function prio_read(t, l, first, last, mins)
   local sums, low = {}, {}
   local count = last - first + 1
   if l == 0 then
-    local s = rcall('GETRANGE', t.pl, int_str(first * t.pw), int_str((last + 1) * t.pw - 1))
+    local s = rcall('GETRANGE', t.pl, iarg(first * t.pw), iarg((last + 1) * t.pw - 1))
     sums = pvalues(t, s, 1, count, t.pl)
     for i = 1, count do low[i] = sums[i] end
   else
     local base = t.offs[l]
-    local s = rcall('GETRANGE', t.pt, int_str(base + first * t.nw), int_str(base + (last + 1) * t.nw - 1))
+    local s = rcall('GETRANGE', t.pt, iarg(base + first * t.nw), iarg(base + (last + 1) * t.nw - 1))
     local vals = pvalues(t, s, 1, 2 * count, t.pt)
     for i = 1, count do
       sums[i] = vals[2 * i - 1]
@@ -245,7 +245,7 @@ local function prio_fix(t, runs, leaves, leaf_bytes)
       end
     end
     if l == 1 then
-      for _, run in ipairs(runs) do writes[#writes + 1] = {t.pl, int_str(run[1] * t.pw), leaf_bytes(run[1], run[2])} end
+      for _, run in ipairs(runs) do writes[#writes + 1] = {t.pl, iarg(run[1] * t.pw), leaf_bytes(run[1], run[2])} end
     end
     local done = {}
     for _, run in ipairs(parents) do
@@ -271,7 +271,7 @@ local function prio_fix(t, runs, leaves, leaf_bytes)
         done[p] = {s, m}
         out[#out + 1] = penc_node(t, s, m)
       end
-      writes[#writes + 1] = {t.pt, int_str(t.offs[l] + run[1] * t.nw), table.concat(out)}
+      writes[#writes + 1] = {t.pt, iarg(t.offs[l] + run[1] * t.nw), table.concat(out)}
     end
     over = done
     runs = parents
@@ -292,7 +292,7 @@ prio_fix_f64 = function(t, runs, leaves, leaf_bytes)
   for i, run in ipairs(runs) do
     lo[i], hi[i] = run[1], run[2]
     nw = nw + 1
-    wkey[nw], woff[nw], wval[nw] = t.pl, int_str(run[1] * 8), leaf_bytes(run[1], run[2])
+    wkey[nw], woff[nw], wval[nw] = t.pl, iarg(run[1] * 8), leaf_bytes(run[1], run[2])
   end
   local osum, omin = leaves, leaves  -- (the values of level l - 1 recomputed: node -> value)
   for l = 1, t.depth do
@@ -313,7 +313,7 @@ prio_fix_f64 = function(t, runs, leaves, leaf_bytes)
     for i = 1, np do
       local clo, chi = plo[i] * k, min((phi[i] + 1) * k, below) - 1
       local count = chi - clo + 1
-      local raw = rcall('GETRANGE', key, int_str(base + clo * width), int_str(base + (chi + 1) * width - 1))
+      local raw = rcall('GETRANGE', key, iarg(base + clo * width), iarg(base + (chi + 1) * width - 1))
       if #raw ~= count * width then pget(t, raw, #raw + 1, key) end  -- (a short read: damage)
       local nv = count * per
       local vals
@@ -376,7 +376,7 @@ prio_fix_f64 = function(t, runs, leaves, leaf_bytes)
         out[#out + 1] = pack('<dd', s, m)
       end
       nw = nw + 1
-      wkey[nw], woff[nw], wval[nw] = t.pt, int_str(offs[l] + plo[i] * 16), table.concat(out)
+      wkey[nw], woff[nw], wval[nw] = t.pt, iarg(offs[l] + plo[i] * 16), table.concat(out)
     end
     osum, omin, lo, hi = nsum, nmin, plo, phi
   end
@@ -415,11 +415,11 @@ local function prio_descender(t, total)
           local raw, key, skip
           if below == 0 then
             key, skip = t.pl, 0
-            raw = rcall('GETRANGE', key, int_str(f * 8), int_str((f + count) * 8 - 1))
+            raw = rcall('GETRANGE', key, iarg(f * 8), iarg((f + count) * 8 - 1))
           else
             key, skip = t.pt, 1
             local base = t.offs[below]
-            raw = rcall('GETRANGE', key, int_str(base + f * 16), int_str(base + (f + count) * 16 - 1))
+            raw = rcall('GETRANGE', key, iarg(base + f * 16), iarg(base + (f + count) * 16 - 1))
           end
           if #raw ~= count * (8 + 8 * skip) then pget(t, raw, #raw + 1, key) end  -- (a short read: damage)
           group = {unpack_d(fmt(count, skip), raw)}
@@ -472,7 +472,7 @@ local function prio_descender(t, total)
         local count = math.min(f + k, t.sizes[below]) - f
         local width, key, base = t.nw, t.pt, 0
         if below == 0 then width, key = t.pw, t.pl else base = t.offs[below] end
-        local raw = rcall('GETRANGE', key, int_str(base + f * width), int_str(base + (f + count) * width - 1))
+        local raw = rcall('GETRANGE', key, iarg(base + f * width), iarg(base + (f + count) * width - 1))
         group = {raw = raw, count = count, width = width, key = key}
         cache[below][node] = group
       end
@@ -506,7 +506,7 @@ end
 
 -- the largest priority given so far, or nil (none yet)
 local function prio_max(t)
-  local raw = rcall('GETRANGE', t.pm, '0', int_str(PW - 1))
+  local raw = rcall('GETRANGE', t.pm, '0', iarg(PW - 1))
   if string.match(raw, '^ *$') then return nil end
   return pnum(raw, t.pm)
 end

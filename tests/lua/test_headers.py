@@ -402,6 +402,16 @@ def _guarded_probe(tokens: list[Token], i: int) -> bool:
     return tokens[i].text == "struct" and window == ["pcall", "(", "function", "(", ")", "return", "struct", "end"]
 
 
+def _version_probe(tokens: list[Token], i: int) -> bool:
+    """``local mtype = math.type``: reading the field (nil on Lua 5.1) tells the Lua version;
+    lib/common.lua's iarg calls it only where it is not nil. Any other use of math.type, a call
+    ``math.type(x)`` among them, is refused."""
+    window = [t.text for t in tokens[max(i - 4, 0) : i + 2]]
+    return tokens[i].text == "type" and window[:5] == ["mtype", "=", "math", ".", "type"] and (
+        len(window) < 6 or window[5] != "("
+    )
+
+
 def dialect_problems(tokens: list[Token]) -> list[str]:
     problems = []
     for i, t in enumerate(tokens):
@@ -410,7 +420,10 @@ def dialect_problems(tokens: list[Token]) -> list[str]:
             problems.append(f"line {t.line}: {t.text!r}: {_FORBIDDEN_OPS[t.text]}")
         elif t.kind == "name" and t.text in _FORBIDDEN_NAMES and prev not in (".", ":") and not _guarded_probe(tokens, i):
             problems.append(f"line {t.line}: {t.text}: {_FORBIDDEN_NAMES[t.text]}")
-        elif t.kind == "name" and prev == "." and i >= 2 and (tokens[i - 2].text, t.text) in _FORBIDDEN_FIELDS:
+        elif (
+            t.kind == "name" and prev == "." and i >= 2 and (tokens[i - 2].text, t.text) in _FORBIDDEN_FIELDS
+            and not _version_probe(tokens, i)
+        ):
             problems.append(f"line {t.line}: {tokens[i - 2].text}.{t.text}: {_FORBIDDEN_FIELDS[(tokens[i - 2].text, t.text)]}")
     return problems
 
@@ -487,6 +500,10 @@ def test_dialect_checks_catch_each_construct() -> None:
     # the guarded probe passes; struct used any other way does not
     assert dialect_problems(lex("local ok, lib = pcall(function() return struct end)\n")) == []
     assert len(dialect_problems(lex("local f = function() return struct end\n"))) == 1
+    # the version probe of lib/common.lua passes; a call of math.type does not
+    assert dialect_problems(lex("local mtype = math.type\n")) == []
+    assert len(dialect_problems(lex("local t = math.type(1)\n"))) == 1
+    assert len(dialect_problems(lex("local mtype = math.type(1)\n"))) == 1
 
 
 def test_global_assignment_check() -> None:

@@ -1437,3 +1437,26 @@ def test_every_script_and_declared_error_code_has_a_test() -> None:
     assert set(error_tests) == set(script_names()), "a script without behaviour tests"
     for name, tests in error_tests.items():
         assert set(tests) == set(get_script(name).header.errors), f"{name}: the error tests and its header disagree"
+
+
+def test_iarg_gives_the_server_exact_digits(lua_version: str) -> None:
+    """lib/common.lua's iarg under both Lua versions, as the servers format a number argument:
+    exact digits for integers and for Lua 5.4 floats, which a Lua 5.4 server would write "3.0"
+    (this fails without iarg's guard on Lua 5.4)."""
+    from tdstore._backend import scripts as _scripts
+
+    common = _scripts._ANY_HEADER_RE.sub("", (_scripts._lua_dir() / "lib" / "common.lua").read_text(), count=1)
+    body = """
+    local out = {}
+    for i = 1, #ARGV do
+      local x = tonumber(ARGV[i])
+      rcall('SET', 'k', iarg(x))
+      out[#out + 1] = rcall('GET', 'k')
+      rcall('SET', 'k', iarg(x + 0.0))
+      out[#out + 1] = rcall('GET', 'k')
+    end
+    return out
+    """
+    values = [0, 3, 2**31 + 5, 10**15 - 1, 10**15, 2**53 - 1, -1, -(10**15) - 1]
+    got = LuaRedis().eval(common + body, [], [str(v) for v in values], lua_version=lua_version)
+    assert got == [str(v).encode() for v in values for _ in range(2)]
