@@ -20,13 +20,17 @@ Cases (tdstore | Reverb):
 3. uniform sample of 256, ms per batch: ``store.sample(256)`` | Reverb's best sampler, a
    ``reverb.TrajectoryDataset(max_in_flight_samples_per_worker=256).batch(256)`` (the C++
    sampler, streaming: it requests samples ahead of the consumer), ``next()`` + ``.numpy()``.
-   Also shown: Reverb's plain ``client.sample(table, 256)`` (``buffer_size=1``) + ``np.stack``.
+   Also shown: Reverb's plain ``client.sample(table, 256)`` (``buffer_size=1``) + ``np.stack``,
+   and tdstore drawing ahead as Reverb's dataset does: ``next()`` of a
+   ``tdstore.replay.Prefetcher(store, 256, in_flight=--in-flight)`` (threads of the client).
 4. prioritized round, ms: ``store.sample(256, prioritized=True, return_info=True)`` then
    ``store.update_priority(info["index"], p, generation=info["generation"])`` | the same
    dataset on a ``selectors.Prioritized(0.6)`` table, the importance weights from the
    sample's info, then ``client.mutate_priorities(table, updates={key: p})``. Goal: tdstore
    <= 1.0x Reverb's time (moonshot 0.5x). Note that Reverb's dataset samples ahead, so its
-   updates apply to rows drawn up to one batch earlier; tdstore's round is synchronous.
+   updates apply to rows drawn up to one batch earlier; tdstore's round is synchronous. The
+   round through a ``Prefetcher(prioritized=True)`` samples ahead too (its updates reach the
+   batches drawn after them, as Reverb's do).
 5. server CPU (tdstore only) of a prioritized sample of 256 against a uniform sample of the
    same store: the deltas of ``used_cpu_sys_main_thread + used_cpu_user_main_thread`` in
    ``INFO cpu`` over ``--cpu-ops`` calls, divided by the calls. Goal <= 2x. And the
@@ -69,6 +73,7 @@ from tensordict import TensorDict  # noqa: E402
 
 import tdstore  # noqa: E402
 from tdstore import TensorDictStore  # noqa: E402
+from tdstore.replay import Prefetcher  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OBS = [84, 84, 3]
@@ -203,6 +208,8 @@ def tdstore_side(args) -> dict:  # type: ignore[no-untyped-def]
             res["cases"]["insert4"] = insert_rates(conn, store.td_id, args, args.writers)
             print(f"# tdstore: insert, {args.writers} writers done", flush=True)
             res["cases"]["uniform"] = per_op(lambda: store.sample(256, generator=g), args)
+            with Prefetcher(store, 256, in_flight=args.in_flight, generator=g) as ahead:
+                res["cases"]["uniform_pf"] = per_op(lambda: next(ahead), args)
             store.enable_priorities(alpha=ALPHA, beta=BETA, eps=1e-8)
             for _ in range(8):  # varied priorities, as after some learning
                 store.update_priority(torch.randint(0, args.rows, (4096,), generator=g), torch.rand(4096, generator=g))
@@ -212,6 +219,13 @@ def tdstore_side(args) -> dict:  # type: ignore[no-untyped-def]
                 store.update_priority(info["index"], torch.rand(256, generator=g), generation=info["generation"])
 
             res["cases"]["prio"] = per_op(prio_round, args)
+            with Prefetcher(store, 256, prioritized=True, in_flight=args.in_flight, generator=g) as ahead:
+
+                def prio_round_ahead() -> None:
+                    _batch, info = next(ahead)
+                    store.update_priority(info["index"], torch.rand(256, generator=g), generation=info["generation"])
+
+                res["cases"]["prio_pf"] = per_op(prio_round_ahead, args)
             res["cases"]["prio_sample"] = per_op(
                 lambda: store.sample(256, prioritized=True, return_info=True, generator=g), args
             )
@@ -393,7 +407,8 @@ def report(args, td: dict, rv: dict, trl: dict) -> None:  # type: ignore[no-unty
 
     rows: list[list[str]] = []
     i1, r1 = med(c.get("insert1")), rv_rate("insert1")
-    rows.append(["1. insert 16-row batches, 1 writer", rate(i1), rate(r1), ratio(thr(i1, r1)), "", ""])
+    x = thr(i1, r1)
+    rows.append(["1. insert 16-row batches, 1 writer", rate(i1), rate(r1), ratio(x), "<= 0.67x", met(x, 0.67)])
     r1s = rv_rate("insert1_stream")
     rows.append(
         [
@@ -406,12 +421,26 @@ def report(args, td: dict, rv: dict, trl: dict) -> None:  # type: ignore[no-unty
         ]
     )
     i4, r4 = med(c.get("insert4")), rv_rate("insert4")
+    x = thr(i4, r4)
     rows.append(
-        [f"2. insert 16-row batches, {args.writers} writers (total)", rate(i4), rate(r4), ratio(thr(i4, r4)), "", ""]
+        [f"2. insert 16-row batches, {args.writers} writers (total)", rate(i4), rate(r4), ratio(x), "<= 0.67x", met(x, 0.67)]
     )
     u, ud, uc = med(c.get("uniform")), rv_s("uniform_ds"), rv_s("uniform_client")
+    x = tim(u, ud)
     rows.append(
-        ["3. uniform sample 256 (Reverb: TrajectoryDataset, 256 in flight)", ms(u), ms(ud), ratio(tim(u, ud)), "", ""]
+        ["3. uniform sample 256 (Reverb: TrajectoryDataset, 256 in flight)", ms(u), ms(ud), ratio(x), "<= 0.67x", met(x, 0.67)]
+    )
+    upf = med(c.get("uniform_pf"))
+    x = tim(upf, ud)
+    rows.append(
+        [
+            f"   uniform, tdstore Prefetcher(in_flight={args.in_flight}) (Reverb: dataset)",
+            ms(upf),
+            ms(ud),
+            ratio(x),
+            "<= 0.67x",
+            met(x, 0.67),
+        ]
     )
     rows.append(
         ["   uniform sample 256 (Reverb: client.sample, buffer_size=1)", ms(u), ms(uc), ratio(tim(u, uc)), "", ""]
@@ -426,6 +455,18 @@ def report(args, td: dict, rv: dict, trl: dict) -> None:  # type: ignore[no-unty
             ratio(x),
             "<= 1.0x (0.5x)",
             met(x, 1.0) + (" (moonshot met)" if x is not None and x <= 0.5 else ""),
+        ]
+    )
+    ppf = med(c.get("prio_pf"))
+    x = tim(ppf, pd)
+    rows.append(
+        [
+            f"   prioritized round, tdstore Prefetcher(in_flight={args.in_flight}) (Reverb: dataset)",
+            ms(ppf),
+            ms(pd),
+            ratio(x),
+            "<= 1.0x (0.5x)",
+            met(x, 1.0),
         ]
     )
     x = tim(p, pc)
@@ -481,7 +522,7 @@ def report(args, td: dict, rv: dict, trl: dict) -> None:  # type: ignore[no-unty
     )
 
     if "missing" in rv:  # Reverb's column: say why it is empty
-        for row in rows[:7]:  # cases 1-4 (5 and 6 are not Reverb's)
+        for row in rows[:9]:  # cases 1-4 (5 and 6 are not Reverb's)
             if row[2] == "-":
                 row[2] = "missing (see below)"
     print()
@@ -525,6 +566,9 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=10, help="operations per timed run of a sampling case (default 10)")
     parser.add_argument("--insert-batches", type=int, default=50, help="16-row batches per writer per run (default 50)")
     parser.add_argument("--writers", type=int, default=4, help="writer processes of case 2 (default 4)")
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="samples a tdstore Prefetcher draws ahead in the prefetched cases (default 1)"
+    )
     parser.add_argument("--cpu-ops", type=int, default=100, help="calls per server CPU measurement (default 100)")
     parser.add_argument("--big-rows", type=int, default=1_000_000, help="large ring of the CPU scaling case (0: skip)")
     parser.add_argument("--small-rows", type=int, default=100_000, help="small ring of the CPU scaling case")
