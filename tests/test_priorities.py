@@ -194,18 +194,18 @@ def test_a_sample_is_two_steps_and_draws_again_the_rows_appended_to_in_between(s
     reservation came between; rows an append reached between the two are drawn again, so
     every row comes back with the generation of the bytes read (an append between draw and
     read is made here by hand, from another handle)."""
-    from tdstore._backend import priorities as _io
+    from tdstore._backend.connection import Connection
 
     store = _ring(make, 8, 8)
     store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
     scripts: list[str] = []
-    real_call = _io.call
+    real_script = Connection.script
 
-    async def counted(client, runner, name, keys, args):
+    def counted(self, name, keys, args):
         scripts.append(name)
-        return await real_call(client, runner, name, keys, args)
+        return real_script(self, name, keys, args)
 
-    monkeypatch.setattr(_io, "call", counted)
+    monkeypatch.setattr(Connection, "script", counted)
     batch, info = store.sample(32, prioritized=True, return_info=True)
     assert scripts == ["prio_draw"], scripts
     assert batch["a"].tolist() == info["index"].tolist()

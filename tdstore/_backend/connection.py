@@ -22,6 +22,7 @@ import redis.retry
 from redis.backoff import NoBackoff
 
 from tdstore._backend import append as _append
+from tdstore._backend import blocking as _blocking
 from tdstore._backend import cluster as _cluster
 from tdstore._backend import credentials as _credentials
 from tdstore._backend import durability as _durability
@@ -46,6 +47,7 @@ from tdstore._backend.scripts import ScriptRunner, probe_shebang
 from tdstore._backend.translate import retry_class
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
+from tdstore._core.layout import Arg
 from tdstore.errors import (
     ClientConfigError,
     EntryTooLargeError,
@@ -645,6 +647,31 @@ class Connection:
         if result is not _NOT_DIRECT:
             return result  # type: ignore[return-value]
         return self.run(lambda c: _step.run_async(c, self.keys, self.runner, build(self.runner)))
+
+    def script(self, name: str, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+        """One EVALSHA of script ``name`` that may be sent twice: a read, or a write whose
+        second run leaves what the first did (the same bytes, the same priorities). From the
+        calling thread on :meth:`direct_client` (one round trip, no hop to the IO loop: for a
+        one-row write, the hop cost 3x the round trip), else, or when that try fails (NOSCRIPT,
+        a lost connection, a redirection), through :meth:`run`. A script's TDS_* error raises
+        its class either way.
+        """
+
+        def direct(client: redis.Redis) -> Any:
+            assert self._runner is not None  # (a direct client exists once the IO-loop client is set up)
+            reply = _blocking.exchange(client, [("EVALSHA", self._runner.sha(name), len(keys), *keys, *args)])[0]
+            if isinstance(reply, redis.exceptions.ResponseError) and not isinstance(reply, redis.exceptions.NoScriptError):
+                exc = _translate.translate(reply)
+                if exc is not reply:
+                    raise exc from reply
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+
+        result = self._direct_call(direct)
+        if result is not _NOT_DIRECT:
+            return result
+        return self.run(lambda c: self.runner.call(c, name, keys, args))
 
     def write_rows(self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str) -> None:
         """Writes large row runs: SETRANGEs in one MULTI, only if the layout is still version ``expected``.

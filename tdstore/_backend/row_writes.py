@@ -30,20 +30,16 @@ if TYPE_CHECKING:
 
     from tdstore._backend.ops import Op
 
-__all__ = ["MULTI_MIN_RUN", "choose_write", "write_runs", "write_runs_watched"]
+__all__ = ["MULTI_MIN_RUN", "choose_write", "write_runs_call", "write_runs_watched"]
 
 
-async def write_runs(
-    client: AsyncClient,
-    keys: StoreKeys,
-    runner: ScriptRunner,
-    groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]],
-    *,
-    expected: str,
-) -> int:
-    """Writes ``(path, runs, payload)`` groups in one atomic script call."""
+def write_runs_call(
+    keys: StoreKeys, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], *, expected: str
+) -> tuple[str, list[str], list[Any]]:
+    """The one script call that writes ``(path, runs, payload)`` groups atomically: (name,
+    keys, args) for ``Connection.script`` (sent twice, it lands the same bytes)."""
     key_list, args = _write_runs_args(keys, groups, expected)
-    return int(await runner.call(client, "write_runs", key_list, args))
+    return "write_runs", key_list, args
 
 
 def _write_runs_args(

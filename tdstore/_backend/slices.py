@@ -1,17 +1,14 @@
 """The server steps of trajectory slices (``tdstore/replay/slices.py``): the draw of the
 slices' starts (``lua/slice_draw.lua``) and the check after their rows were read
 (``lua/slice_check.lua``). No row byte passes through these steps; the draw reads only the
-bytes of the episode column of the windows it tests."""
+bytes of the episode column of the windows it tests. Both are sent by ``Connection.script``
+(a read: from the calling thread where it can)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from tdstore._backend.protocols import AsyncClient
-from tdstore._backend.scripts import ScriptRunner
 from tdstore._core.keys import StoreKeys
 
-__all__ = ["draw_keys", "check_keys", "draw", "check"]
+__all__ = ["draw_keys", "check_keys"]
 
 
 def draw_keys(keys: StoreKeys, column: str) -> list[str]:
@@ -24,12 +21,3 @@ def check_keys(keys: StoreKeys) -> list[str]:
     """KEYS of ``slice_check``."""
     return [keys.flags, keys.ring, keys.prio_gens]
 
-
-async def draw(client: AsyncClient, runner: ScriptRunner, keys: Sequence[str], args: Sequence[str | int]) -> object:
-    """EVALSHA of ``slice_draw`` (loaded again on NOSCRIPT)."""
-    return await runner.call(client, "slice_draw", keys, [str(a) for a in args])
-
-
-async def check(client: AsyncClient, runner: ScriptRunner, keys: Sequence[str], args: Sequence[str | int]) -> object:
-    """EVALSHA of ``slice_check`` (loaded again on NOSCRIPT)."""
-    return await runner.call(client, "slice_check", keys, [str(a) for a in args])

@@ -213,7 +213,7 @@ def _draw(
     for _ in range(_REDRAWS):
         u = torch.rand(need + max(8, need // 4), dtype=torch.float64, generator=generator)
         args = [str(need), *map(repr, u.tolist())]
-        reply = cast("list[Any]", conn.run(lambda c, args=args: _io.call(c, conn.runner, "prio_draw", _io.draw_keys(keys), args)))
+        reply = cast("list[Any]", conn.script("prio_draw", _io.draw_keys(keys), args))
         status = int(reply[0])
         if status == 0:
             raise ValueError(f"sample(prioritized=True) from {where}: priorities are off; call enable_priorities() first")
@@ -354,9 +354,7 @@ def sample(
             ok = ~moved
         else:  # (the cursor went back, or the read went another way: check the rows' generations)
             rows = d.rows.tolist()
-            gen_blob, flags = cast("list[Any]", conn.run(
-                lambda c, rows=rows: _io.call(c, conn.runner, "prio_check", [keys.flags, keys.prio_gens, keys.ring], rows)
-            ))
+            gen_blob, flags = cast("list[Any]", conn.script("prio_check", [keys.flags, keys.prio_gens, keys.ring], list(map(str, rows))))
             try:
                 now = _gens(gen_blob, len(rows), where)
             except CorruptMetadataError:
@@ -425,9 +423,7 @@ def update(store: TensorDictStore, index: Any, priority: Any, generation: Any = 
     conn = store._conn
     keys = conn.keys
     try:
-        reply = cast("list[Any]", conn.run(
-            lambda c: _io.call(c, conn.runner, "prio_update", [keys.meta, keys.ring, *keys.replay_keys()], args)
-        ))
+        reply = cast("list[Any]", conn.script("prio_update", [keys.meta, keys.ring, *keys.replay_keys()], args))
     except StoreNotFoundError:
         raise store._not_found() from None
     status = int(reply[0])

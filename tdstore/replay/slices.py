@@ -145,7 +145,7 @@ def _draw(
         mode = ("p" if prioritized else "u") + ("s" if scan else "")
         args = [str(col.lv), col.kind, str(col.itemsize), str(col.capacity), str(length), mode, str(need), *map(repr, u.tolist())]
         try:
-            reply = cast("list[object]", conn.run(lambda c, args=args: _io.draw(c, conn.runner, keys, args)))
+            reply = cast("list[object]", conn.script("slice_draw", keys, args))
         except StaleLayoutError:
             raise _LayoutMoved from None
         except StoreNotFoundError:
@@ -248,7 +248,7 @@ def _sample(
         uniq, inverse = torch.unique(rows, sorted=True, return_inverse=True)
         batch = store[uniq][inverse]
         args = [str(cap), str(length), *map(str, d.starts.tolist())]
-        cursor_b, flags, gen_blob = cast("list[bytes]", conn.run(lambda c, args=args: _io.check(c, conn.runner, keys, args)))
+        cursor_b, flags, gen_blob = cast("list[bytes]", conn.script("slice_check", keys, args))
         cursor = int(cursor_b or b"0")
         ok = torch.frombuffer(bytearray(flags), dtype=torch.uint8) == ord("1") if flags else torch.zeros(0, dtype=torch.bool)
         if ok.numel() != d.starts.numel():

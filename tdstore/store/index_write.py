@@ -178,7 +178,7 @@ def write_index(
         elif _row_writes.choose_write(groups) == "multi":
             conn.write_rows(groups, expected)
         else:
-            conn.run(lambda c: _row_writes.write_runs(c, conn.keys, conn.runner, groups, expected=expected))
+            conn.script(*_row_writes.write_runs_call(conn.keys, groups, expected=expected))
 
     optimistic(attempt, where=where, what="an indexed write", on_stale=lambda: store._layout(refresh=True))
 
