@@ -1,0 +1,178 @@
+"""``Connection.script``: a script that may be sent twice (the indexed write of small rows,
+the priority draw, check and update, the slice draw and check) goes from the calling thread
+on the direct client, with no hop to the IO loop; a script's error raises its class from
+there; a server that forgot the script (NOSCRIPT) gets it through the IO loop, and the next
+call is direct again. Results are compared with an in-memory TensorDict on every backend
+(fakeredis has no direct client: everything goes through the IO loop there)."""
+
+from __future__ import annotations
+
+import threading
+
+import _slice_workers as w
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdstore import TensorDictStore
+from tdstore._backend.connection import Connection
+from tdstore.errors import CorruptMetadataError, StoreNotFoundError
+
+pytestmark = pytest.mark.lua
+
+
+@pytest.fixture
+def hops(monkeypatch):
+    """Every call that went through ``Connection.run`` (the IO loop), as it happens."""
+    seen: list[object] = []
+    real = Connection.run
+
+    def counted(self, fn, timeout=None, *, idempotent=True):
+        seen.append(fn)
+        return real(self, fn, timeout, idempotent=idempotent)
+
+    monkeypatch.setattr(Connection, "run", counted)
+    return seen
+
+
+@pytest.fixture
+def on_real(real_server):
+    """``on_real(method, *args, **kwargs)``: a store on the real server (cleared at the end)."""
+    made: list[TensorDictStore] = []
+
+    def factory(method: str, *args, **kwargs):
+        store = getattr(TensorDictStore, method)(*args, **real_server.connection_kwargs(), **kwargs)
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        try:
+            store.clear_redis()
+        except StoreNotFoundError:
+            pass
+        store.close()
+
+
+SCHEMA = {"x": ([4], torch.float32), "y": ([], torch.int64)}
+
+
+def _rows(n: int, seed: int) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict(x=torch.randn(n, 4, generator=g), y=torch.randint(0, 1000, (n,), generator=g), batch_size=[n])
+
+
+def _writes(store, ref: TensorDict) -> None:
+    """Indexed writes of small rows (the write_runs script): an int, a list, a slice, a mask."""
+    for index, value in (
+        (3, _rows(1, 1)[0]),
+        (torch.tensor([1, 7, 8]), _rows(3, 2)),
+        (slice(4, 6), _rows(2, 3)),
+        (torch.arange(10) % 4 == 0, _rows(3, 4)),
+    ):
+        store[index] = value
+        ref[index] = value
+
+
+def test_indexed_writes_match_the_reference(server, make):
+    store = make("from_schema", SCHEMA, batch_size=[10])
+    ref = TensorDict(x=torch.zeros(10, 4), y=torch.zeros(10, dtype=torch.int64), batch_size=[10])
+    _writes(store, ref)
+    assert (store.to_tensordict() == ref).all()
+
+
+def test_small_row_writes_go_from_the_calling_thread(real_server, on_real, hops):
+    store = on_real("from_schema", SCHEMA, batch_size=[10])
+    store[0] = _rows(1, 0)[0]  # (the first call sets the connection up, on the IO loop)
+    assert store._conn.direct_client() is not None
+    ref = store.to_tensordict()
+    hops.clear()
+    _writes(store, ref)
+    assert hops == []
+    assert (store.to_tensordict() == ref).all()
+
+
+def test_priority_and_slice_scripts_go_from_the_calling_thread(real_server, on_real, hops):
+    store = on_real("from_schema", w.SCHEMA, batch_size=[64])
+    for ep in range(6):
+        store.extend(w.episode(ep, 8, done=True))
+    store.enable_priorities(alpha=0.7, beta=0.5)
+    g = torch.Generator().manual_seed(0)
+    store.sample(4, prioritized=True, return_info=True, generator=g)
+    hops.clear()
+    for _ in range(5):
+        batch, info = store.sample(32, prioritized=True, return_info=True, generator=g)
+        assert torch.equal(batch["step"], info["index"] % 8)  # (row r holds step r % 8 of episode r // 8)
+        applied = store.update_priority(info["index"], torch.rand(32, generator=g) * 3, generation=info["generation"])
+        assert bool(applied.all())
+        slices = store.sample_slices(6, 4, end_key=w.END, generator=g)
+        assert w.bad_slices(slices, 4) == {"torn": 0, "crossing": 0, "mixed": 0, "gaps": 0}
+    assert hops == []
+
+
+def test_a_script_error_raises_its_class_from_the_direct_call(real_server, on_real, hops):
+    store = on_real("from_schema", w.SCHEMA, batch_size=[16])
+    store.extend(w.episode(0, 8))
+    store.enable_priorities(alpha=1.0, beta=1.0)
+    store.update_priority(torch.tensor([1]), torch.tensor([2.0]))
+    plain = real_server.sync_client()
+    try:
+        plain.set(store._conn.keys.replay_keys()[0], b"damaged")  # (the leaves: not the tree of 16 rows)
+    finally:
+        plain.close()
+    hops.clear()
+    with pytest.raises(CorruptMetadataError, match="priority tree"):
+        store.update_priority(torch.tensor([1]), torch.tensor([2.0]))
+    assert hops == []  # (raised from the direct reply: not sent again through the IO loop)
+
+
+def test_a_forgotten_script_is_loaded_through_the_io_loop_then_direct_again(real_server, on_real, hops):
+    store = on_real("from_schema", SCHEMA, batch_size=[10])
+    ref = TensorDict(x=torch.zeros(10, 4), y=torch.zeros(10, dtype=torch.int64), batch_size=[10])
+    store[0] = ref[0]
+    plain = real_server.sync_client()
+    try:
+        plain.script_flush()
+    finally:
+        plain.close()
+    hops.clear()
+    row = _rows(1, 9)[0]
+    store[2] = row  # NOSCRIPT on the direct client: sent again on the IO loop, which loads it
+    ref[2] = row
+    assert len(hops) == 1
+    hops.clear()
+    store[5] = row
+    ref[5] = row
+    assert hops == []
+    assert (store.to_tensordict() == ref).all()
+
+
+def test_threads_share_the_direct_path(server, make):
+    store = make("from_schema", SCHEMA, batch_size=[200])
+    store.extend(_rows(200, 0))
+    store.enable_priorities(alpha=1.0, beta=1.0)
+    ref = store.to_tensordict()
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(25):
+                row = 50 * t + 2 * i
+                value = _rows(2, 1000 * t + i)
+                store[row : row + 2] = value
+                ref[row : row + 2] = value  # (each thread its own rows of the reference)
+                store.update_priority(torch.tensor([row, row + 1]), torch.tensor([float(t + 1), float(i + 1)]))
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert (store.to_tensordict() == ref).all()
+    from tdstore.replay import priorities as P
+
+    report = P.tree_report(store)
+    assert report is not None and report["problems"] == []
