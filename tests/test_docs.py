@@ -3,7 +3,7 @@
 The examples are written for a server on the default ``localhost:6379``. Each test sets
 ``TDSTORE_URL`` to a private server of the session (Redis and Valkey, one test id per
 server) so that stores created with the default host and port go there instead (see
-``_connection_defaults`` in ``tdstore/store/core.py``).
+``connection_defaults`` in ``tdstore/_backend/settings.py``).
 
 Test ids:
 

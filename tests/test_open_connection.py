@@ -1,4 +1,4 @@
-"""Both store classes open their connection through ``open_connection`` (tdstore/_backend/connection.py).
+"""Both store classes open their connection through ``open_connection`` (tdstore/_backend/connect.py).
 
 The lazy class used to build a whole ``TensorDictStore`` only to take its connection; it must
 not build one any more, and must take the same connection keywords.
@@ -13,8 +13,8 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._backend.connect import ConnectSpec
-from tdstore._backend.connection import Connection, open_connection
+from tdstore._backend.connect import ConnectSpec, open_connection
+from tdstore._backend.connection import Connection
 from tdstore.store import core as _dense
 
 

@@ -5,5 +5,5 @@ to tdstore's exceptions and retry classes.
 
 No module outside this package sends a command (``tests/test_io_layer.py`` checks it). The store
 classes speak to it through :class:`~tdstore._backend.connection.Connection` (opened by
-:func:`~tdstore._backend.connection.open_connection`) and the functions of :mod:`tdstore._backend.ops`.
+:func:`~tdstore._backend.connect.open_connection`) and the functions of :mod:`tdstore._backend.ops`.
 """

@@ -5,7 +5,7 @@ The store constructors (``TensorDictStore(...)``, ``from_dict``, ``from_tensordi
 Each public constructor gathers those it was given into a :class:`ConnectSpec` once and hands
 that on (as the private ``_connect=`` keyword), so a connection keyword is added, checked and
 forwarded in one place: here. :meth:`ConnectSpec.open` opens the handle's connection
-(:func:`tdstore._backend.connection.open_connection`; nothing is sent until the first call).
+(:func:`open_connection`, below; nothing is sent until the first call).
 """
 
 from __future__ import annotations
@@ -15,11 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import redis.asyncio
+import redis.asyncio.cluster
+
 from tdstore._backend import loop as _io
-from tdstore._backend.connection import Connection, open_connection
+from tdstore._backend import settings as _settings
+from tdstore._backend.connection import Connection
+from tdstore._backend.retry import RetryPolicy
 from tdstore._backend.sentinel import Kwargs as _Kwargs
 
-__all__ = ["ConnectSpec"]
+__all__ = ["ConnectSpec", "open_connection"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +99,36 @@ class ConnectSpec:
         return open_connection(
             td_id=td_id, **{name: getattr(self, name) for name in self.NAMES}, **dict(self.redis_kwargs)
         )
+
+
+def open_connection(
+    *,
+    td_id: str,
+    host: str = "localhost",
+    port: int = 6379,
+    db: int = 0,
+    unix_socket_path: str | None = None,
+    client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None = None,
+    prefix: str = "tensordict",
+    timeout: float = _io.DEFAULT_TIMEOUT,
+    allow_pickle: bool | None = None,
+    pickle_key: bytes | str | None = None,
+    retry: RetryPolicy | int | bool | None = None,
+    progress: bool | None = None,
+    **redis_kwargs: Any,
+) -> Connection:
+    """The connection of a store handle, from the connection keywords of ``TensorDictStore``.
+
+    Both store classes open theirs here (the dense class in ``__init__``, the lazy one in
+    its constructors). Nothing is sent: the client connects on the first call.
+    """
+    host, port, db, unix_socket_path = _settings.sentinel_url(td_id, host, port, db, unix_socket_path, redis_kwargs)
+    host, port, unix_socket_path = _settings.connection_defaults(host, port, unix_socket_path)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    conn = Connection(
+        host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, prefix=prefix, td_id=td_id,
+        timeout=timeout, redis_kwargs=redis_kwargs, pickle_policy=_settings.pickle_policy(allow_pickle, pickle_key), retry=retry,
+    )
+    conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
+    return conn

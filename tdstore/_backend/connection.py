@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
@@ -31,6 +31,7 @@ from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend import row_writes as _row_writes
 from tdstore._backend import sentinel as _sentinel
+from tdstore._backend import settings as _settings
 from tdstore._backend import step as _step
 from tdstore._backend import translate as _translate
 from tdstore._backend import wire as _wire
@@ -59,7 +60,7 @@ from tdstore.errors import (
 if TYPE_CHECKING:
     from tdstore._core.codec import PicklePolicy
 
-__all__ = ["Connection", "DEFAULT_MAX_BULK", "open_connection"]
+__all__ = ["Connection", "DEFAULT_MAX_BULK"]
 
 T = TypeVar("T")
 
@@ -108,15 +109,6 @@ _DIRECT_CLASSES = {
     redis.asyncio.Connection: redis.Connection,
     redis.asyncio.UnixDomainSocketConnection: redis.UnixDomainSocketConnection,
 }
-
-
-def _check_decode(kwargs: Mapping[str, object], where: str) -> None:
-    if kwargs.get("decode_responses"):
-        raise ClientConfigError(
-            f"{where} has decode_responses=True: tdstore reads raw bytes from the server, "
-            "and a client that decodes replies to str would corrupt every tensor. "
-            "Pass a client created with decode_responses=False (the default)."
-        )
 
 
 #: guards the layout cache of every Connection (threads sharing a handle update it)
@@ -216,8 +208,6 @@ class Connection:
         self.pickle_secrets = bool(redis_kwargs.pop("pickle_secrets", False))
         self._secrets_dropped: list[str] = []
         self._credentials_from: str | None = None
-        # Redis Cluster (see tdstore/_backend/cluster.py): one plain client to the master of the store's slot
-        self.cluster_route: _cluster.ClusterRoute | None = None
         self._client_node: tuple[str, int] | None = None
         self._retired: list[tuple[int, AsyncClient]] = []  # (loop generation, client) replaced by node_client()
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
@@ -226,84 +216,16 @@ class Connection:
             redis_kwargs.pop("durability", None), redis_kwargs.pop("durability_timeout", None), timeout,
             f"TensorDictStore(td_id={td_id!r})",
         )
-        # Redis Sentinel (see tdstore/_backend/sentinel.py): one plain client to the master the Sentinels name
-        self.sentinel_route: _sentinel.SentinelRoute | None = None
-        sentinels = redis_kwargs.pop("sentinels", None)
-        service_name = redis_kwargs.pop("service_name", None)
-        sentinel_kwargs = redis_kwargs.pop("sentinel_kwargs", None)
-        if sentinels is not None or service_name is not None:
-            where = f"TensorDictStore(td_id={td_id!r})"
-            if sentinels is None:
-                raise ClientConfigError(f"service_name= of {where} needs sentinels=[(host, port), ...] beside it")
-            if cluster_nodes is not None or client is not None or unix_socket_path is not None:
-                raise ClientConfigError(
-                    f"{where} got sentinels= beside cluster_nodes=, client= or unix_socket_path=: pass one way "
-                    "to reach the server (the Sentinels name the master)"
-                )
-            if (host, port) != ("localhost", 6379):
-                raise ClientConfigError(
-                    f"{where} got sentinels= beside host={host!r}, port={port!r}: the Sentinels name the master; "
-                    "pass one or the other"
-                )
-            _check_decode(redis_kwargs, "redis_kwargs")
-            nodes = _sentinel.check_sentinels(sentinels, service_name, where)
-            self.sentinel_route = _sentinel.SentinelRoute(nodes, service_name, sentinel_kwargs)
-            kwargs = dict(redis_kwargs)
-            use_tls = bool(kwargs.pop("ssl", False))
-            kwargs.setdefault("socket_timeout", timeout)
-            kwargs.setdefault("socket_connect_timeout", min(timeout, 10.0))
-            kwargs["db"] = db
-            self._client_class = redis.asyncio.Redis
-            self._pool_class = redis.asyncio.ConnectionPool
-            sentinel_class: type = redis.asyncio.SSLConnection if use_tls else redis.asyncio.Connection
-            self._connection_class = sentinel_class
-            self._conn_kwargs = kwargs
-            self._credentials_from = _credentials.fill_from_env(kwargs)
-        elif cluster_nodes is not None or _cluster.is_cluster_client(client):
-            _check_decode(redis_kwargs, "redis_kwargs")
-            route, kwargs, node_class = _cluster.connection_settings(
-                client, cluster_nodes, redis_kwargs, db=db, timeout=timeout, where=f"TensorDictStore(td_id={td_id!r})"
-            )
-            _check_decode(kwargs, "the cluster client passed to TensorDictStore")
-            self.cluster_route = route
-            self._client_class = redis.asyncio.Redis
-            self._pool_class = redis.asyncio.ConnectionPool
-            self._connection_class = node_class
-            self._conn_kwargs = kwargs
-            if client is None:
-                self._credentials_from = _credentials.fill_from_env(kwargs)
-        elif client is not None:
-            if not isinstance(client, redis.asyncio.Redis):
-                raise ClientConfigError(
-                    f"client must be a redis.asyncio.Redis instance, got {type(client).__name__}"
-                )
-            pool = client.connection_pool
-            kwargs = dict(pool.connection_kwargs)
-            _check_decode(kwargs, "the client passed to TensorDictStore")
-            _check_decode(redis_kwargs, "redis_kwargs")  # beside client=, they must not say otherwise
-            self._client_class = type(client)
-            self._pool_class = type(pool)
-            self._connection_class = pool.connection_class
-            self._conn_kwargs = kwargs
-        else:
-            _check_decode(redis_kwargs, "redis_kwargs")
-            kwargs = dict(redis_kwargs)
-            kwargs.setdefault("socket_timeout", timeout)
-            kwargs.setdefault("socket_connect_timeout", min(timeout, 10.0))
-            kwargs["db"] = db
-            if unix_socket_path is not None:
-                kwargs["path"] = unix_socket_path
-                connection_class: type = redis.asyncio.UnixDomainSocketConnection
-            else:
-                kwargs["host"] = host
-                kwargs["port"] = port
-                use_tls = bool(kwargs.pop("ssl", False)) or _credentials.tls_from_url(kwargs)
-                connection_class = redis.asyncio.SSLConnection if use_tls else redis.asyncio.Connection
-            self._client_class = redis.asyncio.Redis
-            self._pool_class = redis.asyncio.ConnectionPool
-            self._connection_class = connection_class
-            self._conn_kwargs = kwargs
-            self._credentials_from = _credentials.fill_from_env(kwargs)
+        # how the keywords reach the server: the classes, the pool's keywords, a cluster or Sentinel route
+        how = _settings.client_settings(
+            host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs,
+            cluster_nodes=cluster_nodes, timeout=timeout, td_id=td_id,
+        )
+        self.cluster_route, self.sentinel_route = how.cluster_route, how.sentinel_route
+        self._client_class, self._pool_class, self._connection_class = how.client_class, how.pool_class, how.connection_class
+        self._conn_kwargs = how.conn_kwargs
+        if how.credentials_from is not None:
+            self._credentials_from = how.credentials_from
         # Replies parsed from a socket are fresh bytes objects that only tdstore holds;
         # an in-process server (fakeredis) may hand out its own stored objects.
         self.owned_replies = self._connection_class.__module__.startswith("redis.")
@@ -881,109 +803,6 @@ def _suggest_limit(nbytes: int) -> str:
     while mib * 1024 * 1024 < nbytes:
         mib *= 2
     return f"{mib}mb" if mib < 1024 else f"{mib // 1024}gb"
-
-
-def connection_defaults(host: str, port: int, unix_socket_path: str | None) -> tuple[str, int, str | None]:
-    """Applies TDSTORE_URL when the caller kept the documented defaults.
-
-    ``TDSTORE_URL=redis://127.0.0.1:6400/0`` or ``unix:///path/to.sock`` points every
-    store created with default connection arguments at another server, so the same code
-    (and the docs' examples) runs against a private test server.
-    """
-    import os
-    from urllib.parse import urlparse
-
-    url = os.environ.get("TDSTORE_URL")
-    if not url or host != "localhost" or port != 6379 or unix_socket_path is not None:
-        return host, port, unix_socket_path
-    parsed = urlparse(url)
-    if parsed.scheme.lower() == _sentinel.SCHEME:
-        return host, port, unix_socket_path  # (see _sentinel_url)
-    if parsed.scheme == "unix":
-        return host, port, parsed.path
-    return parsed.hostname or host, parsed.port or port, None
-
-
-def open_connection(
-    *,
-    td_id: str,
-    host: str = "localhost",
-    port: int = 6379,
-    db: int = 0,
-    unix_socket_path: str | None = None,
-    client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None = None,
-    prefix: str = "tensordict",
-    timeout: float = _io.DEFAULT_TIMEOUT,
-    allow_pickle: bool | None = None,
-    pickle_key: bytes | str | None = None,
-    retry: RetryPolicy | int | bool | None = None,
-    progress: bool | None = None,
-    **redis_kwargs: Any,
-) -> Connection:
-    """The connection of a store handle, from the connection keywords of ``TensorDictStore``.
-
-    Both store classes open theirs here (the dense class in ``__init__``, the lazy one in
-    its constructors). Nothing is sent: the client connects on the first call.
-    """
-    host, port, db, unix_socket_path = _sentinel_url(td_id, host, port, db, unix_socket_path, redis_kwargs)
-    host, port, unix_socket_path = connection_defaults(host, port, unix_socket_path)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    conn = Connection(
-        host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, prefix=prefix, td_id=td_id,
-        timeout=timeout, redis_kwargs=redis_kwargs, pickle_policy=_pickle_policy(allow_pickle, pickle_key), retry=retry,
-    )
-    conn.progress = progress  # progress=: None (auto), True or False; shared by sub-handles
-    return conn
-
-
-def _sentinel_url(
-    td_id: str, host: str, port: int, db: int, unix_socket_path: str | None, redis_kwargs: _sentinel.Kwargs
-) -> tuple[str, int, int, str | None]:
-    """Applies ``url=`` (any form), or a ``redis+sentinel://`` ``TDSTORE_URL`` when the caller kept the
-    defaults and named no Sentinels; the Sentinel settings go into ``redis_kwargs`` (in place)."""
-    where = f"TensorDictStore(td_id={td_id!r})"
-    url = redis_kwargs.pop("url", None)
-    defaults = (host, port, unix_socket_path) == ("localhost", 6379, None)
-    if url is None:
-        env = os.environ.get("TDSTORE_URL", "")
-        if not env.lower().startswith(_sentinel.SCHEME + "://") or not defaults:
-            return host, port, db, unix_socket_path
-        if redis_kwargs.get("sentinels") is not None or redis_kwargs.get("cluster_nodes") is not None:
-            return host, port, db, unix_socket_path
-        if redis_kwargs.get("client") is not None:
-            return host, port, db, unix_socket_path
-        given = _sentinel.parse_url(env, f"{where} (from TDSTORE_URL)")
-    else:
-        given = _sentinel.parse_url(url, where)
-        clash = [name for name in ("sentinels", "service_name", "cluster_nodes") if redis_kwargs.get(name) is not None]
-        if not defaults or clash:
-            raise ClientConfigError(
-                f"{where} got url={url!r} beside "
-                + (", ".join(f"{n}=" for n in clash) if clash else f"host={host!r}/port={port!r}/unix_socket_path=")
-                + ": the URL names the server; pass one or the other"
-            )
-    for name in ("username", "password", "ssl"):
-        if name in given and redis_kwargs.get(name) is None:
-            redis_kwargs[name] = given[name]
-    if "sentinels" in given:
-        redis_kwargs["sentinels"] = given["sentinels"]
-        redis_kwargs["service_name"] = given["service_name"]
-    return (
-        given.get("host", host), given.get("port", port), given.get("db", db), given.get("unix_socket_path", unix_socket_path)
-    )
-
-
-def _pickle_policy(allow: bool | None, key: bytes | str | None) -> PicklePolicy:
-    """The store's pickle policy: the arguments where given, else the process-wide default."""
-    from tdstore._core import codec as _codec
-
-    default = _codec.default_pickle_policy()
-    if allow is None and key is None:
-        return default
-    if isinstance(key, str):
-        key = key.encode()
-    return _codec.PicklePolicy(default.allow if allow is None else bool(allow), key if key is not None else default.key)
 
 
 def _nothing_applied(kind: str | None, err: BaseException) -> str:
