@@ -164,6 +164,29 @@ class Connection:
         self.keys.chunks = chunks
         self._layout = layout
 
+    def _start_live(self) -> None:
+        """The state of a connection not yet used: no client, nothing cached, nothing armed
+        (a new connection's, and an unpickled one's)."""
+        self.closed = False
+        self.layout: _backend.Layout | None = None
+        self._client: Any = None
+        self._generation = -1
+        self._runner: ScriptRunner | None = None
+        self._client_node: tuple[str, int] | None = None  # on a cluster: the master the IO-loop client is to
+        self._retired: list[tuple[int, AsyncClient]] = []  # (loop generation, client) replaced by node_client()
+        self._direct: redis.Redis | None = None  # see direct_client()
+        self._direct_generation = -1
+        self._direct_node: tuple[str, int] | None = None  # on a cluster: the master the direct client is to
+        self._direct_retired: list[redis.Redis] = []  # direct clients to a slot's former master
+        self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
+        self.direct_slot = ArmedSlot()  # ... and the direct client's
+        self.append_slot = ArmedSlot()  # the direct client's armed appends (tdstore/_backend/append.py)
+        #: the last read of the ring showed it full and without a rate limiter: sample() draws
+        #: its rows before reading their flags (tdstore/store/ring.py)
+        self.ring_full = False
+        self.max_bulk = DEFAULT_MAX_BULK
+        self.max_query = DEFAULT_MAX_QUERY
+
     def __init__(
         self,
         *,
@@ -186,30 +209,12 @@ class Connection:
         self.pickle_policy = pickle_policy if pickle_policy is not None else default_pickle_policy()
         self.keys = StoreKeys(prefix, td_id)
         self.timeout = timeout
-        self.closed = False
-        self.layout: _backend.Layout | None = None
-        self._client: Any = None
-        self._generation = -1
-        self._runner: ScriptRunner | None = None
-        self._direct: redis.Redis | None = None  # see direct_client()
-        self._direct_generation = -1
-        self._direct_node: tuple[str, int] | None = None  # on a cluster: the master the direct client is to
-        self._direct_retired: list[redis.Redis] = []  # direct clients to a slot's former master
-        self.armed_slot = ArmedSlot()  # see tdstore/_backend/armed_write.py: the IO-loop client's
-        self.direct_slot = ArmedSlot()  # ... and the direct client's
-        self.append_slot = ArmedSlot()  # the direct client's armed appends (tdstore/_backend/append.py)
-        #: the last read of the ring showed it full and without a rate limiter: sample() draws
-        #: its rows before reading their flags (tdstore/store/ring.py)
-        self.ring_full = False
-        self.max_bulk = DEFAULT_MAX_BULK
-        self.max_query = DEFAULT_MAX_QUERY
+        self._start_live()
         redis_kwargs = dict(redis_kwargs)
         # opt-in: pickles of this store carry its password (in clear); see _credentials
         self.pickle_secrets = bool(redis_kwargs.pop("pickle_secrets", False))
         self._secrets_dropped: list[str] = []
         self._credentials_from: str | None = None
-        self._client_node: tuple[str, int] | None = None
-        self._retired: list[tuple[int, AsyncClient]] = []  # (loop generation, client) replaced by node_client()
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
         # durability= (see tdstore/_backend/durability.py): WAIT/WAITAOF at the end of each writing packet
         self.durability = _durability.parse(
@@ -304,23 +309,7 @@ class Connection:
             _sentinel.SentinelRoute(sentinels, state["service_name"], state.get("sentinel_kwargs")) if sentinels else None
         )
         self.durability = state.get("durability")
-        self._client_node = None
-        self._retired = []
-        self.closed = False
-        self.layout = None
-        self._client = None
-        self._generation = -1
-        self._runner = None
-        self._direct = None
-        self._direct_generation = -1
-        self._direct_node = None
-        self._direct_retired = []
-        self.armed_slot = ArmedSlot()
-        self.direct_slot = ArmedSlot()
-        self.append_slot = ArmedSlot()
-        self.ring_full = False
-        self.max_bulk = DEFAULT_MAX_BULK
-        self.max_query = DEFAULT_MAX_QUERY
+        self._start_live()
         self._client_class = state["client_class"]
         self._pool_class = state["pool_class"]
         self._connection_class = state["connection_class"]
@@ -693,8 +682,8 @@ class Connection:
             raise EntryTooLargeError(
                 f"{what} {path!r} of {where} is written as one command of {size} bytes, more than the server's "
                 f"client-query-buffer-limit of {self.max_query} bytes allows (the server would close the "
-                f"connection). Nothing was written ({_mib(size)} on {self.describe()}). Raise the limit on the server "
-                f"(CONFIG SET client-query-buffer-limit {_suggest_limit(size + QUERY_MARGIN)}), or create the store "
+                f"connection). Nothing was written ({_memory.mib(size)} on {self.describe()}). Raise the limit on the server "
+                f"(CONFIG SET client-query-buffer-limit {_memory.suggest_limit(size + QUERY_MARGIN)}), or create the store "
                 "with a smaller chunk_bytes (see docs/chunked.md)."
             )
         if size <= limit:
@@ -707,9 +696,9 @@ class Connection:
             )
         raise EntryTooLargeError(
             f"{what} {path!r} of {where} needs {nbytes} bytes, more than the server's "
-            f"proto-max-bulk-len of {limit} bytes for one string. Nothing was written ({_mib(nbytes)} > "
-            f"{_mib(limit)} on {self.describe()}). Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
-            f"{_suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split it into row-block "
+            f"proto-max-bulk-len of {limit} bytes for one string. Nothing was written ({_memory.mib(nbytes)} > "
+            f"{_memory.mib(limit)} on {self.describe()}). Either raise the limit on the server (CONFIG SET proto-max-bulk-len "
+            f"{_memory.suggest_limit(nbytes)}, or proto-max-bulk-len in its config file), or split it into row-block "
             "strings that each fit: create the store with chunk_bytes=... (one slot, same atomicity; see "
             "docs/chunked.md) or spread it over shards with tdstore.ShardedStore(block_rows=...) (see docs/deployment.md)."
         )
@@ -791,18 +780,6 @@ def _sentinel_state(route: _sentinel.SentinelRoute | None) -> _sentinel.Kwargs:
     if route is None:
         return {}
     return {"sentinels": route.sentinels, "service_name": route.service_name, "sentinel_kwargs": route.sentinel_kwargs}
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1024 * 1024):.1f} MiB"
-
-
-def _suggest_limit(nbytes: int) -> str:
-    """A round proto-max-bulk-len (whole MiB, rounded up to a power of two) that fits ``nbytes``."""
-    mib = 1
-    while mib * 1024 * 1024 < nbytes:
-        mib *= 2
-    return f"{mib}mb" if mib < 1024 else f"{mib // 1024}gb"
 
 
 def _nothing_applied(kind: str | None, err: BaseException) -> str:

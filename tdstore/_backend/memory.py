@@ -39,7 +39,7 @@ from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import Op, ZeroBytes, byte_view
 from tdstore.errors import WouldExceedMaxmemoryError
 
-__all__ = ["GUARD_MIN", "GROWTH_SLACK", "alloc_size", "estimate", "note_setup", "check", "check_ops"]
+__all__ = ["GUARD_MIN", "GROWTH_SLACK", "alloc_size", "estimate", "note_setup", "check", "check_ops", "mib", "suggest_limit"]
 
 #: Writes adding fewer bytes than this are not checked (no extra round trip on hot paths).
 GUARD_MIN = 1024 * 1024
@@ -121,8 +121,17 @@ def _int(info: dict[Any, Any], name: str) -> int:
         return 0
 
 
-def _mib(nbytes: int) -> str:
+def mib(nbytes: int) -> str:
+    """``nbytes`` in MiB, for messages."""
     return f"{nbytes / (1024 * 1024):.1f} MiB"
+
+
+def suggest_limit(nbytes: int) -> str:
+    """A round proto-max-bulk-len (whole MiB, rounded up to a power of two) that fits ``nbytes``."""
+    size = 1
+    while size * 1024 * 1024 < nbytes:
+        size *= 2
+    return f"{size}mb" if size < 1024 else f"{size // 1024}gb"
 
 
 def _server(client: AsyncClient) -> str:
@@ -161,7 +170,7 @@ async def check(
         if used + needed <= limit:
             return
         room = max(0, limit - used)
-        state = f"used_memory is {used:,} bytes, {_mib(room)} left"
+        state = f"used_memory is {used:,} bytes, {mib(room)} left"
     else:
         # the server evicts keys to make room (lost data, reported as DataLostError): refuse
         # only what cannot fit even once everything evictable is gone
@@ -169,14 +178,14 @@ async def check(
         if base + needed <= limit:
             return
         room = max(0, limit - base)
-        state = f"an empty server uses {base:,} bytes, {_mib(room)} left even after evicting every key"
+        state = f"an empty server uses {base:,} bytes, {mib(room)} left even after evicting every key"
     raise WouldExceedMaxmemoryError(
         f"{what} to TensorDictStore(td_id={keys.td_id!r}, prefix={keys.prefix!r}) writes {written:,} bytes "
-        f"({_mib(written)}; about {_mib(needed)} of server memory at its peak), which would take the server "
-        f"{_server(client)} past its maxmemory of {limit:,} bytes ({_mib(limit)}; {state}, policy "
+        f"({mib(written)}; about {mib(needed)} of server memory at its peak), which would take the server "
+        f"{_server(client)} past its maxmemory of {limit:,} bytes ({mib(limit)}; {state}, policy "
         f"{policy}). Nothing of this operation was applied: it was refused before anything was sent. "
         "Free memory on the server (clear_redis() the stores you no longer need), raise its limit "
-        f"(CONFIG SET maxmemory, at least {_mib(used + needed)} here), or write less at once "
+        f"(CONFIG SET maxmemory, at least {mib(used + needed)} here), or write less at once "
         "(see docs/deployment.md, 'Memory and eviction')."
     )
 
