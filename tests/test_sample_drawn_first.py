@@ -49,9 +49,9 @@ def count_flag_reads(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = _append.ring_flags
 
-    async def counted(*args, **kwargs):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return await real(*args, **kwargs)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(_append, "ring_flags", counted)
     return calls

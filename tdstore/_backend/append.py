@@ -61,6 +61,7 @@ from tdstore._backend.drive import Checkout, ConnOp, Discard, Exchange, Release,
 from tdstore._backend.ops import read_snapshot
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.step import ReadStep
 from tdstore._backend.translate import ReserveReplyLost
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path
@@ -533,18 +534,17 @@ def stale() -> StaleLayoutError:
 # --------------------------------------------------------------------------- #
 
 
-async def ring_counts(client: AsyncClient, keys: StoreKeys) -> tuple[Any, Any, int, int]:
-    """The cursor, the layout version, the flagged rows (BITCOUNT) and whether the flags exist, in one snapshot."""
+def ring_counts(keys: StoreKeys) -> ReadStep[tuple[Any, Any, int, int]]:
+    """The cursor, the layout version, the flagged rows (BITCOUNT) and whether the flags exist,
+    in one snapshot (a read step: ``Connection.read_step`` sends it)."""
 
-    def build(pipe: AsyncPipeline) -> None:
-        pipe.get(keys.ring)
-        pipe.hget(keys.meta, "lv")
-        pipe.bitcount(keys.flags)
-        pipe.exists(keys.flags)
+    def parse(replies: list[Any]) -> tuple[Any, Any, int, int]:
+        cursor, lv, flagged, exists = replies
+        _check_flags_reply(keys, flagged)
+        return cursor, lv, int(flagged or 0), int(exists or 0)
 
-    cursor, lv, flagged, exists = await read_snapshot(client, keys, build)
-    _check_flags_reply(keys, flagged)
-    return cursor, lv, int(flagged or 0), int(exists or 0)
+    commands: list[Command] = [("GET", keys.ring), ("HGET", keys.meta, "lv"), ("BITCOUNT", keys.flags), ("EXISTS", keys.flags)]
+    return ReadStep("snapshot", parse, commands)
 
 
 def _check_flags_reply(keys: StoreKeys, reply: Any) -> None:
@@ -555,24 +555,20 @@ def _check_flags_reply(keys: StoreKeys, reply: Any) -> None:
         raise CorruptMetadataError(f"the row flags {keys.flags} of the store {keys.base} are not a string: {reply}")
 
 
-async def ring_flags(client: AsyncClient, keys: StoreKeys, capacity: int, whole: bool) -> tuple[Any, Any, int, Any, bool]:
+def ring_flags(keys: StoreKeys, capacity: int, whole: bool) -> ReadStep[tuple[Any, Any, int, Any, bool]]:
     """The cursor, the layout version, whether the flags exist, the flags of the ring's
     ``capacity`` rows (``whole``) or their count (BITCOUNT), and whether a rate limiter is set
-    (the meta field "lim"), in one snapshot."""
+    (the meta field "lim"), in one snapshot (a read step: ``Connection.read_step`` sends it)."""
 
-    def build(pipe: AsyncPipeline) -> None:
-        pipe.get(keys.ring)
-        pipe.hmget(keys.meta, ["lv", "lim"])
-        pipe.exists(keys.flags)
-        if whole:
-            pipe.getrange(keys.flags, 0, max(capacity - 1, 0))
-        else:
-            pipe.bitcount(keys.flags)
+    def parse(replies: list[Any]) -> tuple[Any, Any, int, Any, bool]:
+        cursor, meta, exists, flags = replies
+        _check_flags_reply(keys, flags)
+        lv, limited = (meta[0], meta[1] is not None) if isinstance(meta, list) else (None, False)
+        return cursor, lv, int(exists or 0), flags, limited
 
-    cursor, meta, exists, flags = await read_snapshot(client, keys, build)
-    _check_flags_reply(keys, flags)
-    lv, limited = (meta[0], meta[1] is not None) if isinstance(meta, list) else (None, False)
-    return cursor, lv, int(exists or 0), flags, limited
+    flags: Command = ("GETRANGE", keys.flags, 0, max(capacity - 1, 0)) if whole else ("BITCOUNT", keys.flags)
+    commands: list[Command] = [("GET", keys.ring), ("HMGET", keys.meta, "lv", "lim"), ("EXISTS", keys.flags), flags]
+    return ReadStep("snapshot", parse, commands)
 
 
 def draw_check_prefix(keys: StoreKeys, capacity: int, rows: Sequence[int], whole: bool) -> list[Command]:

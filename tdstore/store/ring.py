@@ -166,7 +166,7 @@ def extend_spec(store: TensorDictStore, layout: Any) -> _ExtendSpec:
 def ring_state(store: TensorDictStore) -> RingState:
     """:meth:`TensorDictStore.ring_state` (its documentation is there)."""
     conn = store._conn
-    cursor, lv, flagged, exists = conn.run(lambda c: _append_mod.ring_counts(c, conn.keys))
+    cursor, lv, flagged, exists = conn.read_step(lambda _runner: _append_mod.ring_counts(conn.keys))
     if lv is None:
         raise store._not_found()
     total = _append_mod.parse_cursor(cursor, conn.keys)
@@ -279,7 +279,7 @@ def read_flags(store: TensorDictStore) -> Flags:
     conn = store._conn
     capacity = store.batch_size[0] if store.batch_dims else 0
     whole = capacity <= _FLAGS_READ_MAX
-    cursor, lv, exists, flags, limited = conn.run(lambda c: _append_mod.ring_flags(c, conn.keys, capacity, whole))
+    cursor, lv, exists, flags, limited = conn.read_step(lambda _runner: _append_mod.ring_flags(conn.keys, capacity, whole))
     if lv is None:
         raise store._not_found()
     # (the next sample may draw first: see sample_drawn_first)
