@@ -99,6 +99,28 @@ def test_small_rows_are_not_placed(real_server, placed_count):
         store.close()
 
 
+def test_a_read_past_place_max_goes_unplaced_and_equal(real_server, placed_count, monkeypatch):
+    """A read whose targets would add up to more than PLACE_MAX is not placed (its tensors are
+    allocated from the registry's sizes before the server answers: a damaged registry must not
+    make a read allocate without bound); it reads the same rows the unplaced way."""
+    n = 200
+    ref = reference(n)
+    store = TensorDictStore.from_schema(schema(), batch_size=[n], **real_server.connection_kwargs())
+    try:
+        fill(store, ref)
+        idx = torch.randint(0, n, (64,), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(store[idx]["obs"], ref["obs"][idx])
+        assert placed_count  # (placed under the default PLACE_MAX)
+        monkeypatch.setattr(_placed, "PLACE_MAX", 64 * 1024)
+        placed_count.clear()
+        got = store[idx]
+        assert torch.equal(got["obs"], ref["obs"][idx]) and torch.equal(got["big"], ref["big"][idx])
+        assert placed_count == []
+    finally:
+        store.clear_redis()
+        store.close()
+
+
 def test_tls_reads_go_the_io_loop_way_unplaced_and_equal(tls_server, placed_count):
     # (a TLS store has no blocking direct client: its reads run on the IO loop, parsed by hiredis)
     n = 150

@@ -33,7 +33,7 @@ from tdstore._backend.blocking import discard, keep_spare, take_spare
 from tdstore._backend.protocols import SyncClient
 from tdstore._core.layout import Command
 
-__all__ = ["PLACED", "PLACE_MIN", "PLACE_MIN_PIECE", "usable", "exchange"]
+__all__ = ["PLACED", "PLACE_MAX", "PLACE_MIN", "PLACE_MIN_PIECE", "usable", "exchange"]
 
 #: What a reply received into its target is replaced by.
 PLACED: object = type("Placed", (), {"__repr__": lambda self: "PLACED", "__slots__": ()})()
@@ -43,6 +43,12 @@ PLACE_MIN = 64 * 1024
 #: ... and average at least this many per GETRANGE (below, parsing each reply in Python
 #: costs more than the copies saved).
 PLACE_MIN_PIECE = 2048
+#: The most bytes one read places (its targets are allocated from the sizes the registry
+#: gives, before the server answers): what one server string holds by default
+#: (proto-max-bulk-len). A larger read goes unplaced, its replies checked against the
+#: strings' sizes before any tensor is made, so a damaged registry (an entry claiming
+#: terabytes) costs a read no more than this.
+PLACE_MAX = 512 * 1024 * 1024
 
 _RECV = 256 * 1024  # (bytes asked of the socket at a time for what is not placed)
 
@@ -214,8 +220,7 @@ def exchange(
         sock = _wire.socket_of(connection)
         if sock is None:
             raise redis.exceptions.ConnectionError("no socket to read a placed read from")
-        parser = getattr(connection, "_parser", None)
-        parse_error = getattr(parser, "parse_error", None) or redis.exceptions.ResponseError
+        parse_error = _wire.error_parser(connection)
         sent = [("MULTI",), *commands, ("EXEC",)] if transaction else list(commands)
         _wire.send_sync(connection, _wire.packed(sent))
         replies = _Replies(sock, parse_error)

@@ -99,7 +99,7 @@ def _placer(recipe: _Recipe, checks: Sequence[tuple[int, str, int]], base: str) 
             if min(lengths) > 0 and total >= _placed.PLACE_MIN and total >= _placed.PLACE_MIN_PIECE * len(lengths):
                 items.append((j, at, lengths))
         at += len(commands)
-    if not items:
+    if not items or sum(sum(lengths) for _, _, lengths in items) > _placed.PLACE_MAX:
         return None
 
     def placed() -> tuple[dict[int, memoryview], Callable[[list[object]], _RunsResult]]:

@@ -27,7 +27,7 @@ import functools
 import select
 import socket
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - redis-py 5.0.0, or a release that move
     NOT_ENOUGH_DATA = None
 
 __all__ = [
-    "MISSING", "ZERO_COPY_MIN", "alive", "connected", "direct_ok", "exchange", "exchange_sync", "packed", "probe",
+    "MISSING", "ZERO_COPY_MIN", "alive", "connected", "direct_ok", "error_parser", "exchange", "exchange_sync", "packed", "probe",
     "send_sync", "socket_of", "streamable", "streamed_sends", "unstreamed",
 ]
 
@@ -103,6 +103,14 @@ def streamable() -> bool:
 def socket_of(connection: object) -> Any:
     """The socket of a blocking connection of redis-py's, or None (not connected)."""
     return getattr(connection, "_sock", None)
+
+
+def error_parser(connection: object) -> Callable[[str], Exception]:
+    """What the parser of a blocking connection of redis-py's makes of an error reply's text
+    (the exception class by its prefix: ``NOSCRIPT``, ``MOVED``, ...); ResponseError for all
+    where it has none."""
+    parse = getattr(getattr(connection, "_parser", None), "parse_error", None)
+    return parse if callable(parse) else redis.exceptions.ResponseError
 
 
 # --------------------------------------------------------------------------- #
