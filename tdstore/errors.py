@@ -229,12 +229,18 @@ class DurabilityError(TDStoreError, RuntimeError):
     replicas than it requires acknowledged it (``WAIT``), or the master did not fsync it
     (``WAITAOF``), within ``durability_timeout=``. The data is written, not yet safe: a
     failover now may lose it. ``spec`` is the setting (``"replicas:1"``), ``detail`` the
-    shortfall (for example "only 0 of the 1 replica it requires acknowledged it within 1 s")."""
+    shortfall (for example "only 0 of the 1 replica it requires acknowledged it within 1 s").
+
+    ``store``: where the write that fell short created a store (a constructor such as
+    ``from_schema``, or a copy made on the server), the open handle of that store, which is
+    on the master: use it, or ``store.clear_redis()``; None for every other write (and after
+    pickling)."""
 
     def __init__(self, message: str, *, spec: str = "", detail: str = "") -> None:
         super().__init__(message)
         self.spec = spec
         self.detail = detail
+        self.store: Any = None
 
     def __reduce__(self) -> tuple[Callable[[str, str, str], DurabilityError], tuple[str, str, str]]:
         return (_durability_error, (str(self), self.spec, self.detail))

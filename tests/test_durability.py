@@ -158,6 +158,39 @@ def test_a_shortfall_raises_after_the_whole_write_once_per_operation(group):
         master.close()
 
 
+def test_a_constructor_that_falls_short_hands_over_the_store_it_created(group):
+    """replicas:2 on a master with 1: each constructor raises DurabilityError after creating the
+    store on the master, and the error holds the open handle of that store (``.store``), which
+    reads and can clear it; other writes' errors hold None, and so does a pickled error."""
+    master = group.node_client(group.master_index())
+    kwargs = {**group.connection_kwargs(), "durability": "replicas:2", "durability_timeout": WAIT_S}
+    td = _rows(6)
+    makers = {
+        "TensorDictStore(...)": lambda: TensorDictStore(batch_size=[6], **kwargs),
+        "from_schema": lambda: TensorDictStore.from_schema(SCHEMA, batch_size=[6], **kwargs),
+        "from_tensordict": lambda: TensorDictStore.from_tensordict(td, **kwargs),
+        "from_dict": lambda: TensorDictStore.from_dict(td.to_dict(), batch_size=[6], **kwargs),
+    }
+    try:
+        for what, make in makers.items():
+            with pytest.raises(DurabilityError, match="only 1 of the 2 replicas") as info:
+                make()
+            store = info.value.store
+            assert isinstance(store, TensorDictStore), what
+            assert master.keys(f"*{store.td_id}*"), f"{what}: the store is on the master"
+            assert store.batch_size == torch.Size([6])  # (an open handle: it reads)
+            if what == "from_tensordict":
+                assert (store.to_tensordict() == td).all()
+            assert pickle.loads(pickle.dumps(info.value)).store is None
+            with pytest.raises(DurabilityError) as cleared:
+                store.clear_redis()  # (the clear waits too, and still removes everything)
+            assert cleared.value.store is None
+            assert not master.keys(f"*{store.td_id}*"), what
+            store.close()
+    finally:
+        master.close()
+
+
 def test_durability_survives_pickling_from_store_and_the_sharded_ring(group):
     kwargs = group.connection_kwargs()
     plain = TensorDictStore.from_schema(SCHEMA, batch_size=[8], **kwargs)

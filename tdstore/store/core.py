@@ -44,6 +44,7 @@ from tdstore.base.handle import StoreHandle, entries_below, snapshot_of
 from tdstore.base.unsupported import StoreUnsupported, install
 from tdstore.errors import (
     CorruptMetadataError,
+    DurabilityError,
     EntryNotFoundError,
     SchemaError,
     StoreExistsError,
@@ -248,6 +249,8 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
                 planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
             names = td.names if td._has_names() else None
             store._create_store(td.batch_size, store_device, names, planner.ops, tensorclass)
+        except DurabilityError:
+            raise  # (created on the master: the error holds the open handle, see DurabilityError.store)
         except BaseException:
             store.close()
             raise
@@ -351,6 +354,8 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
                 store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.chunk, sent=False)
                 ops.append(_backend.Op("zero", path, meta, nbytes=nbytes))
             store._create_store(bs, store_device, None, ops, None)
+        except DurabilityError:
+            raise  # (created on the master: the error holds the open handle, see DurabilityError.store)
         except BaseException:
             store.close()
             raise

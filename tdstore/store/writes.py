@@ -32,7 +32,7 @@ from tdstore._core.planner import rename_ops as _rename_ops
 from tdstore._core.values import is_no_default
 from tdstore.base.handle import snapshot_of
 from tdstore.base.host import DenseBase
-from tdstore.errors import SchemaError, StoreExistsError
+from tdstore.errors import DurabilityError, SchemaError, StoreExistsError
 from tdstore.store.index_write import write_index
 
 if TYPE_CHECKING:
@@ -223,13 +223,19 @@ class StoreWrites(DenseBase):
             **self._creation_meta(),
         }
         conn = self._conn
-        conn.run(
-            lambda c: _transfer.commit(
-                c, conn.keys, conn.runner, ops, expected="new", bump=True, check_lock=False, meta_updates=meta,
-                ttl_ms=getattr(self, "_create_ttl_ms", None), progress=_transfer.upload_bar(self, ops),
-            ),
-            idempotent=False,  # a re-sent create would find its own store and call it taken
-        )
+        try:
+            conn.run(
+                lambda c: _transfer.commit(
+                    c, conn.keys, conn.runner, ops, expected="new", bump=True, check_lock=False, meta_updates=meta,
+                    ttl_ms=getattr(self, "_create_ttl_ms", None), progress=_transfer.upload_bar(self, ops),
+                ),
+                idempotent=False,  # a re-sent create would find its own store and call it taken
+            )
+        except DurabilityError as err:
+            # the store was created on the master: the caller gets its handle with the error
+            conn.layout = None
+            err.store = self
+            raise
         conn.layout = None
 
     def _set_at_str(self, key: NestedKey, value: object, idx: IndexType, *, validated: bool = False, non_blocking: bool = False, **kwargs: object) -> Self:
