@@ -34,6 +34,7 @@ from tdstore._backend.loop import DEFAULT_TIMEOUT
 from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
+from tdstore._core import schema as _schema
 from tdstore._core import values as _values
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
@@ -300,38 +301,8 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
             >>> store.clear_redis()
             >>> store.close()
         """
-        bs = _check_batch_size(batch_size if batch_size is not None else [])
-        if not isinstance(schema, Mapping):
-            raise SchemaError(f"schema must be a mapping of key -> (shape, dtype), got {type(schema).__name__}")
-        entries: list[tuple[tuple[str, ...], list[int], torch.dtype]] = []
-        for key, spec in schema.items():
-            try:
-                path = _as_path(key)
-            except TypeError as err:
-                raise SchemaError(f"schema key {key!r}: {err}") from None
-            if not isinstance(spec, (tuple, list)) or len(spec) != 2:
-                raise SchemaError(f"schema entry {key!r} must be (shape, dtype), got {spec!r}")
-            shape, dtype = spec
-            if not isinstance(dtype, torch.dtype):
-                raise SchemaError(f"schema entry {key!r}: dtype must be a torch.dtype, got {dtype!r}")
-            try:
-                _codec.dtype_name(dtype)
-            except TypeError as err:
-                raise SchemaError(f"schema entry {key!r}: {err}") from None
-            try:
-                shape = list(shape)
-            except TypeError:
-                raise SchemaError(f"schema entry {key!r}: shape must be a sequence of ints, got {shape!r}") from None
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                raise SchemaError(f"schema entry {key!r}: shape must hold non-negative ints, got {shape!r}")
-            entries.append((path, shape, dtype))
-        paths = [p for p, _, _ in entries]
-        for p in paths:
-            for q in paths:
-                if len(q) > len(p) and q[: len(p)] == p:
-                    raise SchemaError(f"schema key {p!r} is both an entry and the parent of {q!r}")
-        if len(set(paths)) != len(paths):
-            raise SchemaError("schema has duplicate keys")
+        bs = _schema.check_batch_size(batch_size if batch_size is not None else [])
+        entries = _schema.parse_schema(schema)
         store_device = torch.device(device) if device is not None else None
         connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
         store = cls(backend=backend, batch_size=bs, device=store_device, _create=False, _connect=connect, **kwargs)
@@ -929,16 +900,6 @@ def _unpickle(cls: Any, state: dict[str, Any]) -> Any:
     self = cls.__new__(cls)
     self.__setstate__(state)
     return self
-
-
-def _check_batch_size(batch_size: Any) -> torch.Size:
-    try:
-        bs = torch.Size(batch_size)
-    except (TypeError, ValueError):
-        raise SchemaError(f"batch_size must be a sequence of non-negative ints, got {batch_size!r}") from None
-    if any(d < 0 for d in bs):
-        raise SchemaError(f"batch_size must hold non-negative ints, got {list(bs)}")
-    return bs
 
 
 def _import_class(path: str, where: str = "the store") -> type:
