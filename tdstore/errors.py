@@ -240,7 +240,7 @@ class DurabilityError(TDStoreError, RuntimeError):
         super().__init__(message)
         self.spec = spec
         self.detail = detail
-        self.store: Any = None
+        self.store: object = None  # (a TensorDictStore: errors.py imports no store module)
 
     def __reduce__(self) -> tuple[Callable[[str, str, str], DurabilityError], tuple[str, str, str]]:
         return (_durability_error, (str(self), self.spec, self.detail))

@@ -29,8 +29,9 @@ CEILINGS: dict[str, int] = {
     # (list[Any], as everywhere) and the keywords passed through to redis-py; 169 after
     # ops.py's read results (EntriesRead) and inventory.read_details; 178 after issue 25
     # item 1 and the rate limiter: drive.py's effects carry a connection of either driver
-    # (blocking or asyncio), and the reserve replies are read as list[Any]
-    "_backend": 178,
+    # (blocking or asyncio), and the reserve replies are read as list[Any]; 173 after the ring
+    # reads became read steps (their replies typed object) and Connection.script returned object
+    "_backend": 173,
     "_core": 11,
     "base": 9,
     "cli": 47,

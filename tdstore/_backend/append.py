@@ -534,17 +534,22 @@ def stale() -> StaleLayoutError:
 # --------------------------------------------------------------------------- #
 
 
-def ring_counts(keys: StoreKeys) -> ReadStep[tuple[Any, Any, int, int]]:
+def ring_counts(keys: StoreKeys) -> ReadStep[tuple[object, object, int, int]]:
     """The cursor, the layout version, the flagged rows (BITCOUNT) and whether the flags exist,
     in one snapshot (a read step: ``Connection.read_step`` sends it)."""
 
-    def parse(replies: list[Any]) -> tuple[Any, Any, int, int]:
+    def parse(replies: list[object]) -> tuple[object, object, int, int]:
         cursor, lv, flagged, exists = replies
         _check_flags_reply(keys, flagged)
-        return cursor, lv, int(flagged or 0), int(exists or 0)
+        return cursor, lv, _count(flagged), _count(exists)
 
     commands: list[Command] = [("GET", keys.ring), ("HGET", keys.meta, "lv"), ("BITCOUNT", keys.flags), ("EXISTS", keys.flags)]
     return ReadStep("snapshot", parse, commands)
+
+
+def _count(reply: object) -> int:
+    """An integer reply (BITCOUNT, EXISTS) as an int; None as 0."""
+    return int(reply) if isinstance(reply, (int, bytes)) else 0
 
 
 def _check_flags_reply(keys: StoreKeys, reply: Any) -> None:
@@ -555,16 +560,16 @@ def _check_flags_reply(keys: StoreKeys, reply: Any) -> None:
         raise CorruptMetadataError(f"the row flags {keys.flags} of the store {keys.base} are not a string: {reply}")
 
 
-def ring_flags(keys: StoreKeys, capacity: int, whole: bool) -> ReadStep[tuple[Any, Any, int, Any, bool]]:
+def ring_flags(keys: StoreKeys, capacity: int, whole: bool) -> ReadStep[tuple[object, object, int, object, bool]]:
     """The cursor, the layout version, whether the flags exist, the flags of the ring's
     ``capacity`` rows (``whole``) or their count (BITCOUNT), and whether a rate limiter is set
     (the meta field "lim"), in one snapshot (a read step: ``Connection.read_step`` sends it)."""
 
-    def parse(replies: list[Any]) -> tuple[Any, Any, int, Any, bool]:
+    def parse(replies: list[object]) -> tuple[object, object, int, object, bool]:
         cursor, meta, exists, flags = replies
         _check_flags_reply(keys, flags)
         lv, limited = (meta[0], meta[1] is not None) if isinstance(meta, list) else (None, False)
-        return cursor, lv, int(exists or 0), flags, limited
+        return cursor, lv, _count(exists), flags, limited
 
     flags: Command = ("GETRANGE", keys.flags, 0, max(capacity - 1, 0)) if whole else ("BITCOUNT", keys.flags)
     commands: list[Command] = [("GET", keys.ring), ("HMGET", keys.meta, "lv", "lim"), ("EXISTS", keys.flags), flags]

@@ -559,7 +559,7 @@ class Connection:
             return result  # type: ignore[return-value]
         return self.run(lambda c: _step.run_async(c, self.keys, self.runner, build(self.runner)))
 
-    def script(self, name: str, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+    def script(self, name: str, keys: Sequence[str], args: Sequence[Arg]) -> object:
         """One EVALSHA of script ``name`` that may be sent twice: a read, or a write whose
         second run leaves what the first did (the same bytes, the same priorities). From the
         calling thread on :meth:`direct_client` (one round trip, no hop to the IO loop: for a
@@ -568,7 +568,7 @@ class Connection:
         its class either way.
         """
 
-        def direct(client: redis.Redis) -> Any:
+        def direct(client: redis.Redis) -> object:
             assert self._runner is not None  # (a direct client exists once the IO-loop client is set up)
             reply = _blocking.exchange(client, [("EVALSHA", self._runner.sha(name), len(keys), *keys, *args)])[0]
             if isinstance(reply, redis.exceptions.ResponseError) and not isinstance(reply, redis.exceptions.NoScriptError):

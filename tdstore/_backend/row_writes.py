@@ -23,7 +23,7 @@ from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.scripts import ScriptRunner
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, encode_path
-from tdstore._core.layout import _s, counter_damage, data_key_commands, data_key_damage, parse_entry
+from tdstore._core.layout import Arg, _s, counter_damage, data_key_commands, data_key_damage, parse_entry
 
 if TYPE_CHECKING:
     from redis.asyncio.connection import AbstractConnection
@@ -35,7 +35,7 @@ __all__ = ["MULTI_MIN_RUN", "choose_write", "write_runs_call", "write_runs_watch
 
 def write_runs_call(
     keys: StoreKeys, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], *, expected: str
-) -> tuple[str, list[str], list[Any]]:
+) -> tuple[str, list[str], list[Arg]]:
     """The one script call that writes ``(path, runs, payload)`` groups atomically: (name,
     keys, args) for ``Connection.script`` (sent twice, it lands the same bytes)."""
     key_list, args = _write_runs_args(keys, groups, expected)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import redis
 import redis.asyncio
@@ -30,7 +30,7 @@ class ClientSettings(NamedTuple):
     client_class: type
     pool_class: type
     connection_class: type
-    conn_kwargs: dict[str, Any]
+    conn_kwargs: _sentinel.Kwargs  #: (the keywords passed through to redis-py's pool)
     #: where the credentials came from (an environment variable), None when none was read
     credentials_from: str | None
     cluster_route: _cluster.ClusterRoute | None
@@ -44,8 +44,8 @@ def client_settings(
     db: int,
     unix_socket_path: str | None,
     client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster | None,
-    redis_kwargs: dict[str, Any],
-    cluster_nodes: Any,
+    redis_kwargs: _sentinel.Kwargs,
+    cluster_nodes: object,
     timeout: float,
     td_id: str,
 ) -> ClientSettings:

@@ -4,8 +4,8 @@ naming the key and what was expected for anything else, before a store is touche
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 
@@ -16,7 +16,7 @@ from tdstore.errors import SchemaError
 __all__ = ["check_batch_size", "parse_schema"]
 
 
-def parse_schema(schema: Any) -> list[tuple[tuple[str, ...], list[int], torch.dtype]]:
+def parse_schema(schema: object) -> list[tuple[tuple[str, ...], list[int], torch.dtype]]:
     """The ``(path, shape, dtype)`` of each entry of ``schema``, in its order.
 
     Raises:
@@ -58,10 +58,10 @@ def parse_schema(schema: Any) -> list[tuple[tuple[str, ...], list[int], torch.dt
     return entries
 
 
-def check_batch_size(batch_size: Any) -> torch.Size:
+def check_batch_size(batch_size: object) -> torch.Size:
     """``batch_size`` as a ``torch.Size`` of non-negative ints, or SchemaError."""
     try:
-        bs = torch.Size(batch_size)
+        bs = torch.Size(cast("Sequence[int]", batch_size))  # (anything else: TypeError or ValueError)
     except (TypeError, ValueError):
         raise SchemaError(f"batch_size must be a sequence of non-negative ints, got {batch_size!r}") from None
     if any(d < 0 for d in bs):

@@ -9,7 +9,7 @@ half-written or a reserved-but-unwritten row.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from tensordict import TensorDictBase
@@ -284,7 +284,7 @@ def read_flags(store: TensorDictStore) -> Flags:
         raise store._not_found()
     # (the next sample may draw first: see sample_drawn_first)
     conn.ring_full = bool(exists) and not limited and capacity > 0 and _append_mod.parse_cursor(cursor, conn.keys) >= capacity
-    return Flags(cursor, exists, flags, limited)
+    return Flags(cast("bytes | None", cursor), exists, cast("bytes | int | None", flags), limited)
 
 
 def _flag_bytes(store: TensorDictStore, flags: object) -> bytes:

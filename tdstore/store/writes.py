@@ -234,7 +234,7 @@ class StoreWrites(DenseBase):
         except DurabilityError as err:
             # the store was created on the master: the caller gets its handle with the error
             conn.layout = None
-            err.store = self
+            err.store = _store(self)
             raise
         conn.layout = None
 
