@@ -13,10 +13,11 @@ from typing import Any
 import redis.exceptions
 
 from tdstore._backend.protocols import SyncClient
+from tdstore._backend.translate import translate
 from tdstore._backend.wire import alive, exchange_sync
-from tdstore._core.layout import Command
+from tdstore._core.layout import Arg, Command
 
-__all__ = ["discard", "take_spare", "keep_spare", "exchange", "transaction"]
+__all__ = ["discard", "take_spare", "keep_spare", "exchange", "transaction", "call_script"]
 
 
 def discard(client: SyncClient, connection: redis.connection.Connection) -> None:
@@ -88,3 +89,21 @@ def transaction(client: SyncClient, commands: Sequence[Command]) -> list[Any]:
     if not isinstance(result, list) or len(result) != len(commands):
         raise redis.exceptions.ResponseError(f"EXEC answered {result!r:.100} to a MULTI of {len(commands)} commands")
     return result
+
+
+def call_script(client: SyncClient, sha: str, keys: Sequence[str], args: Sequence[Arg]) -> object:
+    """One EVALSHA in one packet on a blocking client (:func:`exchange`): what
+    ``ScriptRunner.call`` does on the IO loop, without its NOSCRIPT retry (the caller sends the
+    call again that way when this raises anything but a script's TDS_* error).
+
+    Raises:
+        TDStoreError subclasses for the script's TDS_* error codes; redis-py's errors else.
+    """
+    reply = exchange(client, [("EVALSHA", sha, len(keys), *keys, *args)])[0]
+    if isinstance(reply, Exception):
+        if not isinstance(reply, redis.exceptions.NoScriptError):
+            exc = translate(reply)
+            if exc is not reply:
+                raise exc from reply
+        raise reply
+    return reply

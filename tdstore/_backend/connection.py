@@ -214,7 +214,6 @@ class Connection:
         # opt-in: pickles of this store carry its password (in clear); see _credentials
         self.pickle_secrets = bool(redis_kwargs.pop("pickle_secrets", False))
         self._secrets_dropped: list[str] = []
-        self._credentials_from: str | None = None
         cluster_nodes = redis_kwargs.pop("cluster_nodes", None)
         # durability= (see tdstore/_backend/durability.py): WAIT/WAITAOF at the end of each writing packet
         self.durability = _durability.parse(
@@ -229,8 +228,7 @@ class Connection:
         self.cluster_route, self.sentinel_route = how.cluster_route, how.sentinel_route
         self._client_class, self._pool_class, self._connection_class = how.client_class, how.pool_class, how.connection_class
         self._conn_kwargs = how.conn_kwargs
-        if how.credentials_from is not None:
-            self._credentials_from = how.credentials_from
+        self._credentials_from = how.credentials_from
         # Replies parsed from a socket are fresh bytes objects that only tdstore holds;
         # an in-process server (fakeredis) may hand out its own stored objects.
         self.owned_replies = self._connection_class.__module__.startswith("redis.")
@@ -570,14 +568,7 @@ class Connection:
 
         def direct(client: redis.Redis) -> object:
             assert self._runner is not None  # (a direct client exists once the IO-loop client is set up)
-            reply = _blocking.exchange(client, [("EVALSHA", self._runner.sha(name), len(keys), *keys, *args)])[0]
-            if isinstance(reply, redis.exceptions.ResponseError) and not isinstance(reply, redis.exceptions.NoScriptError):
-                exc = _translate.translate(reply)
-                if exc is not reply:
-                    raise exc from reply
-            if isinstance(reply, Exception):
-                raise reply
-            return reply
+            return _blocking.call_script(client, self._runner.sha(name), keys, args)
 
         result = self._direct_call(direct)
         if result is not _NOT_DIRECT:
