@@ -70,6 +70,26 @@ def test_unknown_service_name_is_a_clear_error(group):
         TensorDictStore(batch_size=[2], url=url)
 
 
+def test_sentinels_leave_tilt_in_seconds_and_a_stalled_failover_says_why(group):
+    """The launcher shortens TILT (30 s by default: a failover test on a loaded machine would wait
+    it out); a failover wait that times out reports each Sentinel's flags and log."""
+    from tdstore.server.replication import _TILT_PERIOD_MS, _client
+
+    for sentinel in group.sentinel_nodes:
+        client = _client(sentinel, 2.0)
+        try:
+            assert int(client.execute_command("SENTINEL", "DEBUG")[b"TILT-PERIOD"]) == _TILT_PERIOD_MS
+        finally:
+            client.close()
+    current = group.master_index()
+    with pytest.raises(TimeoutError, match="did not promote") as info:
+        group.wait_for_failover(current, timeout=0.2)  # (nothing failed: no new master comes)
+    report = str(info.value)
+    for sentinel in group.sentinel_nodes:
+        assert f"--- Sentinel {sentinel.port}: master {{'port': '{group.nodes[current].port}', 'flags': 'master'" in report
+    assert "+monitor master tdsmaster" in report
+
+
 def test_store_follows_the_master_after_a_failover(group):
     policy = RetryPolicy(attempts=200, backoff_base=0.05, backoff_cap=0.2, deadline=30.0)
     store = TensorDictStore.from_schema(
@@ -134,7 +154,7 @@ def test_failover_keeps_acknowledged_appends(durability):
             time.sleep(0.5)
             for i in replicas:
                 g.resume(i)
-            g.wait_for_failover(old)
+            g.wait_for_failover(old, timeout=60.0)  # (a TILT of the Sentinels on a loaded machine: 3 s)
             out = [r.get(timeout=60) for r in results]
         total = store.ring_state().total
         rows = list(zip(store["w"][:total].tolist(), store["c"][:total].tolist(), strict=True))

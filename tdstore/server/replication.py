@@ -34,7 +34,7 @@ from typing import Any
 import redis
 import redis.exceptions
 
-from tdstore.server.find import _LOOPBACK, _free_port, find_server_binary
+from tdstore.server.find import _LOOPBACK, _free_port, _tail, find_server_binary
 from tdstore.server.handle import _PORT_RACE_RETRIES, ServerHandle, _port_in_use, _register, _unregister
 from tdstore.server.start import start_server
 
@@ -102,11 +102,28 @@ def _start_sentinel(
                     continue
                 raise
             _register(handle)
+            _shorten_tilt(handle)
             return handle
         raise AssertionError("unreachable")  # pragma: no cover
     except BaseException:
         shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
+
+
+def _shorten_tilt(sentinel: ServerHandle) -> None:
+    """A Sentinel whose timer ran late by 2 s (a loaded machine, a paused VM) enters TILT mode and
+    starts no failover for 30 s; here it stays 3 s (``SENTINEL DEBUG tilt-period``, Redis 7.0 and
+    Valkey; Redis 6.2 has no such setting and keeps its 30 s)."""
+    client = _client(sentinel, 2.0)
+    try:
+        client.execute_command("SENTINEL", "DEBUG", "tilt-period", str(_TILT_PERIOD_MS))
+    except redis.exceptions.ResponseError:
+        pass
+    finally:
+        client.close()
+
+
+_TILT_PERIOD_MS = 3000
 
 
 class ReplicationHandle(ServerHandle):
@@ -200,7 +217,27 @@ class ReplicationHandle(ServerHandle):
                         if self.master_index() == index:
                             return index
             time.sleep(0.05)
-        raise TimeoutError(f"the Sentinels of {self!r} did not promote a new master within {timeout} s")
+        raise TimeoutError(
+            f"the Sentinels of {self!r} did not promote a new master within {timeout} s\n{self._sentinel_report()}"
+        )
+
+    def _sentinel_report(self) -> str:
+        """What each Sentinel says of the master and its replicas, and the end of its log: the
+        text a failover that never came is diagnosed from."""
+        parts = []
+        for sentinel in self.sentinel_nodes:
+            client = _client(sentinel, 1.0)
+            try:
+                master = client.execute_command("SENTINEL", "master", self.service_name)
+                replicas = client.execute_command("SENTINEL", "replicas", self.service_name)
+                state = f"master {_fields(master)}; replicas {[_fields(r) for r in replicas]}"
+            except (redis.exceptions.RedisError, OSError) as exc:
+                state = f"no answer ({exc})"
+            finally:
+                client.close()
+            log = "\n".join(_tail(sentinel.log_file, 4096).splitlines()[-25:])
+            parts.append(f"--- Sentinel {sentinel.port}: {state}\n{log}")
+        return "\n".join(parts)
 
     def wait_in_sync(self, timeout: float = 30.0) -> None:
         """Waits until every running replica of the current master is linked and at its offset."""
@@ -263,6 +300,22 @@ class ReplicationHandle(ServerHandle):
 
     def __getstate__(self) -> Info:
         raise TypeError("a ReplicationHandle is not picklable; pass connection_kwargs() or sentinel_url")
+
+
+def _fields(reply: object) -> dict[str, str]:
+    """A Sentinel's flat ``[name, value, ...]`` reply, reduced to the fields a failover turns on."""
+    if isinstance(reply, dict):  # redis-py parses SENTINEL MASTER / REPLICAS into dicts
+        pairs = list(reply.items())
+    else:
+        items = list(reply) if isinstance(reply, list) else []
+        pairs = list(zip(items[::2], items[1::2]))
+    text = {(k.decode() if isinstance(k, bytes) else str(k)): (v.decode() if isinstance(v, bytes) else str(v))
+            for k, v in pairs}  # fmt: skip
+    wanted = (
+        "port", "flags", "failover-state", "master-link-down-time", "master-link-status", "info-refresh",
+        "last-ok-ping-reply", "slave-repl-offset",
+    )  # fmt: skip
+    return {k: text[k] for k in wanted if k in text}
 
 
 def _wait_in_sync(master: ServerHandle, timeout: float) -> None:
