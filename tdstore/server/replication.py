@@ -308,7 +308,7 @@ def _fields(reply: object) -> dict[str, str]:
         pairs = list(reply.items())
     else:
         items = list(reply) if isinstance(reply, list) else []
-        pairs = list(zip(items[::2], items[1::2]))
+        pairs = list(zip(items[::2], items[1::2], strict=False))
     text = {(k.decode() if isinstance(k, bytes) else str(k)): (v.decode() if isinstance(v, bytes) else str(v))
             for k, v in pairs}  # fmt: skip
     wanted = (

@@ -55,6 +55,7 @@ from tdstore.lazy.core import LazyStackedTensorDictStore
 from tdstore.replay import priorities as _priorities
 from tdstore.replay import rate_limit as _rate_limit
 from tdstore.replay import slices as _slices
+from tdstore.store import dims as _dims
 from tdstore.store import lifetime as _lifetime
 from tdstore.store import ring as _ring
 from tdstore.store.lifetime import ttl_ms
@@ -484,26 +485,7 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         self._change_batch_size(torch.Size(new_size))
 
     def _change_batch_size(self, new_size: torch.Size) -> None:
-        new_size = torch.Size(new_size)
-
-        def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
-            n = len(new_size)
-            for path, meta in self._descendants(layout, self._path):
-                shape = meta.shape if meta.is_tensor else meta.batch_size if meta.is_node else None
-                if shape is not None and torch.Size(shape[:n]) != new_size:
-                    raise RuntimeError(
-                        f"the batch size {list(new_size)} does not fit entry {path!r} of shape "
-                        f"{list(shape)} in {self._where()}"
-                    )
-            names = self._node(layout).dim_names
-            if names is not None and len(names) != n:
-                names = None
-            if not self._path:
-                return [], {"batch_size": json.dumps(list(new_size)), "names": json.dumps(names)}
-            meta = layout.entries[self._path]._replace(batch_size=tuple(new_size), names=None if names is None else tuple(names))
-            return [_backend.Op("node", self._path, meta)], None
-
-        self._commit_planned(plan, check_lock=True)
+        _dims.change_batch_size(self, torch.Size(new_size))
 
     @property
     def device(self) -> torch.device | None:
@@ -531,20 +513,7 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         self._write_names(None if value is None else list(value))
 
     def _write_names(self, names: list[str | None] | None) -> None:
-        if names is not None:
-            _values.check_names(names, self._where())
-            if all(n is None for n in names):
-                names = None
-
-        def plan(layout: _backend.Layout) -> tuple[list[_backend.Op], dict[str, str] | None]:
-            # as TensorDict does: the leading names of every nested tensordict follow
-            ops = _nested_names_ops(self._descendants(layout, self._path), names, len(self._node(layout).batch_size or ()))
-            if not self._path:
-                return ops, {"names": json.dumps(names)}
-            meta = layout.entries[self._path]._replace(names=None if names is None else tuple(names))
-            return [_backend.Op("node", self._path, meta), *ops], None
-
-        self._commit_planned(plan, check_lock=False)
+        _dims.write_names(self, names)
 
     def _set_names(self, names: Sequence[str | None] | None) -> None:
         if names is None:
@@ -876,24 +845,6 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
 
 # the methods of TensorDictBase that raise on a store, and (on tensordict 0.14) the 0.15 behaviour
 install(TensorDictStore, StoreUnsupported, StoreCompat014)
-
-
-def _nested_names_ops(
-    descendants: Sequence[tuple[tuple[str, ...], Entry]], names: list[str | None] | None, n: int
-) -> list[_backend.Op]:
-    """``node`` ops giving every nested tensordict the leading ``names`` (None: unnamed) of its parent."""
-    lead: list[str | None] = list(names) if names is not None else [None] * n
-    ops = []
-    for path, meta in descendants:
-        if not meta.is_node:
-            continue
-        old = meta.dim_names or [None] * len(meta.batch_size or ())
-        new: list[str | None] | None = lead + list(old[n:])
-        if new is not None and all(x is None for x in new):
-            new = None
-        if new != meta.dim_names:
-            ops.append(_backend.Op("node", path, meta._replace(names=None if new is None else tuple(new))))
-    return ops
 
 
 def _unpickle(cls: Any, state: dict[str, Any]) -> Any:
