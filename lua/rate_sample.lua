@@ -10,8 +10,11 @@ KEYS[3]   the rate limiter's hash
 
 ARGV[1]   n, the rows to sample (1 <= n)
 ARGV[2]   capacity: the size of the first batch dim (the ring holds min(cursor, capacity) rows)
+ARGV[3]   optional: the sample's token, 16 lowercase hex digits, the same on every try of one
+          sample. A token among the last 64 counted ("tok" of the limiter's hash) is not
+          counted again: a try whose reply was lost, sent again, counts the sample once
 
-Returns: {1, ""} when the sample was counted; {0, the limiter's timeout in ms or ""} when
+Returns: {1, ""} when the sample was counted (or its token was, by an earlier try); {0, the limiter's timeout in ms or ""} when
          the limiter holds it back (nothing changed: wait and call again); {-1, ""} when the
          store has no limiter
 
@@ -24,6 +27,8 @@ Errors:
 --@include lib/common.lua
 --@include lib/rate.lua
 
+local TOKEN_BYTES, TOKENS_KEPT = 16, 64
+
 local meta = rcall('HMGET', KEYS[1], 'lv', 'lim')
 if not meta[1] then
   return fail('TDS_NOSTORE', 'no store at ' .. KEYS[1])
@@ -34,6 +39,10 @@ if n == nil or capacity == nil or n ~= n or capacity ~= capacity or n < 1 or cap
     or capacity > 9007199254740992 then
   return fail('TDS_BADARG', 'need rows >= 1 and capacity >= 1, got ' .. tostring(ARGV[1]) .. ' and ' .. tostring(ARGV[2]))
 end
+local token = ARGV[3] or ''
+if token ~= '' and not string.match(token, '^' .. string.rep('[0-9a-f]', TOKEN_BYTES) .. '$') then
+  return fail('TDS_BADARG', 'a sample token is ' .. TOKEN_BYTES .. ' lowercase hex digits, got ' .. string.format('%q', string.sub(token, 1, 40)))
+end
 if not meta[2] then return {-1, ''} end
 local r, err = rate_read(KEYS[3])
 if err then return err end
@@ -43,8 +52,28 @@ if type(raw_cursor) == 'table' or (raw_cursor and not string.match(raw_cursor, '
   return fail('TDS_CORRUPT', 'the ring cursor ' .. KEYS[2] .. ' of ' .. KEYS[1] .. ' is not a row count')
 end
 local size = math.min(tonumber(raw_cursor or '0'), capacity)
+-- the tokens counted last, TOKEN_BYTES each, newest last (anything else there: none)
+local tokens = ''
+if token ~= '' then
+  tokens = redis.pcall('HGET', KEYS[3], 'tok')
+  if type(tokens) ~= 'string' or #tokens > TOKENS_KEPT * TOKEN_BYTES or #tokens % TOKEN_BYTES ~= 0 then
+    tokens = ''
+  end
+  local at = 1
+  while true do
+    local found = string.find(tokens, token, at, true)
+    if not found then break end
+    if (found - 1) % TOKEN_BYTES == 0 then return {1, ''} end
+    at = found + 1
+  end
+end
 if not rate_can_sample(r, size, n) then
   return {0, r.to}
 end
 rcall('HINCRBY', KEYS[3], 'smp', int_str(n))
+if token ~= '' then
+  tokens = tokens .. token
+  if #tokens > TOKENS_KEPT * TOKEN_BYTES then tokens = string.sub(tokens, TOKEN_BYTES + 1) end
+  rcall('HSET', KEYS[3], 'tok', tokens)
+end
 return {1, ''}

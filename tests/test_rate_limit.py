@@ -259,3 +259,110 @@ def test_four_appenders_and_two_samplers_stay_within_the_error_buffer(pool, race
     assert limit.inserts > min_size and limit.samples > 0
     assert lo <= limit.inserts * spi - limit.samples <= hi
     assert reads > 50
+
+
+def _lose_rate_sample_replies(store, monkeypatch, times: int) -> list[int]:
+    """The first ``times`` rate_sample calls run on the server and then lose their reply (the
+    connection drops), on whichever driver sends them: the direct client's blocking exchange or
+    the IO loop's ScriptRunner.call. Returns the list that counts the losses."""
+    import redis.exceptions
+
+    from tdstore._backend import blocking, scripts
+
+    lost: list[int] = []
+    sha = store._conn.runner.sha("rate_sample") if store._conn._runner is not None else None
+    real_exchange, real_call = blocking.exchange, scripts.ScriptRunner.call
+
+    def exchange_then_lose(client, commands):
+        replies = real_exchange(client, commands)
+        if len(lost) < times and any(c[0] == "EVALSHA" and c[1] == sha for c in commands):
+            lost.append(1)
+            client.connection_pool.disconnect()
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return replies
+
+    async def call_then_lose(self, client, name, keys, args):
+        reply = await real_call(self, client, name, keys, args)
+        if name == "rate_sample" and len(lost) < times:
+            lost.append(1)
+            await client.connection_pool.disconnect()
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return reply
+
+    monkeypatch.setattr(blocking, "exchange", exchange_then_lose)
+    monkeypatch.setattr(scripts.ScriptRunner, "call", call_then_lose)
+    return lost
+
+
+def _sample_with_lost_limiter_replies(ring, monkeypatch, prioritized: bool, direct: bool) -> None:
+    if prioritized:
+        ring.enable_priorities(alpha=1.0, beta=0.5)
+    ring.set_rate_limit(min_size=2, timeout=1.0)
+    ring.extend(rows(8))
+    ring.sample(1, prioritized=prioritized)  # (sets up both drivers: scripts loaded, client open)
+    if direct:
+        assert ring._conn.direct_client() is not None  # (the driver this case is for)
+    else:
+        monkeypatch.setattr(type(ring._conn), "direct_client", lambda self: None)
+    lost = _lose_rate_sample_replies(ring, monkeypatch, times=2)
+    batch = ring.sample(3, prioritized=prioritized)
+    assert batch.batch_size == torch.Size([3]) and len(lost) == 2
+    assert ring.rate_limit().samples == 4  # 1 + 3: the two tries sent again counted nothing more
+    ring.sample(2, prioritized=prioritized)  # (a new sample: a new token, counted)
+    assert ring.rate_limit().samples == 6
+
+
+@pytest.mark.parametrize("prioritized", [False, True], ids=["uniform", "prioritized"])
+def test_a_sample_whose_limiter_reply_was_lost_is_counted_once(ring, monkeypatch, prioritized):
+    """The IO-loop driver: the limiter step of a sample runs, then its reply is lost (twice in a
+    row); the retry policy sends it again with the sample's token and the sample counts its rows
+    once. Without the tokens, each lost reply counted the sample once more."""
+    _sample_with_lost_limiter_replies(ring, monkeypatch, prioritized, direct=False)
+
+
+@pytest.mark.parametrize("prioritized", [False, True], ids=["uniform", "prioritized"])
+def test_a_direct_sample_whose_limiter_reply_was_lost_is_counted_once(stores, real_server, monkeypatch, prioritized):
+    """The same from the calling thread's blocking client (real servers: fakeredis has none),
+    whose lost reply goes on through the IO loop (Connection.script's fallback)."""
+    ring = stores(real_server, "from_schema", {"x": ([4], torch.float32)}, batch_size=[CAP])
+    _sample_with_lost_limiter_replies(ring, monkeypatch, prioritized, direct=True)
+
+
+def test_sample_tokens_are_checked_kept_bounded_and_damage_is_ignored(ring, server):
+    """rate_sample itself: a malformed token is refused (nothing counted); a token counted is not
+    counted again, 64 are kept (the oldest then forgotten); a damaged "tok" field reads as no
+    token, and a try after it counts and rewrites it."""
+    from tdstore._backend.scripts import get_script
+    from tdstore.errors import SchemaError
+
+    ring.set_rate_limit(min_size=1)
+    ring.extend(rows(4))
+    keys = ring._conn.keys
+    names = [keys.meta, keys.ring, keys.rate]
+
+    def count(token: str, n: int = 1) -> object:
+        return ring._conn.script("rate_sample", names, [str(n), str(CAP), token])
+
+    for bad in ("ABCDEF0123456789", "abc", "0123456789abcdef0", "01234567 9abcdef"):
+        with pytest.raises(SchemaError, match="a sample token is 16 lowercase hex digits"):
+            count(bad)
+    assert ring.rate_limit().samples == 0
+    first = f"{1:016x}"
+    assert count(first)[0] == 1 and count(first)[0] == 1 and ring.rate_limit().samples == 1
+    assert count("")[0] == 1 and count("")[0] == 1 and ring.rate_limit().samples == 3  # (no token: each counts)
+    for i in range(2, 66):  # 64 more: the first is forgotten
+        count(f"{i:016x}")
+    assert ring.rate_limit().samples == 67
+    client = server.sync_client()
+    try:
+        assert client.hstrlen(keys.rate, "tok") == 64 * 16
+        count(f"{40:016x}")  # (kept: not counted again)
+        assert ring.rate_limit().samples == 67
+        count(first)  # (forgotten: counted)
+        assert ring.rate_limit().samples == 68
+        client.hset(keys.rate, "tok", "x" * 1000)  # damaged: not a whole number of tokens
+        count(f"{40:016x}")
+        assert ring.rate_limit().samples == 69 and client.hget(keys.rate, "tok") == f"{40:016x}".encode()
+    finally:
+        client.close()
+    assert "lowercase hex" in get_script("rate_sample").source  # (the header says what is checked)

@@ -7,7 +7,8 @@ insert of n rows is allowed while the ring holds at most "min" rows after it, or
 
 The limiter's hash: "min" the minimum size to sample, "spi" samples per insert, "lo" and
 "hi" the bounds of inserts * spi - samples, "to" the wait's timeout in ms ("" for none),
-"ins" and "smp" the rows inserted and sampled since the limit was set (or the ring emptied).
+"ins" and "smp" the rows inserted and sampled since the limit was set (or the ring emptied),
+"tok" the tokens of the last samples counted (rate_sample.lua: a try sent again counts once).
 Requires lib/common.lua.
 ]]
 

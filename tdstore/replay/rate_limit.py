@@ -11,7 +11,8 @@ The settings and the counts live in one hash on the server (``StoreKeys.rate``, 
 ``lua/rate_limit.lua``). An append counts its rows in its reserve step (``lua/reserve.lua``):
 the check and the count are one step with the reservation, so appenders in any number of
 processes never overshoot between them. A sample counts its rows in one script call
-(``lua/rate_sample.lua``) before it draws. A call held back changes nothing and is tried
+(``lua/rate_sample.lua``) before it draws, with a token of its own: a call whose reply was
+lost and that is sent again counts the sample once. A call held back changes nothing and is tried
 again after a bounded, growing pause (1 ms doubling to 50 ms, with jitter): a wait sends
 at most about 20 calls a second, never a busy loop. Past the limiter's ``timeout`` the call
 raises :class:`~tdstore.errors.RateLimitTimeoutError`, having written or counted nothing.
@@ -29,10 +30,11 @@ What differs from Reverb, on purpose:
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from tdstore._backend import rate as _rate_io
 from tdstore.errors import CorruptMetadataError, RateLimitTimeoutError
@@ -212,8 +214,12 @@ def acquire_samples(store: TensorDictStore, n: int, capacity: int) -> bool:
     keys = conn.keys
     waited = []
 
+    # (one token for every try of this sample: a try whose reply was lost and that is sent again,
+    # by Connection.script's fallback or the retry policy, is counted once; lua/rate_sample.lua)
+    args = [str(n), str(capacity), os.urandom(8).hex()]
+
     def attempt() -> tuple[bool, str]:
-        reply = conn.run(lambda c: conn.runner.call(c, "rate_sample", [keys.meta, keys.ring, keys.rate], [str(n), str(capacity)]))
+        reply = cast("list[Any]", conn.script("rate_sample", [keys.meta, keys.ring, keys.rate], args))
         status = int(reply[0])
         if status == 0:
             waited.append(1)
