@@ -1,4 +1,4 @@
-"""Whole-entry throughput (issue "core"): one 64 MB float32 entry vs raw redis-py SET/GET.
+"""Whole-entry throughput (issue "core"): one 64 MB float32 entry (or --shape) vs raw redis-py SET/GET.
 
     python benchmarks/bench_whole.py --server valkey
 
@@ -63,7 +63,7 @@ class _Subject:
 
     def __init__(self, cls: Any, kwargs: dict[str, Any], tensor: torch.Tensor, td: TensorDict) -> None:
         self.cls, self.kwargs, self.tensor, self.td = cls, kwargs, tensor, td
-        self.store = cls(batch_size=[SHAPE[0]], **kwargs)
+        self.store = cls(batch_size=[tensor.shape[0]], **kwargs)
         self.store["x"] = tensor
         back = self.store["x"]
         assert torch.equal(back, tensor), f"{cls.__module__}: read back differs"
@@ -99,17 +99,24 @@ class _Subject:
 def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--no-baseline", action="store_true", help="skip tensordict.store.TensorDictStore")
+    parser.add_argument(
+        "--shape", default=",".join(map(str, SHAPE)),
+        help="the float32 entry's shape, comma-separated (default 16,1024,1024: 64 MiB; 256: 1 KiB, where the "
+        "cost per call shows)",
+    )  # fmt: skip
     args = parse(parser)
     rep, warm = args.repeat, args.warmup
+    shape = tuple(int(n) for n in args.shape.split(","))
 
     torch.manual_seed(0)
-    tensor = torch.randn(*SHAPE)
-    td = TensorDict({"x": tensor}, batch_size=[SHAPE[0]])
+    tensor = torch.randn(*shape)
+    td = TensorDict({"x": tensor}, batch_size=[shape[0]])
     nbytes = tensor.numel() * tensor.element_size()
     competitor = None if args.no_baseline else TDStoreBaseline
 
     with bench_server(args.server) as srv:
-        print(f"# bench_whole: one {list(SHAPE)} float32 entry ({nbytes / 2**20:.0f} MiB)")
+        size = f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes:,} bytes"
+        print(f"# bench_whole: one {list(shape)} float32 entry ({size})")
         print(f"# {datetime.datetime.now().isoformat(timespec='minutes')}; {server_banner(srv)}")
         print(f"# load average at start: {load_average()}")
         print(f"# each cell: median (min) ms of {rep} runs after {warm} warm-up runs; cases interleaved")
@@ -127,7 +134,7 @@ def main() -> None:
                     return await c.get(key)
 
                 async def raw_get_tensor(c: Any) -> Any:
-                    return tensor_from_bytes(await c.get(key), torch.float32, SHAPE)
+                    return tensor_from_bytes(await c.get(key), torch.float32, shape)
 
                 raw.call(tr, raw_set)
                 check = raw.call(tr, raw_get_tensor)
@@ -208,7 +215,7 @@ def main() -> None:
         ]
         if competitor is None:
             notes.append("tensordict.store.TensorDictStore: not importable (or --no-baseline): columns empty.")
-        print_table("whole 64 MiB entry", headers, rows, notes)
+        print_table(f"whole {size} entry", headers, rows, notes)
 
 
 if __name__ == "__main__":

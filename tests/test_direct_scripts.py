@@ -176,3 +176,97 @@ def test_threads_share_the_direct_path(server, make):
 
     report = P.tree_report(store)
     assert report is not None and report["problems"] == []
+
+
+def test_small_whole_entry_reads_and_writes_go_from_the_calling_thread(real_server, on_real, hops):
+    """``store[key]`` reads and ``store[key] = v`` / ``update`` of existing tensors (same shape
+    and dtype: written in place) go on the direct client, with no hop to the IO loop; results
+    against an in-memory TensorDict."""
+    store = on_real("from_dict", {"a": torch.zeros(6, 3), "n": {"b": torch.zeros(6)}}, batch_size=[6])
+    ref = TensorDict({"a": torch.zeros(6, 3), "n": {"b": torch.zeros(6)}}, batch_size=[6])
+    store["a"]  # (the first calls set the connection up, on the IO loop)
+    store["a"] = torch.ones(6, 3)
+    ref["a"] = torch.ones(6, 3)
+    hops.clear()
+    for i in range(5):
+        value = torch.full((6, 3), float(i))
+        store["a"] = value
+        ref["a"] = value
+        store.update({"a": value + 1, "n": {"b": torch.arange(6.0) * i}})
+        ref.update({"a": value + 1, "n": {"b": torch.arange(6.0) * i}})
+        assert torch.equal(store["a"], ref["a"]) and torch.equal(store["n", "b"], ref["n", "b"])
+    assert hops == []
+    assert (store.to_tensordict() == ref).all()
+
+
+def test_a_direct_whole_entry_write_respects_the_lock_of_another_handle(real_server, on_real, hops):
+    """The armed connection of a whole-entry write WATCHes the meta hash: a lock_() taken by
+    another handle after it armed aborts the armed EXEC, and the write is refused with the lock
+    error; in-place row writes still go (TensorDict's lock semantics); after unlock_() the
+    direct path writes again."""
+    store = on_real("from_dict", {"a": torch.zeros(4)}, batch_size=[4])
+    for _ in range(3):
+        store["a"] = torch.ones(4)  # (arms the direct connection)
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        other.lock_()
+        with pytest.raises(RuntimeError, match="locked"):
+            store["a"] = torch.full((4,), 7.0)
+        assert torch.equal(store["a"], torch.ones(4))  # unchanged
+        store[1] = TensorDict(a=torch.tensor(5.0), batch_size=[])
+        assert store["a"].tolist() == [1.0, 5.0, 1.0, 1.0]
+        other.unlock_()
+        hops.clear()
+        store["a"] = torch.full((4,), 2.0)
+        store["a"] = torch.full((4,), 3.0)
+        assert store["a"].tolist() == [3.0] * 4 and hops == []
+    finally:
+        other.close()
+
+
+def test_a_direct_whole_entry_write_recreates_an_evicted_key(real_server, on_real):
+    """A whole entry written in place whose data key is gone (evicted, deleted by hand) is
+    written whole again, as the IO loop's way does, not refused; a row write into it is refused
+    with DataLostError (a SETRANGE would recreate the rest zero-padded)."""
+    from tdstore.errors import DataLostError
+
+    store = on_real("from_dict", {"a": torch.zeros(4), "b": torch.zeros(4)}, batch_size=[4])
+    for _ in range(3):
+        store["a"] = torch.ones(4)
+    plain = real_server.sync_client()
+    try:
+        plain.delete(store._conn.keys.data(("a",)))
+        store["a"] = torch.arange(4.0)
+        assert store["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        plain.delete(store._conn.keys.data(("b",)))
+        with pytest.raises(DataLostError, match="no data at|bytes are gone"):
+            store[1] = TensorDict(a=torch.tensor(9.0), b=torch.tensor(9.0), batch_size=[])
+        assert store["a"].tolist() == [0.0, 1.0, 2.0, 3.0]  # (nothing of that row write landed)
+    finally:
+        plain.close()
+
+
+def test_threads_write_and_read_whole_entries_directly(server, make):
+    """4 threads, each setting and reading back its own entry 30 times, on one handle (the
+    direct client and its one armed slot shared)."""
+    store = make("from_dict", {f"k{t}": torch.zeros(5) for t in range(4)}, batch_size=[5])
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(30):
+                value = torch.full((5,), float(100 * t + i))
+                store[f"k{t}"] = value
+                got = store[f"k{t}"]
+                if not torch.equal(got, value):
+                    raise AssertionError(f"thread {t} step {i}: read {got.tolist()}, wrote {value.tolist()}")
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert [store[f"k{t}"][0].item() for t in range(4)] == [100.0 * t + 29 for t in range(4)]

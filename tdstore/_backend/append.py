@@ -58,10 +58,9 @@ import redis.exceptions
 
 from tdstore._backend.armed_write import ArmedSlot, _s
 from tdstore._backend.drive import Checkout, ConnOp, Discard, Exchange, Release, Usable, run_async, run_blocking
-from tdstore._backend.ops import read_snapshot
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
 from tdstore._backend.scripts import ScriptRunner
-from tdstore._backend.step import ReadStep
+from tdstore._backend.step import ReadStep, read_snapshot
 from tdstore._backend.translate import ReserveReplyLost
 from tdstore._core.chunks import setrange_commands
 from tdstore._core.keys import CURSOR_MAX, StoreKeys, encode_path

@@ -46,7 +46,7 @@ from tdstore._backend.translate import translate
 from tdstore._core.chunks import setrange_commands, written_keys
 from tdstore._core.keys import StoreKeys
 from tdstore._core.layout import Command, counter_damage, data_key_commands, data_key_damage
-from tdstore.errors import DataLostError, StaleLayoutError, StoreNotFoundError
+from tdstore.errors import DataLostError, StaleLayoutError, StoreLockedError, StoreNotFoundError
 
 __all__ = ["ArmedSlot", "COOL_WRITES", "write_runs_armed", "write_runs_direct"]
 
@@ -71,6 +71,7 @@ class _Armed:
     lv: str
     exp: str
     data_keys: frozenset[str]
+    locked: bool = False  #: the store's lock (meta "lock") when armed: the meta hash is WATCHed
 
 
 class ArmedSlot:
@@ -163,8 +164,14 @@ def _can_park(client: SyncClient | AsyncClient) -> bool:
 class _ArmedWrite:
     """One armed write: its commands and what their replies mean (no I/O; both drivers share it)."""
 
-    def __init__(self, keys: StoreKeys, groups: Groups, expected: str, park: bool) -> None:
+    def __init__(
+        self, keys: StoreKeys, groups: Groups, expected: str, park: bool, *, check_lock: bool = False, whole: bool = False
+    ) -> None:
         self.keys, self.groups, self.expected, self.park = keys, groups, expected, park
+        #: refused on a locked store (a whole entry set anew: lock_() forbids it, as TensorDict's does)
+        self.check_lock = check_lock
+        #: whole entries written in place: a data key gone (evicted) is written whole again, not refused
+        self.whole = whole
         self.data_keys = sorted(written_keys(keys, groups))
         self.sent = 0  #: commands of the write packet (MULTI ... EXEC)
 
@@ -173,7 +180,8 @@ class _ArmedWrite:
         # without the WATCH: the write must not go out on it
         return (
             armed is not None and connected and armed.lv == self.expected and armed.data_keys.issuperset(self.data_keys)
-        )
+            and not (self.check_lock and armed.locked)
+        )  # fmt: skip
 
     def arm_commands(self) -> list[Command]:
         keys, data_keys = self.keys, self.data_keys
@@ -182,7 +190,7 @@ class _ArmedWrite:
         # (and each data key's type: a SETRANGE refused at a key of another type would leave
         # the MULTI's other commands applied, see data_key_commands)
         return [
-            ("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp"), ("GET", keys.wv),
+            ("WATCH", keys.meta, *data_keys), ("HMGET", keys.meta, "lv", "exp", "lock"), ("GET", keys.wv),
             *data_key_commands(data_keys),
         ]
 
@@ -191,18 +199,20 @@ class _ArmedWrite:
         for reply in replies[:2]:
             if isinstance(reply, Exception):
                 raise reply
-        lv, exp = replies[1]
+        lv, exp, lock = replies[1]
         if lv is None:
             raise StoreNotFoundError(f"no store at {self.keys.meta}")
         if _s(lv) != self.expected:
             raise StaleLayoutError(f"layout version is {_s(lv)}, client assumed {self.expected}")
+        if self.check_lock and _s(lock) == "1":
+            raise StoreLockedError(f"the store at {self.keys.meta} is locked")
         damage: Exception | None = counter_damage(replies[2], self.keys.wv)
         if damage is not None:
             raise damage
         damage, exists = data_key_damage(self.data_keys, replies[3:], self.keys.base)
         if damage is not None:
             raise damage
-        if not exists:
+        if not exists and not self.whole:
             raise self._lost()
         return _s(exp)
 
@@ -234,10 +244,10 @@ class _ArmedWrite:
         damage, exists = data_key_damage(self.data_keys, replies[self.sent + 3 :], self.keys.base)
         if counter_damage(wv, self.keys.wv) is not None or damage is not None:
             return None  # the next write arms afresh, and checked() says what is wrong
-        lv, exp = meta
+        lv, exp, lock = meta
         if lv is None or not exists:
             return None
-        return _Armed(client, connection, _s(lv), _s(exp), frozenset(self.data_keys))
+        return _Armed(client, connection, _s(lv), _s(exp), frozenset(self.data_keys), _s(lock) == "1")
 
     def contended(self, replies: list[Any]) -> bool:
         """EXEC did nothing while the layout holds and the data keys exist: another client wrote
@@ -281,7 +291,7 @@ class _ArmedWrite:
                 if isinstance(meta, list) and _s(meta[0]) == self.expected:
                     if damage is not None:
                         raise damage  # (a data key replaced meanwhile: the EXEC ran nothing)
-                    if not exists:
+                    if not exists and not self.whole:
                         raise self._lost()
             raise StaleLayoutError("the layout changed during an indexed write")
         for reply in result:
@@ -295,7 +305,10 @@ class _ArmedWrite:
 # --------------------------------------------------------------------------- #
 
 
-def _write_op(client: SyncClient | AsyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, expected: str) -> ConnOp[bool]:
+def _write_op(
+    client: SyncClient | AsyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, expected: str, *,
+    check_lock: bool = False, whole: bool = False,
+) -> ConnOp[bool]:
     """One armed write (see the module docstring), for either driver.
 
     Returns False, having written nothing, when the write is to go the plain way
@@ -304,7 +317,7 @@ def _write_op(client: SyncClient | AsyncClient, keys: StoreKeys, slot: ArmedSlot
     """
     if slot.cooling():
         return False
-    write = _ArmedWrite(keys, groups, expected, _can_park(client))
+    write = _ArmedWrite(keys, groups, expected, _can_park(client), check_lock=check_lock, whole=whole)
     armed = slot.take(client)
     if armed is not None and not write.usable(armed, (yield Usable(armed.connection))):
         yield Discard(armed.client, armed.connection)
@@ -335,7 +348,8 @@ def _write_op(client: SyncClient | AsyncClient, keys: StoreKeys, slot: ArmedSlot
 
 
 async def write_runs_armed(
-    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str
+    client: AsyncClient, keys: StoreKeys, runner: ScriptRunner, slot: ArmedSlot, groups: Groups, *, expected: str,
+    check_lock: bool = False, whole: bool = False,
 ) -> None:
     """Writes ``(path, runs, payload)`` groups with SETRANGEs in one MULTI, guarded as ``write_runs_watched``,
     on the IO loop (the operation run by :func:`tdstore._backend.drive.run_async`).
@@ -343,16 +357,26 @@ async def write_runs_armed(
     Same guarantee: all runs of all entries land in one step, or none, and only if the
     layout is still version ``expected``; the write version is bumped with them.
 
+    ``check_lock``: refused while the store is locked (a whole entry set anew). ``whole``: the
+    groups are whole entries written in place (each from byte 0 to its end): a data key gone
+    from the server is written whole again instead of refused.
+
     Raises:
         StaleLayoutError: the layout version differs, or something watched changed.
         StoreNotFoundError: the store does not exist.
-        DataLostError: a data key written to is gone from the server.
+        StoreLockedError: ``check_lock`` and the store is locked.
+        DataLostError: a data key written to is gone from the server (not with ``whole``).
     """
-    if not await run_async(_write_op(client, keys, slot, groups, expected)):
-        await write_runs_watched(client, keys, runner, groups, expected=expected)
+    if not await run_async(_write_op(client, keys, slot, groups, expected, check_lock=check_lock, whole=whole)):
+        await write_runs_watched(
+            client, keys, runner, groups, expected=expected, check_lock=check_lock, small_via_script=not whole
+        )
 
 
-def write_runs_direct(client: SyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str) -> bool:
+def write_runs_direct(
+    client: SyncClient, keys: StoreKeys, slot: ArmedSlot, groups: Groups, *, expected: str, check_lock: bool = False,
+    whole: bool = False,
+) -> bool:
     """:func:`write_runs_armed` on a blocking client, from the calling thread (the same
     operation, run by :func:`tdstore._backend.drive.run_blocking`).
 
@@ -364,4 +388,4 @@ def write_runs_direct(client: SyncClient, keys: StoreKeys, slot: ArmedSlot, grou
         the errors of :func:`write_runs_armed`, and redis-py's connection errors (the
         write is then all applied or not at all, as any MULTI/EXEC).
     """
-    return run_blocking(_write_op(client, keys, slot, groups, expected))
+    return run_blocking(_write_op(client, keys, slot, groups, expected, check_lock=check_lock, whole=whole))

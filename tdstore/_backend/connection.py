@@ -575,8 +575,13 @@ class Connection:
             return result
         return self.run(lambda c: self.runner.call(c, name, keys, args))
 
-    def write_rows(self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str) -> None:
+    def write_rows(
+        self, groups: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]], Any]], expected: str, *,
+        check_lock: bool = False, whole: bool = False,
+    ) -> None:
         """Writes large row runs: SETRANGEs in one MULTI, only if the layout is still version ``expected``.
+        (``check_lock``, ``whole``: see :func:`~tdstore._backend.armed_write.write_runs_armed`; whole
+        entries written in place go this way too.)
 
         One round trip on an armed connection (see tdstore/_backend/armed_write.py): the direct
         client's, from the calling thread, else the IO loop's; the plain WATCHed MULTI where
@@ -588,13 +593,23 @@ class Connection:
             StaleLayoutError: the layout changed; re-plan the write.
         """
         keys = self.keys
-        done = self._direct_call(lambda c: write_runs_direct(c, keys, self.direct_slot, groups, expected=expected))
+        done = self._direct_call(
+            lambda c: write_runs_direct(c, keys, self.direct_slot, groups, expected=expected, check_lock=check_lock, whole=whole)
+        )
         if done is True:
             return
         if done is False or not self.owned_replies or self.routed:
-            self.run(lambda c: _row_writes.write_runs_watched(c, keys, self.runner, groups, expected=expected))
+            self.run(
+                lambda c: _row_writes.write_runs_watched(
+                    c, keys, self.runner, groups, expected=expected, check_lock=check_lock, small_via_script=not whole
+                )
+            )
         else:
-            self.run(lambda c: write_runs_armed(c, keys, self.runner, self.armed_slot, groups, expected=expected))
+            self.run(
+                lambda c: write_runs_armed(
+                    c, keys, self.runner, self.armed_slot, groups, expected=expected, check_lock=check_lock, whole=whole
+                )
+            )
 
     def append(self, plan: _append.AppendPlan) -> int:
         """One try of the ring append ``plan`` (rows reserved and written in one atomic step);

@@ -26,9 +26,9 @@ from tdstore._backend import lease as _lease
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
 from tdstore._backend import step as _step
-from tdstore._backend.protocols import AsyncClient, AsyncPipeline, SyncClient
+from tdstore._backend.protocols import AsyncClient, SyncClient
 from tdstore._backend.scripts import ScriptRunner
-from tdstore._backend.step import _exec, read_snapshot
+from tdstore._backend.step import _exec
 from tdstore._backend.translate import translate
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys, decode_path, encode_path
@@ -53,6 +53,8 @@ __all__ = [
     "Layout",
     "Op",
     "fetch_layout",
+    "layout_step",
+    "layout_version_step",
     "read_layout_version",
     "read_entries",
     "commit",
@@ -71,19 +73,35 @@ FORMAT_VERSION = "1"
 TMP_TTL_MS = 600_000
 
 
+def layout_step(keys: StoreKeys) -> _step.ReadStep[Layout | None]:
+    """The store's metadata and registry in one snapshot, as a read step for either driver
+    (``Connection.read_step`` sends it from the calling thread); None if there is no store."""
+
+    def parse(replies: list[object]) -> Layout | None:
+        return parse_layout(_hash(replies[0]), _hash(replies[1]), keys.base)
+
+    return _step.ReadStep("snapshot", parse, [("HGETALL", keys.meta), ("HGETALL", keys.reg)])
+
+
+def layout_version_step(keys: StoreKeys) -> _step.ReadStep[int | None]:
+    """The store's layout version (None: no store), as a read step for either driver."""
+
+    def parse(replies: list[object]) -> int | None:
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        return parse_lv(replies[0], keys.base)
+
+    return _step.ReadStep("packet", parse, [("HGET", keys.meta, "lv")])
+
+
 async def fetch_layout(client: AsyncClient, keys: StoreKeys) -> Layout | None:
-    """The store's metadata and registry in one snapshot; None if there is no store."""
-
-    def build(pipe: AsyncPipeline) -> None:
-        pipe.hgetall(keys.meta)
-        pipe.hgetall(keys.reg)
-
-    meta_raw, reg_raw = await read_snapshot(client, keys, build)
-    return parse_layout(meta_raw, reg_raw, keys.base)
+    """:func:`layout_step` on an asyncio client."""
+    return await _step.run_async(client, keys, None, layout_step(keys))
 
 
 async def read_layout_version(client: AsyncClient, keys: StoreKeys) -> int | None:
-    return parse_lv(await client.hget(keys.meta, "lv"), keys.base)
+    """:func:`layout_version_step` on an asyncio client."""
+    return await _step.run_async(client, keys, None, layout_version_step(keys))
 
 
 async def ttl_ms(client: AsyncClient, keys: StoreKeys) -> int:

@@ -30,6 +30,7 @@ from tdstore._backend import ops as _backend
 from tdstore._backend.ops import Layout, Op, ZeroBytes, byte_view, parse_layout
 from tdstore._backend.protocols import AsyncClient, AsyncPipeline
 from tdstore._backend.scripts import ScriptRunner
+from tdstore._backend.step import read_snapshot
 from tdstore._core import chunks as _chunks
 from tdstore._core import progress as _progress
 from tdstore._core.keys import StoreKeys
@@ -271,7 +272,7 @@ async def read_staged(
         pipe.hgetall(keys.reg)
         pipe.get(keys.wv)
 
-    meta_raw, reg_raw, wv = await _backend.read_snapshot(client, keys, build)
+    meta_raw, reg_raw, wv = await read_snapshot(client, keys, build)
     layout: Layout | None = parse_layout(meta_raw, reg_raw)
     if layout is None or layout.lv != expected_lv:
         return layout, []
@@ -354,6 +355,6 @@ async def read_staged(
         pipe.get(keys.wv)
         pipe.hget(keys.meta, "lv")
 
-    if not unchanged(*await _backend.read_snapshot(client, keys, check)):
+    if not unchanged(*await read_snapshot(client, keys, check)):
         return STALE
     return layout, blobs

@@ -75,7 +75,7 @@ class LayoutCache(SharedBase):
         if refresh or cached is None or not self._cache_metadata:
             for _ in range(_CACHE_TRIES):
                 epoch = conn.layout_epoch
-                layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
+                layout = conn.read_step(lambda _runner: _backend.layout_step(conn.keys))
                 if layout is None:
                     conn.layout = None
                     raise self._not_found()
@@ -94,7 +94,7 @@ class LayoutCache(SharedBase):
         conn = self._conn
         cached = conn.layout
         if self._cache_metadata and cached is not None:
-            lv = conn.run(lambda c: _backend.read_layout_version(c, conn.keys))
+            lv = conn.read_step(lambda _runner: _backend.layout_version_step(conn.keys))
             if lv is None:
                 conn.layout = None
                 raise self._not_found()
@@ -113,7 +113,7 @@ class LayoutCache(SharedBase):
             return plan(layout), layout
         except (KeyError, ValueError, RuntimeError, TypeError):
             conn = self._conn
-            lv = conn.run(lambda c: _backend.read_layout_version(c, conn.keys))
+            lv = conn.read_step(lambda _runner: _backend.layout_version_step(conn.keys))
             if lv is None or lv == layout.lv:
                 raise
         layout = self._layout(refresh=True)
@@ -145,7 +145,7 @@ class LayoutCache(SharedBase):
             check(_backend.Layout(0, dict(meta), {}))
         except Exception:
             conn = self._conn
-            if conn.run(lambda c: _backend.read_layout_version(c, conn.keys)) is None:
+            if conn.read_step(lambda _runner: _backend.layout_version_step(conn.keys)) is None:
                 raise
             self._cleared_meta = None
 
@@ -163,7 +163,7 @@ class LayoutCache(SharedBase):
         def once(_attempt: int) -> dict[str, str] | None:
             layout: _backend.Layout | None
             try:
-                layout = conn.run(lambda c: _backend.fetch_layout(c, conn.keys))
+                layout = conn.read_step(lambda _runner: _backend.layout_step(conn.keys))
             except (CorruptMetadataError, DataLostError, ValueError, TypeError, KeyError, AttributeError):
                 # metadata that does not parse or is implausible: wipe() finds the keys itself
                 layout = None

@@ -84,10 +84,9 @@ class StoreReads(DenseBase):
         async def read(c: AsyncClient) -> _backend.EntriesRead:
             return await _backend.read_entries(c, conn.keys, paths, large=large, device=device)
 
-        got = None
-        if _has_large(large):
-            # large entries: received straight into their tensors, on the direct client
-            got = conn.read(lambda c, _r: _backend.read_entries_direct(c, conn.keys, paths, False, large=large, device=device), read)
+        # on the direct client from the calling thread (large entries received straight into
+        # their tensors); None when that try did not settle it: through the IO loop then
+        got = conn.read(lambda c, _r: _backend.read_entries_direct(c, conn.keys, paths, False, large=large, device=device), read)
         lv, metas, blobs, _ = got if got is not None else conn.run(read)
         if lv is None:
             raise self._not_found()

@@ -19,6 +19,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict.utils import is_tensorclass
 
+from tdstore._backend import memory as _memory
 from tdstore._backend import ops as _backend
 from tdstore._backend import row_writes as _row_writes
 from tdstore._backend import transfer as _transfer
@@ -129,6 +130,12 @@ class StoreWrites(DenseBase):
                 # new values of existing tensors, same shapes and dtypes: written in place
                 # (SETRANGE at 0 in a WATCH-guarded MULTI), with no tmp key and no rename
                 groups = [(op.path, [(0, len(op.payload))], op.payload) for op in ops]
+                if sum(len(op.payload) for op in ops) < _memory.GUARD_MIN:
+                    # small: one round trip on an armed connection, from the calling thread when
+                    # it can (Connection.write_rows); larger writes are checked against the
+                    # server's maxmemory first, under the WATCH of the plain way
+                    conn.write_rows(groups, str(layout.lv), check_lock=check_lock, whole=True)
+                    return
                 conn.run(
                     lambda c: _row_writes.write_runs_watched(
                         c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=check_lock,
