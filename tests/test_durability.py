@@ -320,3 +320,28 @@ def test_fsync_waits_for_the_append_only_file():
         with pytest.raises(ClientConfigError, match="appendonly"):
             TensorDictStore.from_schema(SCHEMA, batch_size=[4], durability="fsync", **server.connection_kwargs())
         assert server.sync_client().dbsize() == 0
+
+
+def test_a_two_step_append_waits_once(group):
+    """An append in two steps (its rows reserved by the reserve script, then written: here every
+    append, the one-packet way cooled down) sends one WAIT, after its write step, and returns
+    only once the replica has the rows and the cursor the reserve moved."""
+    master = group.node_client(group.master_index())
+    replica = group.node_client(1 - group.master_index())
+    store = TensorDictStore.from_schema(SCHEMA, batch_size=[64], durability="replicas:1", **group.connection_kwargs())
+    try:
+        store.extend(_rows(2))
+        store._conn.append_slot.cool = 10**6  # (no armed append: each goes in two steps)
+        store._conn.direct_slot.cool = 10**6
+        for i in range(5):
+            before = _waits(master)
+            store.extend(_rows(3, 10 * i))
+            assert _waits(master) - before == 1, i
+            cursor = store._conn.keys.ring
+            assert replica.get(cursor) == master.get(cursor) == str(2 + 3 * (i + 1)).encode()
+        assert store["n"][2:17].tolist() == [10 * i + k for i in range(5) for k in range(3)]
+    finally:
+        store.clear_redis()
+        store.close()
+        master.close()
+        replica.close()

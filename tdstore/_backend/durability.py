@@ -17,8 +17,11 @@ WAIT (one wait per operation at most), and the operation raises
 calls, :func:`finish`). A packet sent outside an operation raises at once.
 
 Which commands write: :data:`WRITES`, and ``EVALSHA``/``EVAL`` of any script but those declared
-``Flags: no-writes`` (reads) and ``rate_sample`` (the rate limiter's sample counters, not
-data: a learner's sample does not wait for replicas; see docs/deployment.md).
+``Flags: no-writes`` (reads), ``rate_sample`` (the rate limiter's sample counters, not
+data: a learner's sample does not wait for replicas; see docs/deployment.md) and ``reserve``
+(the first step of a two-step append: it takes rows, and the append's write step, whose packet
+waits, follows it; a replica that has the write step has the reserve too, the replication
+stream being in order, so one wait covers both).
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ WRITES = frozenset(
     )
 )
 _SCRIPT_CALLS = frozenset((b"EVALSHA", b"EVAL"))
-#: scripts that write, but only the rate limiter's counters (see the module's docstring)
-UNGUARDED_SCRIPTS = ("rate_sample",)
+#: scripts that write, but need no wait of their own: the rate limiter's counters, and an
+#: append's reserve step, covered by its write step's wait (see the module's docstring)
+UNGUARDED_SCRIPTS = ("rate_sample", "reserve")
 
 _SPEC_RE = re.compile(r"\Areplicas:([0-9]+)\Z")
 
