@@ -129,3 +129,48 @@ def test_run_pipeline_sends_again_once(server, fails):
         assert isinstance(replies[-1], redis.exceptions.NoScriptError)
     store.clear_redis()
     store.close()
+
+
+def test_a_new_handle_loads_only_the_scripts_the_server_lacks(server, monkeypatch):
+    """A handle's setup asks SCRIPT EXISTS with its limits, in one round trip, and loads only
+    the scripts the server lacks, pipelined: after a flush the next handle loads them all, and
+    the handle after it none (a server compiles each script once, not once per handle). Counted
+    on the client (every SCRIPT LOAD a pipeline queues) and, where the server counts SCRIPT
+    subcommands apart (Redis 7, Valkey), by INFO commandstats too."""
+    import redis.asyncio.client
+
+    queued: list[str] = []
+    real = redis.asyncio.client.Pipeline.script_load
+
+    def counted(self, script):
+        queued.append(script)
+        return real(self, script)
+
+    monkeypatch.setattr(redis.asyncio.client.Pipeline, "script_load", counted)
+    client = server.sync_client()
+
+    def server_loads() -> int | None:
+        if server.kind == "fakeredis":
+            return None  # (no INFO)
+        stats = client.info("commandstats")
+        return int(stats.get("cmdstat_script|load", {}).get("calls", 0)) if "cmdstat_script" not in stats else None
+
+    first = TensorDictStore(batch_size=[2], **server.connection_kwargs())
+    first["x"] = torch.zeros(2)
+    _flush(server, first)
+    queued.clear()
+    before = server_loads()
+    again = TensorDictStore.from_store(td_id=first.td_id, **server.connection_kwargs())
+    assert again["x"].tolist() == [0.0, 0.0]
+    assert _loaded(server, again) == set(script_names()) and len(queued) == len(script_names())
+    middle = server_loads()
+    queued.clear()
+    third = TensorDictStore.from_store(td_id=first.td_id, **server.connection_kwargs())
+    third["x"] = torch.ones(2)
+    assert queued == [] and again["x"].tolist() == [1.0, 1.0]
+    after = server_loads()
+    if before is not None and middle is not None and after is not None:
+        assert (middle - before, after - middle) == (len(script_names()), 0)
+    for store in (first, again, third):
+        store.close()
+    client.close()

@@ -722,19 +722,22 @@ class Connection:
             if exc is err:
                 raise
             raise exc  # noqa: B904 - its __cause__ is set by translate()
-        # the two limits of one command's size, and whether INFO answers (the memory guard), in one round trip
+        # the two limits of one command's size, whether INFO answers (the memory guard) and which
+        # scripts the server holds already, in one round trip; then only the missing ones are
+        # loaded (a server's Lua compiles each script once, not once per handle)
+        runner = ScriptRunner(shebang)
         async with client.pipeline(transaction=False) as pipe:
             pipe.config_get("proto-max-bulk-len")
             pipe.config_get("client-query-buffer-limit")
             pipe.info("memory")
+            pipe.execute_command(*runner.exists_command())
             replies = await pipe.execute(raise_on_error=False)
         self.max_bulk = _config_int(replies[0], "proto-max-bulk-len", DEFAULT_MAX_BULK)
         self.max_query = _config_int(replies[1], "client-query-buffer-limit", DEFAULT_MAX_QUERY)
         _memory.note_setup(client, replies[2])
         if self.durability is not None:
             await self._check_durability(client)
-        runner = ScriptRunner(shebang)
-        await runner.load_all(client)
+        await runner.load_missing(client, replies[3])
         self._runner = runner
 
     async def _check_durability(self, client: AsyncClient) -> None:

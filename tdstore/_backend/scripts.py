@@ -143,9 +143,31 @@ class ScriptRunner:
         return get_script(name).sha(self.shebang)
 
     async def load_all(self, client: AsyncClient) -> None:
-        """Loads every script, so that EVALSHA inside a MULTI finds them."""
-        for name in script_names():
-            await client.script_load(get_script(name).text(self.shebang))
+        """Loads every script, so that EVALSHA inside a MULTI finds them (in one round trip)."""
+        await self.load_missing(client, [False] * len(script_names()))
+
+    def exists_command(self) -> tuple[str, ...]:
+        """``SCRIPT EXISTS`` of every script, in :func:`script_names` order: its reply, given to
+        :meth:`load_missing`, loads only those the server does not hold."""
+        return ("SCRIPT", "EXISTS", *[self.sha(name) for name in script_names()])
+
+    async def load_missing(self, client: AsyncClient, exists: object) -> None:
+        """Loads the scripts that ``exists`` (the reply of :meth:`exists_command`) says the server
+        lacks, pipelined in one round trip; every script when the reply is not a list of flags
+        (an error: SCRIPT EXISTS refused by an ACL, say)."""
+        names = script_names()
+        if not isinstance(exists, list) or len(exists) != len(names):
+            exists = [False] * len(names)
+        missing = [name for name, there in zip(names, exists, strict=True) if not there]
+        if not missing:
+            return
+        async with client.pipeline(transaction=False) as pipe:
+            for name in missing:
+                pipe.script_load(get_script(name).text(self.shebang))
+            replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
 
     async def call(self, client: AsyncClient, name: str, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         """EVALSHA ``name``; loads the script and retries once on NOSCRIPT.
