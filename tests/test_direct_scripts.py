@@ -57,6 +57,24 @@ def on_real(real_server):
 SCHEMA = {"x": ([4], torch.float32), "y": ([], torch.int64)}
 
 
+def _in_threads(work, count: int = 4) -> None:
+    """Runs ``work(t)`` in ``count`` threads at once; fails with the first error any raised."""
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+
+
 def _rows(n: int, seed: int) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
     return TensorDict(x=torch.randn(n, 4, generator=g), y=torch.randint(0, 1000, (n,), generator=g), batch_size=[n])
@@ -152,25 +170,16 @@ def test_threads_share_the_direct_path(server, make):
     store.extend(_rows(200, 0))
     store.enable_priorities(alpha=1.0, beta=1.0)
     ref = store.to_tensordict()
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(25):
-                row = 50 * t + 2 * i
-                value = _rows(2, 1000 * t + i)
-                store[row : row + 2] = value
-                ref[row : row + 2] = value  # (each thread its own rows of the reference)
-                store.update_priority(torch.tensor([row, row + 1]), torch.tensor([float(t + 1), float(i + 1)]))
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            errors.append(err)
+        for i in range(25):
+            row = 50 * t + 2 * i
+            value = _rows(2, 1000 * t + i)
+            store[row : row + 2] = value
+            ref[row : row + 2] = value  # (each thread its own rows of the reference)
+            store.update_priority(torch.tensor([row, row + 1]), torch.tensor([float(t + 1), float(i + 1)]))
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert errors == [] and not any(t.is_alive() for t in threads)
+    _in_threads(work)
     assert (store.to_tensordict() == ref).all()
     from tdstore.replay import priorities as P
 
@@ -250,23 +259,14 @@ def test_threads_write_and_read_whole_entries_directly(server, make):
     """4 threads, each setting and reading back its own entry 30 times, on one handle (the
     direct client and its one armed slot shared)."""
     store = make("from_dict", {f"k{t}": torch.zeros(5) for t in range(4)}, batch_size=[5])
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(30):
-                value = torch.full((5,), float(100 * t + i))
-                store[f"k{t}"] = value
-                got = store[f"k{t}"]
-                if not torch.equal(got, value):
-                    raise AssertionError(f"thread {t} step {i}: read {got.tolist()}, wrote {value.tolist()}")
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            errors.append(err)
+        for i in range(30):
+            value = torch.full((5,), float(100 * t + i))
+            store[f"k{t}"] = value
+            got = store[f"k{t}"]
+            if not torch.equal(got, value):
+                raise AssertionError(f"thread {t} step {i}: read {got.tolist()}, wrote {value.tolist()}")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert errors == [] and not any(t.is_alive() for t in threads)
+    _in_threads(work)
     assert [store[f"k{t}"][0].item() for t in range(4)] == [100.0 * t + 29 for t in range(4)]
