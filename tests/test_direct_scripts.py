@@ -270,3 +270,36 @@ def test_threads_write_and_read_whole_entries_directly(server, make):
 
     _in_threads(work)
     assert [store[f"k{t}"][0].item() for t in range(4)] == [100.0 * t + 29 for t in range(4)]
+
+
+def test_lazy_element_writes_go_from_the_calling_thread(real_server, hops):
+    """An element write of a LazyStackedTensorDictStore with tensor leaves only goes as an armed
+    write from the calling thread (one round trip); a lock_() by another handle refuses it, as
+    before, and leaves the element as it was; results against the in-memory lazy stack."""
+    from tensordict import lazy_stack
+
+    from tdstore import LazyStackedTensorDictStore
+
+    ref = lazy_stack([TensorDict(x=torch.full((n,), float(n)), y=torch.tensor(n)) for n in (1, 2, 3)])
+    store = LazyStackedTensorDictStore.from_lazy_stack(ref, **real_server.connection_kwargs())
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        store[0] = TensorDict(x=torch.tensor([5.0]), y=torch.tensor(5))  # (sets the connection up)
+        ref[0] = TensorDict(x=torch.tensor([5.0]), y=torch.tensor(5))
+        hops.clear()
+        for i in range(4):
+            value = TensorDict(x=torch.tensor([float(i), float(i + 1)]), y=torch.tensor(10 + i))
+            store[1] = value
+            ref[1] = value
+            assert torch.equal(store[1]["x"], ref[1]["x"]) and int(store[1]["y"]) == 10 + i
+        assert hops == []
+        other.lock_()
+        with pytest.raises(RuntimeError, match="locked"):
+            store[2] = TensorDict(x=torch.zeros(3), y=torch.tensor(0))
+        other.unlock_()
+        for j in range(3):
+            assert torch.equal(store[j]["x"], ref[j]["x"]) and torch.equal(store[j]["y"], ref[j]["y"])
+    finally:
+        other.close()
+        store.clear_redis()
+        store.close()

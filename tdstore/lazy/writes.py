@@ -253,6 +253,11 @@ class LazyWrites(LazyBase):
                 raise
             if not groups and not nontensor:
                 return
+            if not nontensor:
+                # tensor bytes only: one round trip on an armed connection, from the calling
+                # thread when it can (Connection.write_rows), else the WATCHed MULTI below
+                conn.write_rows(groups, str(layout.lv), check_lock=True)
+                return
             changed = conn.run(
                 lambda c: _row_writes.write_runs_watched(
                     c, conn.keys, conn.runner, groups, expected=str(layout.lv), check_lock=True, nontensor=nontensor
