@@ -263,9 +263,10 @@ class ShardedRing:
                 if prioritized:
                     got = store.sample(int(counts[shard]), generator=gen, prioritized=True, return_info=True)
                     return got  # type: ignore[no-any-return]
-                # (as store.sample() draws, from the flags read above: the same rows, one read fewer)
-                idx = _ring.draw_written(store, int(counts[shard]), gen, flags[shard])
-                return store[idx], {"index": idx}
+                # (as store.sample() draws, from the flags read above: the same rows, one read fewer;
+                # read with their flags, a row no longer flagged drawn again)
+                batch, idx = _ring.read_written(store, int(counts[shard]), gen, flags[shard])
+                return batch, {"index": idx}
 
             results = self._all(draw, asked)
             need = 0

@@ -172,3 +172,64 @@ def test_damaged_flags_are_one_clear_error_and_change_nothing(store, server, mon
             store.sample(4)
     finally:
         client.close()
+
+
+def _unwrite_after_the_draw(server, store, monkeypatch, sharded=None) -> list[int]:
+    """After the first draw of the two-step sample (rows drawn from a flags read), the first row
+    drawn is made unwritten on the server: flag cleared and bytes zeroed, as on a promoted
+    replica that never got the write which flagged it. Returns that row."""
+    client = server.sync_client()
+    real = _ring.draw_written
+    hit: list[int] = []
+
+    def draw_then_unwrite(target, n, generator, read=None):
+        idx = real(target, n, generator, read)
+        if not hit:
+            row = int(idx[0])
+            hit.append(row)
+            keys = target._conn.keys
+            client.setrange(keys.flags, row, b"\x00")
+            for name in ("x", "y"):
+                width = 8 if name == "x" else 4
+                client.setrange(keys.data((name,)), row * width, b"\x00" * width)
+        return idx
+
+    monkeypatch.setattr(_ring, "draw_written", draw_then_unwrite)
+    return hit
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["flags-whole", "flags-per-row"])
+def test_a_row_unwritten_between_the_draw_and_the_read_is_drawn_again(store, server, monkeypatch, large):
+    """The two-step sample (a ring not full) reads its drawn rows with their flags in one
+    snapshot: a row whose flag is clear by then is drawn again, never returned. Before, the rows
+    were read without their flags: a failover to a replica that lacked the row's write gave
+    back its zero bytes (tests/test_sharded_failover.py saw one)."""
+    if large:
+        monkeypatch.setattr(_ring, "_FLAGS_READ_MAX", 4)  # (a ring of 8 rows: flags read per row)
+    store.extend(rows(1, 6))  # rows 0-5 hold y = 1..6; 6 and 7 never written
+    hit = _unwrite_after_the_draw(server, store, monkeypatch)
+    batch, info = store.sample(64, return_info=True, generator=torch.Generator().manual_seed(3))
+    assert len(hit) == 1
+    assert bool((batch["y"] > 0).all()), batch["y"].tolist()
+    assert hit[0] not in info["index"].tolist()
+    assert torch.equal(batch["y"], info["index"].float() + 1)
+
+
+def test_a_sharded_sample_draws_again_a_row_unwritten_after_its_draw(real_server, monkeypatch):
+    """The same on a ShardedStore's general path (its shards not full): each shard's rows are
+    read with their flags."""
+    from tdstore import ShardedStore
+
+    sharded = ShardedStore.from_schema(
+        {"x": ([2], torch.float32), "y": ([], torch.float32)}, batch_size=[16], block_rows=8,
+        **real_server.connection_kwargs(),
+    )
+    try:
+        for block in sharded.blocks:
+            block.extend(rows(1, 6))
+        hit = _unwrite_after_the_draw(real_server, None, monkeypatch)
+        batch = sharded.sample(64, generator=torch.Generator().manual_seed(5))
+        assert len(hit) == 1 and bool((batch["y"] > 0).all()), batch["y"].tolist()
+    finally:
+        sharded.clear_redis()
+        sharded.close()

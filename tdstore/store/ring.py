@@ -196,8 +196,7 @@ def sample(
     if got is not None:
         batch, idx = got
     else:
-        idx = draw_written(store, n, generator)
-        batch = store[idx]
+        batch, idx = read_written(store, n, generator)
     return (batch, {"index": idx}) if return_info else batch
 
 
@@ -217,11 +216,61 @@ def sample_drawn_first(store: TensorDictStore, n: int, generator: torch.Generato
     if bool(ok.all()):
         return batch, idx
     again = (~ok).nonzero().flatten()
-    redrawn = draw_written(store, again.numel(), generator)
+    more, redrawn = read_written(store, again.numel(), generator)
     kept = ok.nonzero().flatten()
     order = torch.argsort(torch.cat([kept, again]))
-    out = torch.cat([batch[kept], store[redrawn]])[order]  # type: ignore[index]
+    out = torch.cat([batch[kept], more])[order]  # type: ignore[index]
     return out, torch.cat([idx[kept], redrawn])[order]
+
+
+def read_written(
+    store: TensorDictStore, n: int, generator: torch.Generator | None, read: Flags | None = None
+) -> tuple[TensorDictBase, torch.Tensor]:
+    """``n`` rows drawn by :func:`draw_written` (from ``read``, when given) and read in one
+    snapshot with their flags: ``(batch, idx)``. A row whose flag is clear in that snapshot is
+    drawn again, from the flags read anew, and read the same way (at most :data:`_REDRAWS`
+    times): an append may have reserved it since the flags were read (its bytes are the old
+    row's, whole), and after a failover the promoted replica may lack the write that flagged
+    it (its bytes were never written there). Either way the sample never returns it."""
+    capacity = store.batch_size[0] if store.batch_dims else 0
+    read = read if read is not None else read_flags(store)
+    idx = draw_written(store, n, generator, read)
+    if not read.exists:
+        return store[idx], idx  # (a ring appended to before the flags existed: nothing to check)
+    got = _read_flagged(store, idx, capacity)
+    if got is None:
+        return store[idx], idx
+    batch, ok = got
+    for _ in range(_REDRAWS):
+        if bool(ok.all()):
+            return batch, idx
+        again = (~ok).nonzero().flatten()
+        # (the rate limiter counted the whole sample already: the redraw is not counted again)
+        redrawn = draw_written(store, again.numel(), generator, read_flags(store)._replace(limited=False))
+        more = _read_flagged(store, redrawn, capacity)
+        if more is None:
+            more = (store[redrawn], torch.ones(redrawn.numel(), dtype=torch.bool))
+        kept = ok.nonzero().flatten()
+        order = torch.argsort(torch.cat([kept, again]))
+        batch = torch.cat([batch[kept], more[0]])[order]  # type: ignore[index]
+        idx = torch.cat([idx[kept], redrawn])[order]
+        ok = torch.cat([ok[kept], more[1]])[order]
+    if bool(ok.all()):
+        return batch, idx
+    raise StaleLayoutError(
+        f"sample() from {store._where()}: kept drawing rows whose flags were clear when read ({int((~ok).sum())} "
+        f"of {n} after {_REDRAWS} draws); appends may be failing between their two steps"
+    )
+
+
+def _read_flagged(store: TensorDictStore, idx: torch.Tensor, capacity: int) -> tuple[TensorDictBase, torch.Tensor] | None:
+    """Rows ``idx`` read in one snapshot with their flags: ``(batch, written)``; None when the
+    read went another way or the flags are gone: the caller reads the rows without the check,
+    as where there are no flags."""
+    got = _read_with_flags(store, idx, capacity)
+    if got is None or (capacity <= _FLAGS_READ_MAX and not got[3]):
+        return None
+    return got[0], _written(store, got[3], idx, capacity, full=False)
 
 
 def read_drawn(store: TensorDictStore, idx: torch.Tensor) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor] | None:
@@ -232,37 +281,56 @@ def read_drawn(store: TensorDictStore, idx: torch.Tensor) -> tuple[TensorDictBas
     flags (nothing drawn is kept: the caller reads the flags first); it then also clears
     the connection's ``ring_full``."""
     conn = store._conn
-    keys = conn.keys
     capacity = store.batch_size[0] if store.batch_dims else 0
-    n = idx.numel()
+    got = _read_with_flags(store, idx, capacity)
+    if got is None:  # (read another way: a small store under churn is read whole)
+        return None
+    batch, cursor, limited, flags = got
+    if limited or _append_mod.parse_cursor(cursor, conn.keys) < capacity or not flags:
+        conn.ring_full = False  # (no flags: a ring appended to before they existed, read as such)
+        return None
+    if isinstance(flags, list) and not any(flags):
+        conn.ring_full = False
+        return None  # (no row drawn is written: the flags may be gone; read them first)
+    return batch, idx, _written(store, flags, idx, capacity, full=True)
+
+
+def _read_with_flags(
+    store: TensorDictStore, idx: torch.Tensor, capacity: int
+) -> tuple[TensorDictBase, object, bool, object] | None:
+    """Rows ``idx`` read in one snapshot with the cursor, the rate-limiter mark and the flags (of
+    the whole ring where it has at most :data:`_FLAGS_READ_MAX` rows, else of ``idx``):
+    ``(batch, cursor, limited, flags)``; None when the read went another way (a small store
+    under churn is read whole, without the prefix)."""
+    keys = store._conn.keys
     whole = capacity <= _FLAGS_READ_MAX
     seen: list[list[object]] = []
     prefix = _append_mod.draw_check_prefix(keys, capacity, [] if whole else idx.tolist(), whole)
     batch = store._read_index(idx, prefix=prefix, sink=seen.append)
-    if not seen:  # (read another way: a small store under churn is read whole)
+    if not seen:
         return None
     cursor, limited, flags = _append_mod.parse_draw_check(keys, seen[-1])
-    if limited or _append_mod.parse_cursor(cursor, keys) < capacity or not flags:
-        conn.ring_full = False  # (no flags: a ring appended to before they existed, read as such)
-        return None
-    if whole:
+    return batch, cursor, limited, flags
+
+
+def _written(store: TensorDictStore, flags: object, idx: torch.Tensor, capacity: int, full: bool) -> torch.Tensor:
+    """Whether each row of ``idx`` is flagged as written, from the flags :func:`_read_with_flags`
+    read. ``full``: the snapshot showed the ring full, so the flags must cover every row; else
+    the rows past their end (never reserved yet) are not written."""
+    keys = store._conn.keys
+    if capacity <= _FLAGS_READ_MAX:
         marks = torch.frombuffer(bytearray(_flag_bytes(store, flags)), dtype=torch.uint8)
         if marks.numel() < capacity:
-            raise CorruptMetadataError(
-                f"sample() from {store._where()}: the row flags {keys.flags} hold {marks.numel()} bytes, "
-                f"not one per row of the ring's {capacity}"
-            )
-        ok = marks[idx] == 1
-    else:
-        if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
-            raise CorruptMetadataError(
-                f"sample() from {store._where()}: the row flags {keys.flags} hold bytes other than 0 and 1"
-            )
-        if not any(flags):
-            conn.ring_full = False
-            return None  # (no row drawn is written: the flags may be gone; read them first)
-        ok = torch.tensor(flags, dtype=torch.bool)
-    return batch, idx, ok  # type: ignore[return-value]
+            if full:
+                raise CorruptMetadataError(
+                    f"sample() from {store._where()}: the row flags {keys.flags} hold {marks.numel()} bytes, "
+                    f"not one per row of the ring's {capacity}"
+                )
+            marks = torch.cat([marks, torch.zeros(capacity - marks.numel(), dtype=torch.uint8)])
+        return marks[idx] == 1
+    if not isinstance(flags, list) or len(flags) != idx.numel() or any(f not in (0, 1) for f in flags):
+        raise CorruptMetadataError(f"sample() from {store._where()}: the row flags {keys.flags} hold bytes other than 0 and 1")
+    return torch.tensor(flags, dtype=torch.bool)
 
 
 class Flags(NamedTuple):
