@@ -382,7 +382,12 @@ def test_a_damaged_tree_gives_one_clear_error(server, make, damage):
         elif damage == "root_negative":
             client.setrange(keys.prio_tree, 0, _value_bytes(store, -1.0))
         elif damage == "leaves":
-            client.setrange(keys.prio_leaves, 3 * 23, b"garbage")
+            # text (fakeredis): garbage in leaf 0, as a group's values are parsed only up to the
+            # one drawn, the first always (in leaf 3 it went unseen when all 8 draws fell on leaves
+            # 0-2: 1.7% of runs, and the clean-clone CI of c26c0b7 hit it); doubles: past the end
+            # of the 64 bytes of 8 leaves, a string of the wrong size
+            text = store.priority_settings().encoding == "text"
+            client.setrange(keys.prio_leaves, 0 if text else 3 * 23, b"garbage")
         elif damage == "tree":
             client.set(keys.prio_tree, b"short")
         elif damage == "settings":
