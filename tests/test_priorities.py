@@ -691,3 +691,38 @@ def test_generations_reads_what_the_appends_gave(server, make):
     assert P.generations(store, torch.tensor([], dtype=torch.long)).tolist() == []
     with pytest.raises(IndexError, match="out of range"):
         P.generations(store, [8])
+
+
+def test_a_row_unwritten_between_the_draw_and_the_read_is_drawn_again(server, make, monkeypatch):
+    """The read of a prioritized sample's rows takes their flags in the same snapshot: a drawn
+    row whose flag is clear there, with the cursor not past it, is drawn again, never returned.
+    That is a failover's case: the promoted replica lacks the write that flagged the row (its
+    bytes there are zeros), while its own appends took the cursor back to where it was. Before,
+    only the cursor was read with the rows, and the zero row came back."""
+    store = _ring(make, 8, 0)
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.extend(w.rows([11, 12, 13, 14, 15, 16, 17, 18]))  # row r holds the token 11 + r
+    client = server.sync_client()
+    keys = store._conn.keys
+    real = P._draw
+    hit: list[int] = []
+
+    def draw_then_unwrite(s, n, generator, acquire=None):
+        got = real(s, n, generator, acquire)
+        if not hit:
+            row = int(got.rows[0])
+            hit.append(row)
+            client.setrange(keys.flags, row, b"\x00")
+            client.setrange(keys.data(("a",)), row * 8, b"\x00" * 8)
+            client.setrange(keys.data(("b",)), row * 16, b"\x00" * 16)
+        return got
+
+    monkeypatch.setattr(P, "_draw", draw_then_unwrite)
+    try:
+        batch, info = store.sample(32, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(4))
+    finally:
+        client.close()
+    assert len(hit) == 1
+    assert hit[0] not in info["index"].tolist(), "a row unflagged in the read's snapshot was returned"
+    assert batch["a"].tolist() == [11 + r for r in info["index"].tolist()]
+    assert bool((batch["b"] > 0).all())

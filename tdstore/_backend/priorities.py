@@ -16,7 +16,7 @@ from tdstore._core.layout import Command
 from tdstore.errors import StoreNotFoundError, translate_response_error
 
 __all__ = [
-    "build_keys", "draw_keys", "call", "new_rows_command", "set_ring_total", "cursor_read", "read_tree", "read_generations",
+    "build_keys", "draw_keys", "call", "new_rows_command", "set_ring_total", "read_tree", "read_generations",
     "read_root",
 ]
 
@@ -75,12 +75,6 @@ async def set_ring_total(client: AsyncClient, keys: StoreKeys, runner: ScriptRun
         if isinstance(reply, Exception):
             raise reply
     return True
-
-
-def cursor_read(keys: StoreKeys) -> list[Command]:
-    """The ring cursor's read, for the snapshot of a prioritized sample's rows (see
-    ``tdstore/replay/priorities.py``: the rows reserved since the draw are drawn again)."""
-    return [("GET", keys.ring)]
 
 
 async def read_tree(client: AsyncClient, keys: StoreKeys) -> list[object]:

@@ -14,10 +14,12 @@ rows get their priority inside the append's MULTI (``AppendPlan(new_rows=...)``)
 byte passes through Lua.
 
 A prioritized sample is two steps: the draw (rows, their generations, their values and
-the ring cursor) and the read of the rows with the cursor in the same snapshot. A row that
-a reservation reached in between (an append came round to it) is drawn again, so every row
-returned holds the bytes of the generation returned with it; where the cursor went back,
-a third step checks the rows' generations and flags (``lua/prio_check.lua``).
+the ring cursor) and the read of the rows with the cursor and their flags in the same
+snapshot. A row that a reservation reached in between (an append came round to it), or whose
+flag is clear there (a read from a promoted replica that lacks the write which flagged it),
+is drawn again, so every row returned holds the bytes of the generation returned with it;
+where the cursor went back, a third step checks the rows' generations and flags
+(``lua/prio_check.lua``).
 
 The tree's values are little-endian doubles where the server's Lua has ``struct`` (the
 settings' ``"enc": "f64"``), else ``%.17g`` text (``"text"``: fakeredis); see
@@ -276,6 +278,27 @@ def _reserved_since(rows: torch.Tensor, before: int, after: int, capacity: int) 
     return torch.remainder(rows - before % capacity, capacity) < span
 
 
+def _snapshot_check(keys: StoreKeys, d: _Drawn, seen: list[list[object]], capacity: int) -> torch.Tensor | None:
+    """Which drawn rows the snapshot of the read (``draw_check_prefix``'s replies) shows as not
+    to be returned: reached by a reservation since the draw, or not flagged as written. None
+    where the snapshot cannot tell (no snapshot, the cursor went back, a damaged reply, or no
+    drawn row flagged, as where the flags are gone): the caller then checks the rows'
+    generations and flags in a step of their own (``lua/prio_check.lua``)."""
+    if not seen or d.cursor is None:
+        return None
+    try:
+        cursor, _limited, flags = _append.parse_draw_check(keys, seen[-1])
+        moved = _reserved_since(d.rows, d.cursor, _append.parse_cursor(cursor, keys), capacity)
+    except CorruptMetadataError:
+        return None
+    if moved is None or not isinstance(flags, list) or len(flags) != d.rows.numel() or any(f not in (0, 1) for f in flags):
+        return None
+    flagged = torch.tensor(flags, dtype=torch.bool)
+    if not bool(flagged.any()):
+        return None
+    return moved | ~flagged
+
+
 def _weights(values: torch.Tensor, p_min: float, beta: float) -> torch.Tensor:
     """TorchRL's importance weights: ``(p / min(p)) ** -beta``, as float32."""
     if not 0 < p_min < math.inf:
@@ -342,14 +365,13 @@ def sample(
         p_min, beta = min(p_min, d.p_min), d.beta
         # the rows, with the cursor in the same snapshot: a row no reservation reached since
         # the draw still holds the generation drawn (appends move it), so no check step
+        # and their flags: a row flagged when drawn and not reached since is flagged still,
+        # unless the read went to a promoted replica that lacks the write which flagged it
+        # (its bytes there are not that row's): such a row is drawn again
         seen: list[list[object]] = []
-        batch = store._read_index(d.rows, prefix=_io.cursor_read(keys) if d.cursor is not None else (), sink=seen.append)
-        moved = None
-        if seen and d.cursor is not None:
-            try:
-                moved = _reserved_since(d.rows, d.cursor, _append.parse_cursor(seen[-1][0], keys), capacity)
-            except CorruptMetadataError:
-                moved = None
+        prefix = _append.draw_check_prefix(keys, capacity, d.rows.tolist(), False) if d.cursor is not None else ()
+        batch = store._read_index(d.rows, prefix=prefix, sink=seen.append)
+        moved = _snapshot_check(keys, d, seen, capacity)
         if moved is not None:
             ok = ~moved
         else:  # (the cursor went back, or the read went another way: check the rows' generations)
