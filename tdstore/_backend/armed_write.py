@@ -209,16 +209,18 @@ class _ArmedWrite:
         damage: Exception | None = counter_damage(replies[2], self.keys.wv)
         if damage is not None:
             raise damage
-        damage, exists = data_key_damage(self.data_keys, replies[3:], self.keys.base)
+        self._check_data(replies[3:])
+        return _s(exp)
+
+    def _check_data(self, replies: Sequence[Any]) -> None:
+        """Raises where the data keys' replies show one of another type, or one gone (unless
+        ``whole``: a write of whole entries creates them)."""
+        damage, exists = data_key_damage(self.data_keys, replies, self.keys.base)
         if damage is not None:
             raise damage
         if not exists and not self.whole:
-            raise self._lost()
-        return _s(exp)
-
-    def _lost(self) -> DataLostError:
-        # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
-        return DataLostError(f"an entry written at {self.keys.base} is registered but its bytes are gone from the server")
+            # a SETRANGE into an evicted key would recreate it zero-padded: refuse instead
+            raise DataLostError(f"an entry written at {self.keys.base} is registered but its bytes are gone from the server")
 
     def commands(self, exp: str) -> list[Command]:
         """MULTI, the write version's INCR, the SETRANGEs, EXEC; then the re-arming reads when parking."""
@@ -286,13 +288,9 @@ class _ArmedWrite:
         if result is None:
             # something watched changed: the layout, or a data key's existence
             if self.park:
-                damage, exists = data_key_damage(self.data_keys, replies[self.sent + 3 :], self.keys.base)
                 meta = replies[self.sent + 1]
                 if isinstance(meta, list) and _s(meta[0]) == self.expected:
-                    if damage is not None:
-                        raise damage  # (a data key replaced meanwhile: the EXEC ran nothing)
-                    if not exists and not self.whole:
-                        raise self._lost()
+                    self._check_data(replies[self.sent + 3 :])  # (a data key replaced or gone meanwhile: the EXEC ran nothing)
             raise StaleLayoutError("the layout changed during an indexed write")
         for reply in result:
             if isinstance(reply, redis.exceptions.ResponseError):

@@ -215,12 +215,9 @@ def sample_drawn_first(store: TensorDictStore, n: int, generator: torch.Generato
     batch, idx, ok = got
     if bool(ok.all()):
         return batch, idx
-    again = (~ok).nonzero().flatten()
-    more, redrawn = read_written(store, again.numel(), generator)
-    kept = ok.nonzero().flatten()
-    order = torch.argsort(torch.cat([kept, again]))
-    out = torch.cat([batch[kept], more])[order]  # type: ignore[index]
-    return out, torch.cat([idx[kept], redrawn])[order]
+    more, redrawn = read_written(store, int((~ok).sum()), generator)
+    batch, idx = _merge(ok, (batch, idx), (more, redrawn))
+    return batch, idx
 
 
 def read_written(
@@ -244,23 +241,26 @@ def read_written(
     for _ in range(_REDRAWS):
         if bool(ok.all()):
             return batch, idx
-        again = (~ok).nonzero().flatten()
         # (the rate limiter counted the whole sample already: the redraw is not counted again)
-        redrawn = draw_written(store, again.numel(), generator, read_flags(store)._replace(limited=False))
+        redrawn = draw_written(store, int((~ok).sum()), generator, read_flags(store)._replace(limited=False))
         more = _read_flagged(store, redrawn, capacity)
         if more is None:
             more = (store[redrawn], torch.ones(redrawn.numel(), dtype=torch.bool))
-        kept = ok.nonzero().flatten()
-        order = torch.argsort(torch.cat([kept, again]))
-        batch = torch.cat([batch[kept], more[0]])[order]  # type: ignore[index]
-        idx = torch.cat([idx[kept], redrawn])[order]
-        ok = torch.cat([ok[kept], more[1]])[order]
+        batch, idx, ok = _merge(ok, (batch, idx, ok), (more[0], redrawn, more[1]))
     if bool(ok.all()):
         return batch, idx
     raise StaleLayoutError(
         f"sample() from {store._where()}: kept drawing rows whose flags were clear when read ({int((~ok).sum())} "
         f"of {n} after {_REDRAWS} draws); appends may be failing between their two steps"
     )
+
+
+def _merge(ok: torch.Tensor, kept: tuple[Any, ...], redrawn: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Each of ``kept`` (a batch and tensors, one item per row drawn) with its items where
+    ``ok`` is clear replaced by those of ``redrawn`` (as many as ``ok`` has clear), in order."""
+    stay = ok.nonzero().flatten()
+    order = torch.argsort(torch.cat([stay, (~ok).nonzero().flatten()]))
+    return tuple(torch.cat([old[stay], new])[order] for old, new in zip(kept, redrawn, strict=True))
 
 
 def _read_flagged(store: TensorDictStore, idx: torch.Tensor, capacity: int) -> tuple[TensorDictBase, torch.Tensor] | None:
