@@ -8,7 +8,6 @@ first use, so a store inherited by a forked DataLoader worker keeps working.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,6 +24,7 @@ from tdstore._backend import append as _append
 from tdstore._backend import blocking as _blocking
 from tdstore._backend import cluster as _cluster
 from tdstore._backend import credentials as _credentials
+from tdstore._backend import direct as _direct
 from tdstore._backend import durability as _durability
 from tdstore._backend import loop as _io
 from tdstore._backend import memory as _memory
@@ -34,7 +34,6 @@ from tdstore._backend import sentinel as _sentinel
 from tdstore._backend import settings as _settings
 from tdstore._backend import step as _step
 from tdstore._backend import translate as _translate
-from tdstore._backend import wire as _wire
 from tdstore._backend.armed_write import ArmedSlot, write_runs_armed, write_runs_direct
 from tdstore._backend.protocols import AsyncClient
 from tdstore._backend.retry import (
@@ -53,7 +52,6 @@ from tdstore.errors import (
     ClientConfigError,
     EntryTooLargeError,
     StoreClosedError,
-    TDStoreError,
     clause,
 )
 
@@ -63,9 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["Connection", "DEFAULT_MAX_BULK"]
 
 T = TypeVar("T")
-
-#: What :meth:`Connection._direct_call` returns when the call is to go through the IO loop.
-_NOT_DIRECT = object()
 
 #: Redis's default proto-max-bulk-len, assumed when the server does not tell (CONFIG off).
 DEFAULT_MAX_BULK = 512 * 1024 * 1024
@@ -84,32 +79,6 @@ def _config_int(reply: Any, name: str, default: int) -> int:
         return int(value) if value is not None else default
     except (TypeError, ValueError):
         return default
-
-_INHERITED_CLIENTS: list[object] = []
-
-#: Held while a direct client is made: threads sharing a handle must get the same one (two
-#: made at once left a connection of the loser's pool armed and out of every pool).
-_DIRECT_LOCK = threading.Lock()
-
-
-def _new_direct_lock() -> None:
-    global _DIRECT_LOCK
-    _DIRECT_LOCK = threading.Lock()  # a child forked while another thread held it
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_direct_lock)
-
-#: Connection settings a direct (synchronous) client takes over from the store's own.
-_DIRECT_KWARGS = (
-    "host", "port", "path", "db", "username", "password", "socket_timeout", "socket_connect_timeout",
-    "socket_keepalive", "socket_read_size", "client_name", "protocol",
-)
-_DIRECT_CLASSES = {
-    redis.asyncio.Connection: redis.Connection,
-    redis.asyncio.UnixDomainSocketConnection: redis.UnixDomainSocketConnection,
-}
-
 
 #: guards the layout cache of every Connection (threads sharing a handle update it)
 _LAYOUT_LOCK = threading.Lock()
@@ -424,114 +393,16 @@ class Connection:
                         + _nothing_applied(kind, err)
                     ) from err
 
-    # -- direct reads -----------------------------------------------------------------
+    # -- direct calls (tdstore/_backend/direct.py) ------------------------------------
     def direct_client(self) -> redis.Redis | None:
-        """A synchronous client for reads sent from the calling thread, or None.
-
-        A one-command read costs more in the hop to the IO loop and back (two thread
-        switches, a task) than on the wire; a blocking ``redis.Redis`` on the same server
-        avoids both. Only for plain TCP and unix-socket connections (not TLS, fakeredis,
-        custom connection classes or Sentinel), and only once the IO-loop client of this
-        process has set the connection up (scripts loaded, first contact made). After a
-        fork the parent's direct client is left untouched, like the asyncio one.
-
-        On a cluster it is a client to the master of the store's slot, the one the IO-loop
-        client was set up on; none while the route is being found again (after a connection
-        failure), and a new one once the slot has a new master (MOVED, failover): a reply
-        that redirects or a failed connection makes the direct call give up before anything
-        ran (see :meth:`_direct_call`), and :meth:`run` follows the cluster from there.
-        """
-        generation = _io.loop_generation()
-        direct = self._direct
-        route = self.cluster_route
-        node = None if route is None else self._cluster_direct_node(route)
-        if direct is not None and self._direct_generation == generation and self._direct_node == node:
-            return None if self.closed else direct
-        with _DIRECT_LOCK:
-            return self._make_direct(generation, node)
-
-    def _cluster_direct_node(self, route: _cluster.ClusterRoute) -> tuple[str, int] | None:
-        """The master a direct client may talk to: the slot's, when the IO-loop client is set up on it."""
-        node = route.node
-        if route.stale or node is None or node != self._client_node or self._runner is None:
-            return None
-        return node
-
-    def _make_direct(self, generation: int, node: tuple[str, int] | None = None) -> redis.Redis | None:
-        """:meth:`direct_client`'s slow path, under ``_DIRECT_LOCK``; ``node``: on a cluster,
-        the slot's master (None: no direct client for now)."""
-        direct = self._direct
-        if direct is not None and self._direct_generation == generation:
-            if self._direct_node == node:
-                return None if self.closed else direct  # another thread made it meanwhile
-            # the slot's master changed: another thread may still be in a call on the old client,
-            # whose pool is disconnected at close()
-            self._direct_retired.append(direct)
-            self._direct = None
-        elif direct is not None:
-            _INHERITED_CLIENTS.append(direct)  # inherited through fork(): never close the parent's sockets
-            self._direct = None
-        if self.closed or self._runner is None or self._generation != generation or self.sentinel_route is not None:
-            return None
-        if self.cluster_route is not None and node is None:
-            return None
-        if not _wire.direct_ok():  # a redis-py without the parts the blocking drivers use
-            return None
-        sync_class = _DIRECT_CLASSES.get(self._connection_class)
-        kw = self._conn_kwargs
-        if sync_class is None or kw.get("redis_connect_func") is not None or kw.get("credential_provider") is not None:
-            return None
-        kwargs = {name: kw[name] for name in _DIRECT_KWARGS if name in kw}
-        if node is not None:
-            kwargs.update(host=node[0], port=node[1])
-        if kwargs.get("socket_timeout") is None:
-            kwargs["socket_timeout"] = self.timeout
-        if self.durability is not None:
-            sync_class = _durability.durable_class(sync_class)
-            kwargs["tdstore_durability"] = self.durability
-        try:
-            pool = redis.ConnectionPool(
-                connection_class=sync_class, retry=redis.retry.Retry(NoBackoff(), 0), retry_on_error=[], **kwargs
-            )
-            direct = redis.Redis(connection_pool=pool)
-        except (TypeError, ValueError):  # settings the blocking client does not take: stay on the IO loop
-            return None
-        self._direct, self._direct_generation, self._direct_node = direct, generation, node
-        return direct
+        """A synchronous client for calls sent from the calling thread, or None
+        (:func:`tdstore._backend.direct.direct_client`)."""
+        return _direct.direct_client(self)
 
     def _direct_call(self, call: Callable[[redis.Redis], T]) -> T | object:
-        """``call(client)`` on :meth:`direct_client` from the calling thread, or :data:`_NOT_DIRECT`.
-
-        :data:`_NOT_DIRECT` when there is no direct client, on the IO loop's own thread
-        (where a blocking call would stall every store of the process; run() raises
-        EventLoopError there), or when the call failed for a reason other than a read
-        timeout (a lost connection, a script the server forgot, a server refusing a MULTI
-        over its maxmemory...): the caller then runs it through :meth:`run`, which applies
-        the retry policy and names the problem.
-        """
-        client = self.direct_client()
-        if client is None or threading.current_thread() is _io._thread:
-            return _NOT_DIRECT
-        durability = self.durability
-        if durability is not None:
-            outcome, token = _durability.begin()
-        try:
-            result = call(client)
-        except TDStoreError:
-            raise
-        except redis.exceptions.TimeoutError as err:
-            if retry_class(err) is None:  # the server did not answer in time (not: could not connect)
-                raise _translate.translate(err, self, client=client, limit=self.timeout) from err
-            return _NOT_DIRECT
-        except (redis.exceptions.RedisError, OSError):
-            return _NOT_DIRECT
-        finally:
-            if durability is not None:
-                _durability.end(token)
-        self._reached = True
-        if durability is not None:
-            _durability.finish(outcome, durability, self.what())
-        return result
+        """``call(client)`` on :meth:`direct_client` from the calling thread, or
+        :data:`~tdstore._backend.direct.NOT_DIRECT` (:func:`tdstore._backend.direct.direct_call`)."""
+        return _direct.direct_call(self, call)
 
     def what(self) -> str:
         """The store and its server, for messages."""
@@ -544,8 +415,8 @@ class Connection:
         again through :meth:`run` after a failed direct try is safe (see :meth:`_direct_call`).
         """
         result = self._direct_call(lambda client: direct(client, self._runner))
-        # (``is _NOT_DIRECT`` does not narrow ``T | object`` to T)
-        return self.run(fn) if result is _NOT_DIRECT else result  # type: ignore[return-value]
+        # (``is _direct.NOT_DIRECT`` does not narrow ``T | object`` to T)
+        return self.run(fn) if result is _direct.NOT_DIRECT else result  # type: ignore[return-value]
 
     def read_step(self, build: Callable[[ScriptRunner], _step.ReadStep[T]]) -> T:
         """Runs the read ``build(runner)`` (a :class:`~tdstore._backend.step.ReadStep`): on
@@ -553,7 +424,7 @@ class Connection:
         try fails, on the IO loop (the asyncio driver, through :meth:`run`). Both send the same
         commands; a read changes nothing, so sending it again is safe."""
         result = self._direct_call(lambda client: _step.run_blocking(client, self._runner, build(self._runner)))  # type: ignore[arg-type]
-        if result is not _NOT_DIRECT:
+        if result is not _direct.NOT_DIRECT:
             return result  # type: ignore[return-value]
         return self.run(lambda c: _step.run_async(c, self.keys, self.runner, build(self.runner)))
 
@@ -571,7 +442,7 @@ class Connection:
             return _blocking.call_script(client, self._runner.sha(name), keys, args)
 
         result = self._direct_call(direct)
-        if result is not _NOT_DIRECT:
+        if result is not _direct.NOT_DIRECT:
             return result
         return self.run(lambda c: self.runner.call(c, name, keys, args))
 
@@ -630,7 +501,7 @@ class Connection:
                 # A client inherited through fork() shares its sockets with the parent:
                 # closing it here (even by garbage collection) would cut the parent's
                 # connections. Keep it referenced, unused, for the life of the process.
-                _INHERITED_CLIENTS.append(self._client)
+                _direct.INHERITED_CLIENTS.append(self._client)
             self._client = self._build_client()
             self._generation = generation
             self._runner = None
