@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import ClientConfigError, DurabilityError, TensorDictStore
+from tdstore._backend import durability as _durability
 from tdstore.server import start_replication, start_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,6 +64,26 @@ def _writes(store: TensorDictStore) -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
+def _sample_flags_per_row(store: TensorDictStore) -> object:
+    """A uniform sample as on a ring of more than 65,536 rows: the drawn rows' flags read by
+    one BITFIELD of GETs, which reads (before, it was sent as a write: it waited)."""
+    from tdstore.store import ring as _ring
+
+    real = _ring._FLAGS_READ_MAX
+    _ring._FLAGS_READ_MAX = 4
+    try:
+        return store.sample(8)
+    finally:
+        _ring._FLAGS_READ_MAX = real
+
+
+def test_a_bitfield_of_gets_reads_and_one_that_sets_writes():
+    assert not _durability.writes([("BITFIELD", "k", "GET", "u8", "#3", "get", "u8", "#9")])
+    assert _durability.writes([("BITFIELD", "k", "GET", "u8", "#3", "SET", "u8", "#9", 1)])
+    assert _durability.writes([("BITFIELD", b"k", b"incrby", b"u8", b"#0", 1)])
+    assert _durability.writes([("GET", "a"), ("BITFIELD", "k", "OVERFLOW", "SAT", "INCRBY", "u8", "#0", 1)])
+
+
 def _reads(store: TensorDictStore) -> list[tuple[str, Callable[[], object]]]:
     return [
         ("read an entry", lambda: store["obs"]),
@@ -71,6 +92,7 @@ def _reads(store: TensorDictStore) -> list[tuple[str, Callable[[], object]]]:
         ("keys", lambda: list(store.keys())),
         ("ring_state", lambda: store.ring_state()),
         ("uniform sample", lambda: store.sample(8)),
+        ("uniform sample, the flags read per row (one BITFIELD GET)", lambda: _sample_flags_per_row(store)),
         ("prioritized sample", lambda: store.sample(8, prioritized=True, return_info=True)),
         ("slices", lambda: store.sample_slices(2, 2, end_key="done")),
     ]

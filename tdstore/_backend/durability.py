@@ -16,7 +16,8 @@ WAIT (one wait per operation at most), and the operation raises
 :class:`~tdstore.errors.DurabilityError` when it is done (``Connection.run`` and the direct
 calls, :func:`finish`). A packet sent outside an operation raises at once.
 
-Which commands write: :data:`WRITES`, and ``EVALSHA``/``EVAL`` of any script but those declared
+Which commands write: :data:`WRITES` (``BITFIELD`` only with a ``SET`` or ``INCRBY``), and
+``EVALSHA``/``EVAL`` of any script but those declared
 ``Flags: no-writes`` (reads), ``rate_sample`` (the rate limiter's sample counters, not
 data: a learner's sample does not wait for replicas; see docs/deployment.md) and ``reserve``
 (the first step of a two-step append: it takes rows, and the append's write step, whose packet
@@ -155,6 +156,10 @@ def parse(durability: object, durability_timeout: object, timeout: float, where:
 # --------------------------------------------------------------------------- #
 
 
+#: The BITFIELD subcommands that write; one of GETs only reads.
+_BITFIELD_WRITES = frozenset({b"SET", b"INCRBY"})
+
+
 def _name(arg: object) -> bytes:
     if isinstance(arg, bytes):
         return arg.upper()
@@ -191,6 +196,8 @@ def writes(commands: Iterable[Sequence[object]]) -> bool:
             continue
         name = _name(command[0])
         if name in WRITES:
+            if name == b"BITFIELD" and not any(_name(arg) in _BITFIELD_WRITES for arg in command[2:]):
+                continue  # (GET subcommands only: a read, as a sample's flag check)
             return True
         if name in _SCRIPT_CALLS:
             if len(command) < 2:
