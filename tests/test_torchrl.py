@@ -119,6 +119,46 @@ def test_partial_buffer_reads_only_valid_rows(server, rl):
 
 
 @pytest.mark.torchrl
+def test_uniform_sample_reads_its_rows_once_and_never_one_unwritten(server, rl, monkeypatch):
+    """TorchRL's RandomSampler on rows appended by the store's writer: the draw is the store's
+    sample() (rows read in one snapshot with their flags), whose rows go to get() without a
+    second read; a row unwritten after the flags were read (flag cleared, bytes zeroed, as on
+    a promoted replica that lacks its write) is drawn again, never returned. Before, get()
+    read the drawn rows in a step of their own, without their flags."""
+    from tdstore.store import ring as _ring
+
+    rb = rl["ReplayBuffer"](storage=rl["Storage"](8, **server.connection_kwargs()), writer=rl["Writer"](), batch_size=64)
+    rb.extend(_batch(1, 6))  # rows 0-5 hold obs 1..6
+    hits = rb.storage.handoff_hits
+    sample = rb.sample()
+    assert rb.storage.handoff_hits == hits + 1, "get() read the sampled rows again"
+    assert set(sample["obs"][:, 0].tolist()) <= {1.0, 2.0, 3.0, 4.0, 5.0, 6.0}
+    client = server.sync_client()
+    keys = rb.storage.store._conn.keys
+    real = _ring.draw_written
+    hit: list[int] = []
+
+    def draw_then_unwrite(target, n, generator, read=None):
+        idx = real(target, n, generator, read)
+        if not hit:
+            row = int(idx[0])
+            hit.append(row)
+            client.setrange(keys.flags, row, b"\x00")
+            for path, width in ((("obs",), 12), (("action",), 8), (("next", "reward"), 4)):
+                client.setrange(keys.data(path), row * width, b"\x00" * width)
+        return idx
+
+    monkeypatch.setattr(_ring, "draw_written", draw_then_unwrite)
+    try:
+        sample = rb.sample()
+    finally:
+        client.close()
+    assert len(hit) == 1
+    assert bool((sample["obs"] > 0).all()), sample["obs"][:, 0].tolist()
+    assert torch.equal(sample["action"], sample["obs"][:, 0].long() % 4)
+
+
+@pytest.mark.torchrl
 def test_tensordict_buffer_and_other_samplers(server, rl):
     conn = server.connection_kwargs()
     trb = rl["TensorDictReplayBuffer"](storage=rl["Storage"](16, **conn), writer=rl["Writer"](), batch_size=4)

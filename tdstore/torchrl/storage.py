@@ -14,7 +14,6 @@ from tensordict.utils import is_tensorclass
 
 from tdstore.errors import SchemaError, StoreExistsError, StoreNotFoundError
 from tdstore.store import TensorDictStore
-from tdstore.store import ring as _ring
 
 try:
     from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
@@ -70,9 +69,10 @@ class TensorDictStoreStorage(TensorStorage):
     process sees the rows that any process appended. Sampling reads the rows in one
     consistent snapshot, and returns an in-memory TensorDict.
 
-    With a :class:`TensorDictStorePrioritizedSampler`, the rows that the sampler read are
-    handed to the next ``get()`` of the same index tensor in the same thread, which returns
-    them without reading them again (``handoff_hits`` counts those).
+    With a :class:`TensorDictStorePrioritizedSampler` or a slice sampler, and with TorchRL's
+    ``RandomSampler`` on rows appended by :class:`TensorDictStoreWriter`, the rows that the
+    draw read are handed to the next ``get()`` of the same index tensor in the same thread,
+    which returns them without reading them again (``handoff_hits`` counts those).
 
     Use it with :class:`TensorDictStoreWriter`, which appends through the store's atomic
     cursor. With TorchRL's default ``RoundRobinWriter`` the buffer works in one process
@@ -299,13 +299,21 @@ class TensorDictStoreStorage(TensorStorage):
         return max(valid, min(state.total, self.max_size))
 
     def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
-        # RandomSampler reads len(storage) just before: a full ring needs no second read
-        if self._known_full or self._storage is None or self._local_len:
+        """TorchRL's uniform draw. Rows written by this process's own writer (``storage.set``,
+        not flagged) are drawn among the valid ones. Rows written by appends only are drawn
+        and read by the store's ``sample()``: among the rows flagged as written, read in one
+        snapshot with their flags (a full ring's in one server step), so never a row an
+        append reserved and has not written yet, nor one a promoted replica lacks; the rows
+        are handed to the ``get()`` of the returned index, which does not read them again."""
+        if self._storage is None or self._local_len:
             valid = self.max_size if self._known_full else len(self)
             return torch.randint(0, valid, (batch_size,), generator=self._rng)
-        # rows written by appends only: draw among those flagged as written, never one an
-        # append reserved and has not written yet (see TensorDictStore.sample)
-        return _ring.draw_written(self._storage, batch_size, self._rng)
+        batch, info = self._storage.sample(int(batch_size), return_info=True, generator=self._rng)
+        index = info["index"]
+        if self.device != "auto" and torch.device(self.device).type != "cpu":
+            index = index.to(self.device)  # (the buffer moves it there before storage.get)
+        self._hand_over(index, batch)
+        return index
 
     def contains(self, item: object) -> bool | torch.Tensor:
         valid = len(self)
