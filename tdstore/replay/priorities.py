@@ -363,11 +363,11 @@ def sample(
     for _ in range(_REDRAWS):
         d, acquire = _draw(store, todo.numel(), generator, acquire), None  # (a sample counts once)
         p_min, beta = min(p_min, d.p_min), d.beta
-        # the rows, with the cursor in the same snapshot: a row no reservation reached since
-        # the draw still holds the generation drawn (appends move it), so no check step
-        # and their flags: a row flagged when drawn and not reached since is flagged still,
-        # unless the read went to a promoted replica that lacks the write which flagged it
-        # (its bytes there are not that row's): such a row is drawn again
+        # the rows, with the cursor and their flags in the same snapshot: a row no reservation
+        # reached since the draw still holds the generation drawn (appends move it), so no
+        # check step; and it is flagged still, unless the read went to a promoted replica
+        # that lacks the write which flagged it (its bytes there are not that row's): such a
+        # row is drawn again
         seen: list[list[object]] = []
         prefix = _append.draw_check_prefix(keys, capacity, d.rows.tolist(), False) if d.cursor is not None else ()
         batch = store._read_index(d.rows, prefix=prefix, sink=seen.append)
