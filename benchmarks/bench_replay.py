@@ -52,6 +52,11 @@ and shows its column as missing.
 Ratios are tdstore time / Reverb time (for throughputs: Reverb items/s / tdstore items/s):
 lower is better for tdstore. Cells are medians over ``--repeat`` timed runs (each of
 ``--ops`` operations, or of ``--insert-batches`` batches per writer), after ``--warmup``.
+
+``--rounds N`` runs both systems N times, in the order tdstore, Reverb, then Reverb, tdstore
+(ABBA), so that load that drifts during the run weighs on both alike. It prints each round's
+main ratios, taken between the two runs next to each other in time, and then the table over
+every round's timed runs (a single figure such as a server CPU: the median of the rounds').
 """
 
 from __future__ import annotations
@@ -390,6 +395,41 @@ def table(headers: list[str], rows: list[list[str]]) -> None:
     sys.stdout.flush()
 
 
+def pooled(results: list[dict]) -> dict:
+    """The results of one side over every round, as one: the timed runs of each case
+    together, a single figure (a server CPU per call, a fill time) the median of the rounds',
+    anything else (a banner, an error) the first round's."""
+
+    def merge(values: list) -> object:  # type: ignore[type-arg]
+        first = values[0]
+        if isinstance(first, dict):
+            names = dict.fromkeys(k for v in values for k in v)
+            return {k: merge([v[k] for v in values if k in v]) for k in names}
+        if isinstance(first, list):
+            return [x for v in values for x in v]
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return statistics.median(values)
+        return first
+
+    return merge(results)  # type: ignore[return-value]
+
+
+def round_line(k: int, td: dict, rv: dict) -> str:
+    """One round's main ratios (tdstore / Reverb's dataset; the server-CPU ratio tdstore's own)."""
+    c, rc = td.get("cases", {}), rv.get("cases", {})
+
+    def against(ours: str, theirs: str) -> str:
+        a, b = med(c.get(ours)), med(rc.get(theirs, {}).get("s_per_op"))
+        return f"{ms(a)} / {ms(b)} = {ratio(a / b if a and b else None)}"
+
+    cu, cp = c.get("cpu_uniform"), c.get("cpu_prio")
+    cpu = ratio(cp / cu) if cu and cp else "-"
+    return (
+        f"# round {k}: uniform {against('uniform', 'uniform_ds')}; prioritized round {against('prio', 'prio_ds')}; "
+        f"drawn ahead {against('prio_pf', 'prio_ds')}; server CPU prioritized / uniform {cpu}"
+    )
+
+
 def report(args, td: dict, rv: dict, trl: dict) -> None:  # type: ignore[no-untyped-def]
     c, rc, tc = td.get("cases", {}), rv.get("cases", {}), trl.get("cases", {})
 
@@ -587,23 +627,36 @@ def main() -> None:
     )
     parser.add_argument("--no-torchrl", action="store_true", help="skip the TorchRL reference")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per side (default 900)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of both systems, in ABBA order (default 1; see the docstring)"
+    )
     parser.add_argument("--quick", action="store_true", help="10,000 rows, 3 runs, fewer ops")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.repeat, args.warmup, args.ops = min(args.rows, 10_000), 3, 1, 5
         args.insert_batches, args.cpu_ops, args.timeout = 20, 30, min(args.timeout, 400)
-    if min(args.rows, args.repeat, args.ops, args.insert_batches, args.writers, args.cpu_ops) < 1 or args.warmup < 0:
+    if min(args.rows, args.repeat, args.ops, args.insert_batches, args.writers, args.cpu_ops, args.rounds) < 1 or args.warmup < 0:
         parser.error("counts must be >= 1 (--warmup >= 0)")
     torch.set_num_threads(1)
     print(
         f"# bench_replay: {args.rows:,} rows; load average before: {load_average()} on {os.cpu_count()} CPUs",
         flush=True,
     )
-    td = tdstore_side(args)
-    print("# reverb side ...", flush=True)
-    rv = reverb_side(args)
+    tds: list[dict] = []
+    rvs: list[dict] = []
+    for k in range(args.rounds):
+        for side in ("tdstore", "reverb") if k % 2 == 0 else ("reverb", "tdstore"):
+            if side == "tdstore":
+                tds.append(tdstore_side(args))
+            else:
+                print("# reverb side ...", flush=True)
+                rvs.append(reverb_side(args))
     trl = {"cases": {}, "errors": {"setup": "skipped (--no-torchrl)"}} if args.no_torchrl else torchrl_side(args)
-    report(args, td, rv, trl)
+    if args.rounds > 1:
+        print()
+        for k, (td, rv) in enumerate(zip(tds, rvs, strict=True), 1):
+            print(round_line(k, td, rv))
+    report(args, pooled(tds), pooled(rvs), trl)
 
 
 if __name__ == "__main__":
