@@ -11,6 +11,8 @@ handled as the two-step sample handles it.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -177,21 +179,24 @@ def test_damaged_flags_are_one_clear_error_and_change_nothing(store, server, mon
 def _unwrite_after_the_draw(server, store, monkeypatch, sharded=None) -> list[int]:
     """After the first draw of the two-step sample (rows drawn from a flags read), the first row
     drawn is made unwritten on the server: flag cleared and bytes zeroed, as on a promoted
-    replica that never got the write which flagged it. Returns that row."""
+    replica that never got the write which flagged it. Returns that row. (A ShardedStore draws
+    on its shards from threads at once: the lock lets exactly one draw unwrite its row.)"""
     client = server.sync_client()
     real = _ring.draw_written
     hit: list[int] = []
+    once = threading.Lock()
 
     def draw_then_unwrite(target, n, generator, read=None):
         idx = real(target, n, generator, read)
-        if not hit:
-            row = int(idx[0])
-            hit.append(row)
-            keys = target._conn.keys
-            client.setrange(keys.flags, row, b"\x00")
-            for name in ("x", "y"):
-                width = 8 if name == "x" else 4
-                client.setrange(keys.data((name,)), row * width, b"\x00" * width)
+        with once:
+            if not hit:
+                row = int(idx[0])
+                hit.append(row)
+                keys = target._conn.keys
+                client.setrange(keys.flags, row, b"\x00")
+                for name in ("x", "y"):
+                    width = 8 if name == "x" else 4
+                    client.setrange(keys.data((name,)), row * width, b"\x00" * width)
         return idx
 
     monkeypatch.setattr(_ring, "draw_written", draw_then_unwrite)

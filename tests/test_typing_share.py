@@ -38,7 +38,7 @@ CEILINGS: dict[str, int] = {
     "lazy": 15,
     "replay": 12,
     "server": 24,
-    "store": 50,
+    "store": 49,
     "testing": 13,
     "torchrl": 5,
     # 12 before tdstore/torchrl.py became the package tdstore/torchrl/ (5 of those 12 moved with it)

@@ -212,7 +212,7 @@ class _ArmedWrite:
         self._check_data(replies[3:])
         return _s(exp)
 
-    def _check_data(self, replies: Sequence[Any]) -> None:
+    def _check_data(self, replies: Sequence[object]) -> None:
         """Raises where the data keys' replies show one of another type, or one gone (unless
         ``whole``: a write of whole entries creates them)."""
         damage, exists = data_key_damage(self.data_keys, replies, self.keys.base)

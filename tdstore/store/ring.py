@@ -216,8 +216,8 @@ def sample_drawn_first(store: TensorDictStore, n: int, generator: torch.Generato
     if bool(ok.all()):
         return batch, idx
     more, redrawn = read_written(store, int((~ok).sum()), generator)
-    batch, idx = _merge(ok, (batch, idx), (more, redrawn))
-    return batch, idx
+    stay, order = _redraw_order(ok)
+    return torch.cat([batch[stay], more])[order], torch.cat([idx[stay], redrawn])[order]  # type: ignore[index]
 
 
 def read_written(
@@ -246,7 +246,10 @@ def read_written(
         more = _read_flagged(store, redrawn, capacity)
         if more is None:
             more = (store[redrawn], torch.ones(redrawn.numel(), dtype=torch.bool))
-        batch, idx, ok = _merge(ok, (batch, idx, ok), (more[0], redrawn, more[1]))
+        stay, order = _redraw_order(ok)
+        batch = torch.cat([batch[stay], more[0]])[order]  # type: ignore[index]
+        idx = torch.cat([idx[stay], redrawn])[order]
+        ok = torch.cat([ok[stay], more[1]])[order]
     if bool(ok.all()):
         return batch, idx
     raise StaleLayoutError(
@@ -255,12 +258,11 @@ def read_written(
     )
 
 
-def _merge(ok: torch.Tensor, kept: tuple[Any, ...], redrawn: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Each of ``kept`` (a batch and tensors, one item per row drawn) with its items where
-    ``ok`` is clear replaced by those of ``redrawn`` (as many as ``ok`` has clear), in order."""
+def _redraw_order(ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stay, order)`` for putting rows drawn again in the places ``ok`` has clear:
+    ``torch.cat([kept[stay], redrawn])[order]`` of anything with one item per row drawn."""
     stay = ok.nonzero().flatten()
-    order = torch.argsort(torch.cat([stay, (~ok).nonzero().flatten()]))
-    return tuple(torch.cat([old[stay], new])[order] for old, new in zip(kept, redrawn, strict=True))
+    return stay, torch.argsort(torch.cat([stay, (~ok).nonzero().flatten()]))
 
 
 def _read_flagged(store: TensorDictStore, idx: torch.Tensor, capacity: int) -> tuple[TensorDictBase, torch.Tensor] | None:
