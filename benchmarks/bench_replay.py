@@ -408,7 +408,7 @@ def pooled(results: list[dict]) -> dict:
         if isinstance(first, list):
             return [x for v in values for x in v]
         if isinstance(first, (int, float)) and not isinstance(first, bool):
-            return statistics.median(values)
+            return first if all(v == first for v in values) else statistics.median(values)
         return first
 
     return merge(results)  # type: ignore[return-value]
