@@ -301,12 +301,7 @@ class ShardedStoreStorage(TensorDictStoreStorage):
         read are handed to the ``get()`` of the returned index (no second read)."""
         if self._storage is None:
             raise RuntimeError("Cannot sample from an empty storage.")
-        batch, info = self._storage.sample(int(batch_size), return_info=True, generator=self._rng)
-        index = info["index"]
-        if self.device != "auto" and torch.device(self.device).type != "cpu":
-            index = index.to(self.device)  # (the buffer moves it there before storage.get)
-        self._hand_over(index, batch)
-        return index
+        return self._sample_handed_over(batch_size)
 
     def contains(self, item: object) -> bool | torch.Tensor:
         if self._storage is None:

@@ -308,6 +308,12 @@ class TensorDictStoreStorage(TensorStorage):
         if self._storage is None or self._local_len:
             valid = self.max_size if self._known_full else len(self)
             return torch.randint(0, valid, (batch_size,), generator=self._rng)
+        return self._sample_handed_over(batch_size)
+
+    def _sample_handed_over(self, batch_size: int) -> torch.Tensor:
+        """The index of ``self._storage.sample(batch_size)``, whose rows are handed to the
+        ``get()`` of that index (moved to the storage's device, as the buffer moves it)."""
+        assert self._storage is not None
         batch, info = self._storage.sample(int(batch_size), return_info=True, generator=self._rng)
         index = info["index"]
         if self.device != "auto" and torch.device(self.device).type != "cpu":
