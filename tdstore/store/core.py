@@ -1,7 +1,7 @@
 """TensorDictStore: a TensorDict whose entries live on a Redis-wire server.
 
 The class itself: its constructors (``__init__``, ``from_dict``, ``from_tensordict``,
-``from_schema``, ``from_store``), its lifecycle (``clear_redis``, pickling), the per-entry
+``from_schema``, ``from_store``; the work behind them in :mod:`tdstore.store.create`), its lifecycle (``clear_redis``, pickling), the per-entry
 semantics, and the documented delegators of the ring buffer and the lifetime. Its bases are the
 shared handle, :class:`~tdstore.store.writes.StoreWrites` and :class:`~tdstore.store.reads.StoreReads`.
 
@@ -17,9 +17,7 @@ The consistency rules (see ``docs/guarantees.md``):
 
 from __future__ import annotations
 
-import importlib
 import json
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +31,7 @@ from tdstore._backend.connection import Connection
 from tdstore._backend.loop import DEFAULT_TIMEOUT
 from tdstore._backend.retry import RetryPolicy
 from tdstore._core import chunks as _chunks
-from tdstore._core import codec as _codec
 from tdstore._core import schema as _schema
-from tdstore._core import values as _values
 from tdstore._core.keys import as_path as _as_path
 from tdstore._core.keys import new_td_id
 from tdstore._core.layout import Entry
@@ -44,7 +40,6 @@ from tdstore.base.compat import StoreCompat014
 from tdstore.base.handle import StoreHandle, entries_below, snapshot_of
 from tdstore.base.unsupported import StoreUnsupported, install
 from tdstore.errors import (
-    CorruptMetadataError,
     DurabilityError,
     EntryNotFoundError,
     SchemaError,
@@ -55,13 +50,14 @@ from tdstore.lazy.core import LazyStackedTensorDictStore
 from tdstore.replay import priorities as _priorities
 from tdstore.replay import rate_limit as _rate_limit
 from tdstore.replay import slices as _slices
+from tdstore.store import create as _creation
 from tdstore.store import dims as _dims
 from tdstore.store import lifetime as _lifetime
 from tdstore.store import ring as _ring
 from tdstore.store.lifetime import ttl_ms
 from tdstore.store.reads import StoreReads
 from tdstore.store.ring import RingState
-from tdstore.store.writes import StoreWrites, _noop, _planner
+from tdstore.store.writes import StoreWrites, _noop
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -134,23 +130,12 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         bs = torch.Size(batch_size) if batch_size is not None else torch.Size([])
         try:
             self._create_store(bs, device, names, [], tensorclass=None)
+            return
         except StoreExistsError:
             if td_id is None:
                 raise
-            # reconnecting: never reset what another process stored
-            layout = self._layout(refresh=True)
-            stored = torch.Size(layout.batch_size)
-            if batch_size is not None and stored != bs:
-                raise SchemaError(
-                    f"td_id {td_id!r} already holds a store with batch_size={list(stored)}, "
-                    f"not {list(bs)}; use TensorDictStore.from_store(td_id=...) to reconnect"
-                ) from None
-            stored_cb = int(layout.meta["cb"]) if layout.meta.get("cb") else None
-            if chunk_bytes is not None and stored_cb != chunk_bytes:
-                raise SchemaError(
-                    f"td_id {td_id!r} already holds a store with chunk_bytes={stored_cb}, not {chunk_bytes}; "
-                    "the chunking is set when a store is created (from_store reads it from the server)"
-                ) from None
+        # reconnecting (outside the except: its error is the only one shown): never reset what another process stored
+        _creation.check_reconnect(self, td_id, bs if batch_size is not None else None, chunk_bytes)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -246,11 +231,9 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
             backend=backend, batch_size=td.batch_size, device=store_device, _create=False, _connect=connect, **kwargs
         )
         try:
-            planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size)), **store._creation_meta()}, {}))
-            for key, value in td.items():
-                planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
+            ops = _creation.tensordict_ops(store, td)
             names = td.names if td._has_names() else None
-            store._create_store(td.batch_size, store_device, names, planner.ops, tensorclass)
+            store._create_store(td.batch_size, store_device, names, ops, tensorclass)
         except DurabilityError:
             raise  # (created on the master: the error holds the open handle, see DurabilityError.store)
         except BaseException:
@@ -308,23 +291,7 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         connect = ConnectSpec.take(kwargs, host=host, port=port, db=db, unix_socket_path=unix_socket_path, prefix=prefix)
         store = cls(backend=backend, batch_size=bs, device=store_device, _create=False, _connect=connect, **kwargs)
         try:
-            ops: list[_backend.Op] = []
-            seq = 0
-            nodes: set[tuple[str, ...]] = set()
-            for path, shape, dtype in entries:
-                for i in range(1, len(path)):
-                    if path[:i] not in nodes:
-                        nodes.add(path[:i])
-                        seq += 1
-                        ops.append(_backend.Op("node", path[:i], _values.node_meta(bs, None, [1, seq])))
-                full = list(bs) + shape
-                nbytes = math.prod(full) * _codec.tensor_nbytes((), dtype)
-                store._conn_max_bulk()  # sets up the connection: proto-max-bulk-len is known
-                seq += 1
-                meta = _chunks.annotate(Entry.tensor(_codec.dtype_name(dtype), full, (1, seq)), store._creation_meta())
-                # zero-filled on the server: no command carries the bytes
-                store._conn.check_entry_size(path, nbytes, store._where(), "schema entry", chunk=meta.chunk, sent=False)
-                ops.append(_backend.Op("zero", path, meta, nbytes=nbytes))
+            ops = _creation.schema_ops(store, bs, entries)
             store._create_store(bs, store_device, None, ops, None)
         except DurabilityError:
             raise  # (created on the master: the error holds the open handle, see DurabilityError.store)
@@ -361,19 +328,7 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
         except BaseException:
             store.close()
             raise
-        if tensorclass_cls is None:
-            tensorclass_cls = layout.meta.get("tensorclass") or None
-        if isinstance(tensorclass_cls, str):
-            try:
-                tensorclass_cls = _import_class(tensorclass_cls, store._where())
-            except ImportError:
-                store.close()
-                raise
-        if isinstance(tensorclass_cls, type) and issubclass(tensorclass_cls, cls):
-            return store
-        if tensorclass_cls is not None:
-            return tensorclass_cls._from_tensordict(store)
-        return store
+        return _creation.resolve_class(store, cls, layout, tensorclass_cls)
 
     def _conn_max_bulk(self) -> int:
         self._conn.run(_noop)
@@ -408,30 +363,7 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
 
     # ------------------------------------------------------------------ layout
     def _check_layout(self, layout: _backend.Layout) -> None:
-        self._check_store_meta(layout, self._where())
-        if layout.meta.get("kind"):
-            from tdstore.errors import UnsupportedOperationError
-
-            kind = layout.meta["kind"]
-            hint = "connect with tdstore.LazyStackedTensorDictStore.from_store(td_id=...)" if kind == "lazy" else "use the class that wrote it"
-            raise UnsupportedOperationError(
-                f"store {self._where()} is not a TensorDictStore (kind {kind!r}"
-                f"{', a LazyStackedTensorDictStore' if kind == 'lazy' else ''}); {hint}"
-            )
-        cb = layout.meta.get("cb")
-        if cb and not (cb.isdigit() and int(cb) >= _chunks.MIN_CHUNK_BYTES):
-            raise CorruptMetadataError(f"store {self._where()} has a malformed chunk size {cb!r}")
-        where = self._where()
-        for path, meta in layout.entries.items():
-            _values.check_meta(path, meta, where)
-        batch_size = _values.parse_dims(layout.meta.get("batch_size"), "batch size", where)
-        _values.parse_names(layout.meta.get("names"), len(batch_size), where)
-        _values.check_tree(batch_size, layout.entries, where)
-        dev = layout.meta.get("device") or ""
-        try:
-            torch.device(dev) if dev else None
-        except (RuntimeError, TypeError, ValueError):
-            raise CorruptMetadataError(f"store {where} has a malformed device {dev!r:.200} in its meta hash") from None
+        _creation.check_layout(self, layout)
 
     def _not_found(self) -> StoreNotFoundError:
         return StoreNotFoundError(
@@ -851,19 +783,3 @@ def _unpickle(cls: Any, state: dict[str, Any]) -> Any:
     self = cls.__new__(cls)
     self.__setstate__(state)
     return self
-
-
-def _import_class(path: str, where: str = "the store") -> type:
-    module_name, _, name = path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-        obj: Any = module
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        return obj
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ImportError(
-            f"{where} was written from the tensorclass {path!r}, which cannot be imported here "
-            f"({err}); make its module importable, or pass tensorclass_cls=TensorDictStore to "
-            "from_store to get the plain store"
-        ) from err
