@@ -1,9 +1,10 @@
 """TensorDictStore: a TensorDict whose entries live on a Redis-wire server.
 
 The class itself: its constructors (``__init__``, ``from_dict``, ``from_tensordict``,
-``from_schema``, ``from_store``; the work behind them in :mod:`tdstore.store.create`), its lifecycle (``clear_redis``, pickling), the per-entry
-semantics, and the documented delegators of the ring buffer and the lifetime. Its bases are the
-shared handle, :class:`~tdstore.store.writes.StoreWrites` and :class:`~tdstore.store.reads.StoreReads`.
+``from_schema``, ``from_store``; the work behind them in :mod:`tdstore.store.create`), its
+lifecycle (``clear_redis``, pickling), the per-entry semantics, and the documented delegators
+of the ring buffer and the lifetime. Its bases are the shared handle,
+:class:`~tdstore.store.writes.StoreWrites` and :class:`~tdstore.store.reads.StoreReads`.
 
 All TensorDict semantics live in these modules; every server operation is in :mod:`tdstore._backend.ops`.
 The consistency rules (see ``docs/guarantees.md``):
@@ -57,7 +58,7 @@ from tdstore.store import ring as _ring
 from tdstore.store.lifetime import ttl_ms
 from tdstore.store.reads import StoreReads
 from tdstore.store.ring import RingState
-from tdstore.store.writes import StoreWrites, _noop
+from tdstore.store.writes import StoreWrites, _noop, upload_ops
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -231,7 +232,7 @@ class TensorDictStore(StoreHandle, StoreWrites, StoreReads, TensorDictBase):
             backend=backend, batch_size=td.batch_size, device=store_device, _create=False, _connect=connect, **kwargs
         )
         try:
-            ops = _creation.tensordict_ops(store, td)
+            ops = upload_ops(store, td)
             names = td.names if td._has_names() else None
             store._create_store(td.batch_size, store_device, names, ops, tensorclass)
         except DurabilityError:

@@ -1,8 +1,8 @@
 """Making a store and connecting to one: the work behind :class:`~tdstore.store.core.TensorDictStore`'s
 constructors, as functions that take the new handle.
 
-- :func:`tensordict_ops` and :func:`schema_ops`: the operations that ``from_tensordict`` and
-  ``from_schema`` create the store with, in one atomic step (``_create_store``);
+- :func:`schema_ops`: the operations that ``from_schema`` creates the store with, in one
+  atomic step (``_create_store``; ``from_tensordict``'s are :func:`tdstore.store.writes.upload_ops`);
 - :func:`check_reconnect`: what ``TensorDictStore(td_id=...)`` checks when the store exists;
 - :func:`check_layout`: what a handle checks in every layout it reads from the server;
 - :func:`resolve_class` and :func:`import_class`: the tensorclass ``from_store`` returns.
@@ -11,36 +11,23 @@ constructors, as functions that take the new handle.
 from __future__ import annotations
 
 import importlib
-import json
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDictBase
 
 from tdstore._backend import ops as _backend
 from tdstore._core import chunks as _chunks
 from tdstore._core import codec as _codec
 from tdstore._core import values as _values
-from tdstore._core.keys import as_path as _as_path
 from tdstore._core.layout import Entry
 from tdstore.errors import CorruptMetadataError, SchemaError, UnsupportedOperationError
-from tdstore.store.writes import _planner
 
 if TYPE_CHECKING:
     from tdstore.store.core import TensorDictStore
 
-__all__ = ["tensordict_ops", "schema_ops", "check_reconnect", "check_layout", "resolve_class", "import_class"]
-
-
-def tensordict_ops(store: TensorDictStore, td: TensorDictBase) -> list[_backend.Op]:
-    """The operations that write every leaf of ``td`` to the new ``store`` (checked, not sent)."""
-    layout = _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size)), **store._creation_meta()}, {})
-    planner = _planner(store, layout)
-    for key, value in td.items():
-        planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
-    return planner.ops
+__all__ = ["schema_ops", "check_reconnect", "check_layout", "resolve_class", "import_class"]
 
 
 def schema_ops(
@@ -49,6 +36,7 @@ def schema_ops(
     """The operations that create the nodes and the zero-filled entries of a schema on the
     new ``store`` (``entries``: ``tdstore._core.schema.parse_schema``'s); no command carries
     tensor bytes. Every entry's size is checked against the server's limits first."""
+    store._conn_max_bulk()  # sets up the connection: proto-max-bulk-len is known
     ops: list[_backend.Op] = []
     seq = 0
     nodes: set[tuple[str, ...]] = set()
@@ -60,7 +48,6 @@ def schema_ops(
                 ops.append(_backend.Op("node", path[:i], _values.node_meta(bs, None, [1, seq])))
         full = list(bs) + shape
         nbytes = math.prod(full) * _codec.tensor_nbytes((), dtype)
-        store._conn_max_bulk()  # sets up the connection: proto-max-bulk-len is known
         seq += 1
         meta = _chunks.annotate(Entry.tensor(_codec.dtype_name(dtype), full, (1, seq)), store._creation_meta())
         # zero-filled on the server: no command carries the bytes

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from tdstore._backend.protocols import AsyncClient
     from tdstore.store.core import TensorDictStore
 
-__all__ = ["StoreWrites"]
+__all__ = ["StoreWrites", "upload_ops"]
 
 _MISSING = object()
 
@@ -399,10 +399,7 @@ class StoreWrites(DenseBase):
         cls = type(self)
         conn = self._conn.sibling(new_td_id())
         store = cls._handle(conn, (), torch.device(device) if device is not None else None, self._cache_metadata, self._backend_label)
-        planner = _planner(store, _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size))}, {}))
-        for key, value in td.items():
-            planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
-        store._create_store(td.batch_size, store._device_override, names, planner.ops, None)
+        store._create_store(td.batch_size, store._device_override, names, upload_ops(store, td), None)
         return store
 
     def _clone(self, recurse: bool = True, **kwargs: object) -> Self:
@@ -464,6 +461,16 @@ async def _noop(client: AsyncClient) -> None:
 def _planner(store: StoreWrites, layout: _backend.Layout) -> WritePlanner:
     store._conn.run(_noop)  # sets up the connection: proto-max-bulk-len is known
     return planner_for(store, layout, inplace=False)
+
+
+def upload_ops(store: StoreWrites, td: TensorDictBase) -> list[_backend.Op]:
+    """The operations that write every leaf of ``td`` to the new ``store`` (checked, not sent):
+    what ``from_tensordict`` and the copies on the server create a store with."""
+    layout = _backend.Layout(0, {"batch_size": json.dumps(list(td.batch_size)), **store._creation_meta()}, {})
+    planner = _planner(store, layout)
+    for key, value in td.items():
+        planner.add(_as_path(key), store._prepare_value(_as_path(key), value, td.batch_size))
+    return planner.ops
 
 
 def _leaf_items(store: StoreWrites, source: Any, keys_to_update: Sequence[NestedKey] | None) -> dict[tuple[str, ...], object]:
