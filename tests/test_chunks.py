@@ -292,6 +292,27 @@ def test_clear_and_recreate_keeps_the_chunking(make, server):
     assert "c:0:x" in _strings(server, store)
 
 
+def test_clone_keeps_the_chunking(make, server):
+    """clone() makes a store with the source's chunk_bytes (its handle's setting or the
+    environment's play no part): the same strings, chunk for chunk, under the new td_id."""
+    store = make(batch_size=[12], chunk_bytes=32)
+    store["x"] = torch.arange(48.0).reshape(12, 4)
+    store["sub", "y"] = torch.arange(36, dtype=torch.int16).reshape(12, 3)
+    source = _strings(server, store)
+    for copy, of in ((store.clone(), store), (store["sub"].clone(), store["sub"])):
+        try:
+            assert copy.td_id != store.td_id and copy.chunk_bytes == 32
+            strings = _strings(server, copy)
+            # (the sub-store's copy holds its entries at the top: "c:0:y" for the source's "c:0:sub.y")
+            want = source if of is store else {s.replace("sub.", ""): n for s, n in source.items() if ":sub." in s}
+            assert strings == want and all(s.startswith("c:") for s in strings)
+            assert (copy == of).all()
+        finally:
+            copy.clear_redis()
+            copy.close()
+    assert _strings(server, store) == source
+
+
 def test_lost_chunk_is_reported(make, server):
     store = make(batch_size=[8], chunk_bytes=16)
     store["x"] = torch.ones(8, 4)
@@ -335,6 +356,12 @@ def test_entries_past_the_string_limit(limited):
         store[idx] = TensorDict(x=new, batch_size=[5])
         value[idx] = new
         assert torch.equal(store["x"], value)
+        copy = store.clone()  # the copy is chunked as its source, so it fits the limit too
+        try:
+            assert copy.chunk_bytes == 512 * 1024 and torch.equal(copy["x"], value)
+        finally:
+            copy.clear_redis()
+            copy.close()
         schema = TensorDictStore.from_schema({"obs": ([65_536], torch.uint8)}, batch_size=[40], chunk_bytes=1024 * 1024, **conn)
         assert int(schema["obs"].sum()) == 0 and schema["obs"].shape == (40, 65_536)
         schema.clear_redis()

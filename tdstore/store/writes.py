@@ -398,6 +398,8 @@ class StoreWrites(DenseBase):
     ) -> Self:
         cls = type(self)
         conn = self._conn.sibling(new_td_id())
+        # the copy keeps the source's chunking: an entry that fits the source's strings fits its own
+        conn.chunk_bytes = self.chunk_bytes
         store = cls._handle(conn, (), torch.device(device) if device is not None else None, self._cache_metadata, self._backend_label)
         store._create_store(td.batch_size, store._device_override, names, upload_ops(store, td), None)
         return store
