@@ -602,7 +602,11 @@ class Connection:
             pipe.config_get("client-query-buffer-limit")
             pipe.info("memory")
             pipe.execute_command(*runner.exists_command())
+            # (a read of the ring flags' first byte, a string or missing: a list when the server
+            # has the command; an error when it lacks it or an ACL refuses it)
+            pipe.execute_command("BITFIELD_RO", self.keys.flags, "GET", "u8", "0")
             replies = await pipe.execute(raise_on_error=False)
+        runner.bitfield = isinstance(replies[4], list)
         self.max_bulk = _config_int(replies[0], "proto-max-bulk-len", DEFAULT_MAX_BULK)
         self.max_query = _config_int(replies[1], "client-query-buffer-limit", DEFAULT_MAX_QUERY)
         _memory.note_setup(client, replies[2])

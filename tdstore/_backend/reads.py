@@ -1,6 +1,6 @@
 """Indexed reads: byte runs of several entries in one snapshot (MULTI of GETRANGEs, the gather
-script, or one GETRANGE then the layout version), on the IO loop's asyncio client or on a
-blocking client.
+script, BITFIELD_RO for rows of 1-16 bytes, or one GETRANGE then the layout version), on the
+IO loop's asyncio client or on a blocking client.
 
 A chunked entry's runs become one piece per chunk they cross (:mod:`tdstore._core.chunks`), and
 a gather over its rows one gather call per chunk, the rows put back in the order asked.
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from tdstore._backend import placed as _placed
 from tdstore._backend.ops import _raise_first_error
 from tdstore._backend.protocols import AsyncClient
@@ -18,12 +20,15 @@ from tdstore._backend.scripts import ScriptRunner
 from tdstore._backend.step import ReadStep, run_async
 from tdstore._core import chunks as _chunks
 from tdstore._core.keys import StoreKeys
-from tdstore._core.layout import Command, parse_lv
+from tdstore._core.layout import Arg, Command, PackedCommand, parse_lv
+from tdstore.errors import CorruptMetadataError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["runs_step", "read_runs", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS"]
+__all__ = [
+    "runs_step", "read_runs", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS", "BITFIELD_ROWS",
+]
 
 
 def runs_step(
@@ -77,7 +82,7 @@ def runs_step(
         # change came before
         commands: list[Command] = [("GETRANGE", data_key, offset, last), ("STRLEN", data_key), ("HGET", keys.meta, "lv")]
         return ReadStep("packet", parse_one, commands)
-    recipe = _read_recipe(keys, plans, gathers)
+    recipe = _read_recipe(keys, plans, gathers, {c[0] for c in checks} if runner.bitfield else set())
 
     def parse(replies: list[Any]) -> tuple[int | None, list[list[bytes]]]:
         _raise_first_error(replies)
@@ -210,10 +215,11 @@ def _single_run(
     return which, keys.chunk(path, k), local, local + n - 1, n <= READ_ONE_MAX
 
 
-# One plan's reads: ("runs", commands, pieces per run) or ("gather", commands, None), or
-# ("cgather", commands, (row bytes, where each row asked for lies in the replies joined))
-# for a gather over the chunks of a chunked entry. A command is ("getrange", key, first,
-# last) or ("gather", key, (row bytes, "row row ...")).
+# One plan's reads: ("runs", commands, pieces per run), ("gather", commands, None),
+# ("bitfield", commands, the width of its integers in bytes), or ("cgather", commands, (row
+# bytes, where each row asked for lies in the replies joined)) for a gather over the chunks of
+# a chunked entry. A command is ("getrange", key, first, last), ("gather", key, (row bytes,
+# "row row ...")) or ("bitfield", key, (integer width, integers per row, "row row ...")).
 _Recipe = list[tuple[str, list[tuple[Any, ...]], Any]]
 # A placed read's buffers: recipe item -> (its flat uint8 tensor, that tensor's memory, run lengths)
 _Buffers = dict[int, tuple["torch.Tensor", memoryview, list[int]]]
@@ -225,13 +231,21 @@ def _read_recipe(
     keys: StoreKeys,
     plans: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int | None]]]],
     gathers: Sequence[tuple[int, str] | None],
+    bitfield: set[int],
 ) -> _Recipe:
+    """``bitfield``: the plans whose gather may go by BITFIELD_RO (the server has it, and
+    their string's length is checked in the same snapshot: BITFIELD reads past a string's
+    end as zeros, where a gather comes back short)."""
     out: _Recipe = []
-    for (path, runs), gather in zip(plans, gathers, strict=True):
+    for i, ((path, runs), gather) in enumerate(zip(plans, gathers, strict=True)):
         chunking = keys.chunks.get(path)
         if gather is not None:
             if chunking is None:
-                out.append(("gather", [("gather", keys.data(path), gather)], None))
+                if i in bitfield and gather[0] in BITFIELD_ROWS:
+                    width = min(gather[0], 8)
+                    out.append(("bitfield", [("bitfield", keys.data(path), (width, gather[0] // width, gather[1]))], width))
+                else:
+                    out.append(("gather", [("gather", keys.data(path), gather)], None))
                 continue
             row_bytes = gather[0]
             rows = [int(r) for r in gather[1].split()]
@@ -285,7 +299,10 @@ def _run_commands(keys: StoreKeys, runner: ScriptRunner, recipe: _Recipe) -> lis
     out: list[Command] = [("HGET", keys.meta, "lv")]
     for _, commands, _ in recipe:
         for command in commands:
-            if command[0] == "gather":
+            if command[0] == "bitfield":
+                _, key, (width, per_row, rows) = command
+                out.append(_bitfield_command(key, width, per_row, rows))
+            elif command[0] == "gather":
                 _, key, (row_bytes, rows) = command
                 out.append(("EVALSHA", runner.sha("gather"), 1, key, str(row_bytes), rows))
             else:
@@ -318,6 +335,8 @@ def _split_runs(
                 at += n
         if kind == "gather":
             out.append(got)
+        elif kind == "bitfield":
+            out.append([_bitfield_bytes(got[0], extra, base)])
         elif kind == "cgather":
             row_bytes, perm = extra
             joined = b"".join(got)
@@ -332,6 +351,44 @@ def _split_runs(
                 at += n
             out.append(runs)
     return lv, out
+
+
+#: Rows of these sizes (bytes) that would go by the gather script go by BITFIELD_RO instead,
+#: where the server has it: one GET of a signed integer of the row's size per row (two of 8
+#: bytes for a row of 16), no Lua. BITFIELD reads its integers big-endian, so each one's
+#: big-endian bytes are the row's bytes as stored. Measured (2026-12-07, Valkey 8.1 over TCP,
+#: 256 random rows of 1, 4 or 8 B from 100,000): the script cost the server 0.27 ms a call,
+#: BITFIELD_RO 0.12-0.13 ms (a MULTI of a GETRANGE each, 0.19-0.22 ms); a uniform sample of
+#: 256 rows of obs uint8[84, 84, 3], action and reward went from 5.1-5.3 to 4.0-4.3 ms of server
+#: CPU. It costs the client about 0.18 ms more per entry to pack (3 arguments a row).
+BITFIELD_ROWS = (1, 2, 4, 8, 16)
+
+
+def _bitfield_command(key: str, width: int, per_row: int, rows: str) -> PackedCommand:
+    """``BITFIELD_RO key GET i<8 width> #<n> ...`` over ``rows`` ("row row ..."), ``per_row``
+    integers a row (the n of row r: r * per_row .. r * per_row + per_row - 1), with its RESP
+    encoding made here in one pass (a quarter of what packing its arguments one by one costs)."""
+    kind = f"i{8 * width}"
+    numbers = rows.split()
+    if per_row != 1:
+        numbers = [str(int(r) * per_row + j) for r in numbers for j in range(per_row)]
+    args: list[Arg] = ["BITFIELD_RO", key]
+    for n in numbers:
+        args += ("GET", kind, "#" + n)
+    kb = key.encode()
+    get = b"$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(kind), kind.encode())
+    resp = b"".join(
+        [b"*%d\r\n$11\r\nBITFIELD_RO\r\n$%d\r\n%s\r\n" % (len(args), len(kb), kb)]
+        + [b"%s$%d\r\n#%s\r\n" % (get, len(n) + 1, n.encode()) for n in numbers]
+    )
+    return PackedCommand(tuple(args), resp)
+
+
+def _bitfield_bytes(reply: object, width: int, base: str) -> bytes:
+    """The rows' bytes from a BITFIELD_RO reply: its signed integers, big-endian."""
+    if not isinstance(reply, list) or not all(type(v) is int for v in reply):
+        raise CorruptMetadataError(f"a read of {base} got {reply!r:.100} from BITFIELD_RO, not a list of integers")
+    return np.array(reply, dtype=f">i{width}").tobytes()
 
 
 #: A single run at most this long is read with the read_one script (one command); longer

@@ -134,10 +134,13 @@ async def probe_shebang(client: AsyncClient) -> bool:
 
 
 class ScriptRunner:
-    """Calls scripts on one server; knows whether it takes the ``#!lua`` line."""
+    """Calls scripts on one server; knows whether it takes the ``#!lua`` line, and whether it
+    has ``BITFIELD_RO`` (Redis 6.2+, Valkey; not fakeredis), by which reads of rows of
+    1-16 bytes go (:mod:`tdstore._backend.reads`)."""
 
-    def __init__(self, shebang: bool) -> None:
+    def __init__(self, shebang: bool, bitfield: bool = False) -> None:
         self.shebang = shebang
+        self.bitfield = bitfield
 
     def sha(self, name: str) -> str:
         return get_script(name).sha(self.shebang)

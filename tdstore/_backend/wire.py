@@ -37,7 +37,7 @@ import redis.exceptions
 
 from tdstore._backend import durability as _durability
 from tdstore._backend.protocols import AsyncConnection, SyncConnection
-from tdstore._core.layout import Command
+from tdstore._core.layout import Command, PackedCommand
 
 _HiredisParser: Any
 NOT_ENOUGH_DATA: Any
@@ -164,6 +164,9 @@ def packed(commands: Sequence[Command]) -> list[bytes | memoryview]:
     # (an Arg, told apart by its exact type below, which mypy does not follow from ``kind``)
     arg: Any
     for command in commands:
+        if type(command) is PackedCommand:
+            head += command.resp
+            continue
         head += b"*%d\r\n" % len(command)
         for arg in command:
             kind = type(arg)  # (exact types first: this runs for every argument of every packet)

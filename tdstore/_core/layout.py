@@ -34,6 +34,20 @@ Arg = str | bytes | memoryview | int | float
 #: One command: its name and arguments, as ``execute_command(*command)`` takes them.
 Command = tuple[Arg, ...]
 
+
+class PackedCommand(tuple[Arg, ...]):
+    """A :data:`Command` that carries its RESP encoding too (``resp``), made where a command
+    of many small arguments is built anyway: tdstore's packer
+    (:func:`tdstore._backend.wire.packed`) sends ``resp`` as it is, and redis-py's packs the
+    arguments as for any command."""
+
+    resp: bytes
+
+    def __new__(cls, args: tuple[Arg, ...], resp: bytes) -> PackedCommand:
+        made = super().__new__(cls, args)
+        made.resp = resp
+        return made
+
 #: The most dims a shape or batch size read from the server may have.
 MAX_DIMS = 64
 #: The largest dim read from the server (a larger one is damage, not data).
