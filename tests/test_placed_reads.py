@@ -5,6 +5,7 @@ server that lies about a size) and threads sharing a handle."""
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 
@@ -243,6 +244,47 @@ def test_an_exec_array_places_its_items_by_position():
     r = replies_of(b"*3\r\n$3\r\nabc\r\n$2\r\nzz\r\n$4\r\nwxyz\r\n")
     assert r.reply(targets={0: t0, 2: t2}) == [_placed.PLACED, b"zz", _placed.PLACED]
     assert bytes(t0) == b"abc" and bytes(t2) == b"wxyz"
+
+
+@pytest.mark.parametrize("buffer", [None, 64, 1000])
+@pytest.mark.parametrize("seed", range(4))
+def test_integer_arrays_give_what_hiredis_gives(seed, buffer):
+    """Arrays of integers (BITFIELD's replies), parsed in one pass: extremes, arrays cut
+    anywhere by the receives (``buffer``: a small receive buffer, 64 bytes too small for
+    the array, so it goes item by item), an item that is not an integer, replies after."""
+    import hiredis
+
+    rng = random.Random(seed)
+    data = b""
+    for _ in range(6):
+        count = rng.choice([0, 1, 15, 16, 17, 40, 300])
+        items = []
+        for i in range(count):
+            if seed % 2 and i == count // 2:
+                items.append(rng.choice([b"$1\r\nx\r\n", b"$-1\r\n", b"-ERR no\r\n", b"*2\r\n:1\r\n:2\r\n"]))
+            else:
+                items.append(b":%d\r\n" % rng.choice([0, -1, 2**63 - 1, -(2**63), rng.randrange(-(2**63), 2**63)]))
+        data += b"*%d\r\n" % count + b"".join(items) + rng.choice([b"", b":7\r\n", b"+OK\r\n"])
+    reader = hiredis.Reader()
+    reader.feed(data)
+    want = []
+    while (one := reader.gets()) is not False:
+        want.append(one)
+    r = replies_of(data)
+    if buffer is not None:
+        r.buf = bytearray(buffer)
+        r.mv = memoryview(r.buf)
+    got = [r.reply() for _ in want]
+    norm = lambda v: str(v) if isinstance(v, Exception) else [norm(x) for x in v] if isinstance(v, list) else v  # noqa: E731
+    assert norm(got) == norm(want)
+
+
+def test_an_integer_array_is_parsed_in_one_pass(monkeypatch):
+    lines: list[int] = []
+    line = _placed._Replies._line
+    monkeypatch.setattr(_placed._Replies, "_line", lambda self: lines.append(1) or line(self))
+    r = replies_of(b"*256\r\n" + b":-5\r\n" * 255 + b":9223372036854775807\r\n")
+    assert r.reply() == [-5] * 255 + [2**63 - 1] and len(lines) == 1  # (the header's line only)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ the read then goes again through the IO loop (a read changes nothing).
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Callable, Mapping, Sequence
 
@@ -51,6 +52,12 @@ PLACE_MIN_PIECE = 2048
 PLACE_MAX = 512 * 1024 * 1024
 
 _RECV = 256 * 1024  # (bytes asked of the socket at a time for what is not placed)
+#: an array's items that are all integers (BITFIELD's replies) are parsed in one pass when
+#: there are at least this many (item by item, 256 of them cost the client 0.4-0.5 ms)
+_INTS_MIN = 16
+#: integer items, whole (an int64 has at most 20 characters), and what may start them
+_INT_ITEMS = re.compile(rb"(?::-?[0-9]{1,20}\r\n)*")
+_INT_START = re.compile(rb":-?[0-9]{0,20}\r?\Z")
 
 
 def usable(client: SyncClient) -> bool:
@@ -158,6 +165,29 @@ class _Replies:
             raise redis.exceptions.InvalidResponse("a bulk reply does not end with CRLF")
         self.pos += 2
 
+    def _ints(self, count: int) -> list[int] | None:
+        """The ``count`` items of an array when they are all integers, parsed in one pass as
+        they arrive; None (nothing parsed) when one is not, or they do not fit the buffer."""
+        while True:
+            whole = _INT_ITEMS.match(self.buf, self.pos, self.end)
+            assert whole is not None  # (the pattern matches the empty string)
+            done = self.buf.count(b"\r\n", self.pos, whole.end())
+            if done >= count:
+                break
+            # not all there yet: wait for more only if what follows the whole items may
+            # still become one, and the buffer can take the rest
+            rest = self.buf[whole.end() : self.end]
+            if (rest and not _INT_START.match(rest)) or (self.pos == 0 and self.end == len(self.buf)):
+                return None
+            self._fill()
+        if count == 0:
+            return []
+        at, lines = self.pos, self.buf[self.pos + 1 : whole.end() - 2].split(b"\r\n:", count)
+        if len(lines) > count:  # (more integer replies follow the array: they stay unparsed)
+            lines.pop()
+        self.pos = at + sum(len(line) for line in lines) + 3 * count
+        return [int(line) for line in lines]
+
     def reply(self, target: memoryview | None = None, targets: Mapping[int, memoryview] | None = None) -> object:
         """The next reply, as hiredis gives it (errors as values); a bulk reply of exactly
         ``target``'s size is received into it (:data:`PLACED`). ``targets``: for the items
@@ -186,6 +216,10 @@ class _Replies:
                 return None
             if targets:
                 return [self.reply(targets.get(i)) for i in range(count)]
+            if count >= _INTS_MIN:
+                ints = self._ints(count)
+                if ints is not None:
+                    return ints
             return [self.reply() for _ in range(count)]
         if kind == b"%":
             count = int(rest)
