@@ -216,7 +216,7 @@ def _single_run(
 
 
 # One plan's reads: ("runs", commands, pieces per run), ("gather", commands, None),
-# ("bitfield", commands, the width of its integers in bytes), or ("cgather", commands, (row
+# ("bitfield", commands, (the width of its integers in bytes, their count)), or ("cgather", commands, (row
 # bytes, where each row asked for lies in the replies joined)) for a gather over the chunks of
 # a chunked entry. A command is ("getrange", key, first, last), ("gather", key, (row bytes,
 # "row row ...")) or ("bitfield", key, (integer width, integers per row, "row row ...")).
@@ -243,7 +243,9 @@ def _read_recipe(
             if chunking is None:
                 if i in bitfield and gather[0] in BITFIELD_ROWS:
                     width = min(gather[0], 8)
-                    out.append(("bitfield", [("bitfield", keys.data(path), (width, gather[0] // width, gather[1]))], width))
+                    per_row = gather[0] // width
+                    count = per_row * (gather[1].count(" ") + 1)
+                    out.append(("bitfield", [("bitfield", keys.data(path), (width, per_row, gather[1]))], (width, count)))
                 else:
                     out.append(("gather", [("gather", keys.data(path), gather)], None))
                 continue
@@ -336,7 +338,7 @@ def _split_runs(
         if kind == "gather":
             out.append(got)
         elif kind == "bitfield":
-            out.append([_bitfield_bytes(got[0], extra, base)])
+            out.append([_bitfield_bytes(got[0], extra[0], extra[1], base)])
         elif kind == "cgather":
             row_bytes, perm = extra
             joined = b"".join(got)
@@ -360,7 +362,8 @@ def _split_runs(
 #: 256 random rows of 1, 4 or 8 B from 100,000): the script cost the server 0.27 ms a call,
 #: BITFIELD_RO 0.12-0.13 ms (a MULTI of a GETRANGE each, 0.19-0.22 ms); a uniform sample of
 #: 256 rows of obs uint8[84, 84, 3], action and reward went from 5.1-5.3 to 4.0-4.3 ms of server
-#: CPU. It costs the client about 0.18 ms more per entry to pack (3 arguments a row).
+#: CPU. Its RESP is made in one pass (:func:`_bitfield_command`): 0.08 ms for 256 rows, where
+#: packing its 770 arguments one by one took 0.2 ms and the gather's call 0.03 ms.
 BITFIELD_ROWS = (1, 2, 4, 8, 16)
 
 
@@ -384,10 +387,10 @@ def _bitfield_command(key: str, width: int, per_row: int, rows: str) -> PackedCo
     return PackedCommand(tuple(args), resp)
 
 
-def _bitfield_bytes(reply: object, width: int, base: str) -> bytes:
-    """The rows' bytes from a BITFIELD_RO reply: its signed integers, big-endian."""
-    if not isinstance(reply, list) or not all(type(v) is int for v in reply):
-        raise CorruptMetadataError(f"a read of {base} got {reply!r:.100} from BITFIELD_RO, not a list of integers")
+def _bitfield_bytes(reply: object, width: int, count: int, base: str) -> bytes:
+    """The rows' bytes from a BITFIELD_RO reply: its ``count`` signed integers, big-endian."""
+    if not isinstance(reply, list) or len(reply) != count or not all(type(v) is int for v in reply):
+        raise CorruptMetadataError(f"a read of {base} got {reply!r:.100} from BITFIELD_RO, not a list of {count} integers")
     return np.array(reply, dtype=f">i{width}").tobytes()
 
 
