@@ -132,3 +132,15 @@ def test_a_damaged_string_is_refused_not_read_as_zeros(server, damage):
     finally:
         store.clear_redis()
         store.close()
+
+
+@pytest.mark.parametrize("reply", [[1, 2], [1, 2, 3, 4], [1, b"2", 3], b"\x00" * 24, None])
+def test_a_reply_not_of_the_integers_asked_is_refused(reply):
+    """Hostile data: another count, a non-integer, not a list: one clear error naming the store."""
+    from tdstore._backend.reads import _bitfield_bytes
+
+    with pytest.raises(tdstore.CorruptMetadataError, match=r"tensordict:\{x\}.*BITFIELD_RO.*3 integers"):
+        _bitfield_bytes(reply, 8, 3, "tensordict:{x}")
+    assert _bitfield_bytes([1, -1, 2**63 - 1], 8, 3, "tensordict:{x}") == (
+        (1).to_bytes(8, "big") + (2**64 - 1).to_bytes(8, "big") + (2**63 - 1).to_bytes(8, "big")
+    )
