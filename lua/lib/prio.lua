@@ -173,6 +173,25 @@ local function pvalues(t, s, a, count, key)
   return out
 end
 
+-- the doubles of s (little-endian, 8 bytes each; #s a multiple of 8, else nil), unpacked up
+-- to 64 in one call; nil where the server has no struct library
+local function doubles(s)
+  if not STRUCT or #s % 8 ~= 0 then return nil end
+  local out, count, done = {}, #s / 8, 0
+  while done < count do
+    local n = math.min(count - done, 64)
+    local fmt = UNPACK_FMT[n]
+    if not fmt then
+      fmt = '<' .. string.rep('d', n)
+      UNPACK_FMT[n] = fmt
+    end
+    local got = {STRUCT.unpack(fmt, s, done * 8 + 1)}
+    for i = 1, n do out[done + i] = got[i] end
+    done = done + n
+  end
+  return out
+end
+
 -- a leaf's bytes, and a node's (sum, least positive leaf), in t's encoding
 local function penc(t, v)
   if t.bin then return STRUCT.pack('<d', v) end

@@ -80,6 +80,9 @@ def _config_int(reply: Any, name: str, default: int) -> int:
     except (TypeError, ValueError):
         return default
 
+#: a script that answers 1 where the server's Lua has the struct library
+_STRUCT_PROBE = "local ok, lib = pcall(function() return struct end) return (ok and type(lib) == 'table') and 1 or 0"
+
 #: guards the layout cache of every Connection (threads sharing a handle update it)
 _LAYOUT_LOCK = threading.Lock()
 
@@ -581,6 +584,12 @@ class Connection:
         )
 
     @property
+    def lua_has_struct(self) -> bool:
+        """Whether the server's Lua has the struct library (False until the first operation
+        has set the connection up)."""
+        return self._runner is not None and self._runner.struct
+
+    @property
     def runner(self) -> ScriptRunner:
         assert self._runner is not None, "runner is set up by run()"
         return self._runner
@@ -605,8 +614,11 @@ class Connection:
             # (a read of the ring flags' first byte, a string or missing: a list when the server
             # has the command; an error when it lacks it or an ACL refuses it)
             pipe.execute_command("BITFIELD_RO", self.keys.flags, "GET", "u8", "0")
+            # (whether the server's Lua has struct: reading a global it lacks is an error there)
+            pipe.execute_command("EVAL", _STRUCT_PROBE, 0)
             replies = await pipe.execute(raise_on_error=False)
         runner.bitfield = isinstance(replies[4], list)
+        runner.struct = replies[5] == 1
         self.max_bulk = _config_int(replies[0], "proto-max-bulk-len", DEFAULT_MAX_BULK)
         self.max_query = _config_int(replies[1], "client-query-buffer-limit", DEFAULT_MAX_QUERY)
         _memory.note_setup(client, replies[2])

@@ -136,11 +136,14 @@ async def probe_shebang(client: AsyncClient) -> bool:
 class ScriptRunner:
     """Calls scripts on one server; knows whether it takes the ``#!lua`` line, and whether it
     has ``BITFIELD_RO`` (Redis 6.2+, Valkey; not fakeredis), by which reads of rows of
-    1-16 bytes go (:mod:`tdstore._backend.reads`)."""
+    1-16 bytes go (:mod:`tdstore._backend.reads`), and whether its Lua has ``struct``."""
 
-    def __init__(self, shebang: bool, bitfield: bool = False) -> None:
+    def __init__(self, shebang: bool, bitfield: bool = False, struct: bool = False) -> None:
         self.shebang = shebang
         self.bitfield = bitfield
+        #: whether the server's Lua has the struct library (Redis, Valkey; not fakeredis):
+        #: the priority updates then pass their numbers as doubles (lua/prio_update.lua)
+        self.struct = struct
 
     def sha(self, name: str) -> str:
         return get_script(name).sha(self.shebang)

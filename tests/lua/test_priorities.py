@@ -244,6 +244,63 @@ def test_update_refuses_bad_arguments_unchanged(r: ClockRedis, lua_version: str,
     assert r.snapshot() == before
 
 
+def f64_args(rows: list[float], prios: list[float], gens: list[int] | None) -> list[bytes | str]:
+    """prio_update's arguments in its "f64" form."""
+    fields = b"".join(b"%016d" % g for g in gens) if gens is not None else b""
+    return [struct.pack(f"<{len(rows)}d", *rows), struct.pack(f"<{len(prios)}d", *prios), fields, "f64"]
+
+
+def test_update_in_doubles_does_what_the_text_does(lua_version: str) -> None:
+    """The "f64" form (the clients' on Redis and Valkey) against the text form, on two stores
+    with struct: the same replies, leaves, tree and max, generations moved or not."""
+    twins = []
+    for form in ("text", "f64"):
+        shim = ClockRedis(struct_lib=True)
+        shim.enc = "f64"  # type: ignore[attr-defined]
+        ring(shim, b"\x01" * 10, 10)
+        build(shim, lua_version, alpha=0.5, eps=0.0)
+        shim.run("prio_new", NEW_KEYS, ["10", "2"], lua_version)  # rows 0, 1 at generations 11, 12
+        twins.append((form, shim))
+    steps = [([0, 1, 2, 2], [4.0, 9.0, 16.0, 25.0], [11, 5, 0, 0]), ([9, 3, 0], [0.5, 1e-300, 7.25], None), ([-0.0], [3.0], [11])]
+    for rows, prios, gens in steps:
+        replies = []
+        for form, shim in twins:
+            if form == "text":
+                argv = [" ".join(str(int(x)) for x in rows), " ".join(map(repr, prios)), " ".join(map(str, gens or []))]
+            else:
+                argv = f64_args(rows, prios, gens)
+            replies.append(shim.run("prio_update", UPDATE_KEYS, argv, lua_version))
+        assert replies[0] == replies[1] and replies[0][0] == 1, replies
+        assert twins[0][1].snapshot() == twins[1][1].snapshot()
+    assert leaves(twins[1][1])[:4] == [3.0 ** 0.5, 1.0, 5.0, 1e-150]
+    consistent(twins[1][1])
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (f64_args([0, 1], [1.0], None), "2 rows, 1 priorities"),
+    (f64_args([0], [1.0], [3, 4]), "2 generations"),
+    ([struct.pack("<d", 0)[:7], struct.pack("<d", 1.0), b"", "f64"], "not doubles"),
+    ([struct.pack("<d", 0), struct.pack("<d", 1.0), b"12345", "f64"], "16-digit fields"),
+    (f64_args([10], [1.0], None), "not a row appended"),
+    (f64_args([0.5], [1.0], None), "not a row appended"),
+    (f64_args([float("nan")], [1.0], None), "not a row appended"),
+    (f64_args([0], [float("nan")], None), "not a finite number"),
+    (f64_args([0], [float("inf")], None), "not a finite number"),
+    (f64_args([0], [-0.5], None), "not a finite number"),
+    ([struct.pack("<d", 0), struct.pack("<d", 1.0), b"x" * 16, "f64"], "not a count"),
+    (["0", "1", "", "f32"], "not \"f64\""),
+])
+def test_update_in_doubles_refuses_bad_arguments_unchanged(r: ClockRedis, lua_version: str, argv: list, why: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version)
+    before = r.snapshot()
+    got = r.run("prio_update", UPDATE_KEYS, argv, lua_version)
+    if r.enc == "text" and argv[-1] == "f64":  # type: ignore[attr-defined]
+        why = "no struct library"  # (a server without struct refuses the form whole)
+    assert got[0] == -1 and why in got[1].decode(), got
+    assert r.snapshot() == before
+
+
 def test_update_past_the_rows_written_is_refused(r: ClockRedis, lua_version: str) -> None:
     ring(r, b"\x01" * 4, 4)
     build(r, lua_version)
