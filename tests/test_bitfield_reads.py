@@ -60,11 +60,12 @@ def _bitfield_calls(server) -> int:
     return int(stats.get("cmdstat_bitfield_ro", {}).get("calls", 0))
 
 
-def test_which_servers_read_by_bitfield(server):
+def test_which_servers_read_by_bitfield_and_take_doubles(server):
     store = TensorDictStore.from_tensordict(_reference(4, 0), **server.connection_kwargs())
     try:
         store[0]  # (the connection is set up by its first operation)
         assert store._conn.runner.bitfield is (server.kind != "fakeredis")
+        assert store._conn.lua_has_struct is (server.kind != "fakeredis")  # (the updates' doubles)
     finally:
         store.clear_redis()
         store.close()

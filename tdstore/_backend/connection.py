@@ -80,8 +80,11 @@ def _config_int(reply: Any, name: str, default: int) -> int:
     except (TypeError, ValueError):
         return default
 
-#: a script that answers 1 where the server's Lua has the struct library
-_STRUCT_PROBE = "local ok, lib = pcall(function() return struct end) return (ok and type(lib) == 'table') and 1 or 0"
+#: a script that answers 1 where the server's Lua has the struct library (an error or 0
+#: elsewhere: reading a global it lacks is an error under Redis's sandbox). It calls no
+#: command, so a store with ``durability=`` sends no WAIT after it (durability.writes), and
+#: it goes with the no-writes flag where the server takes flags (allowed past maxmemory)
+_STRUCT_PROBE = "return type(struct) == 'table' and 1 or 0"
 
 #: guards the layout cache of every Connection (threads sharing a handle update it)
 _LAYOUT_LOCK = threading.Lock()
@@ -615,7 +618,7 @@ class Connection:
             # has the command; an error when it lacks it or an ACL refuses it)
             pipe.execute_command("BITFIELD_RO", self.keys.flags, "GET", "u8", "0")
             # (whether the server's Lua has struct: reading a global it lacks is an error there)
-            pipe.execute_command("EVAL", _STRUCT_PROBE, 0)
+            pipe.execute_command("EVAL", ("#!lua flags=no-writes\n" if shebang else "") + _STRUCT_PROBE, 0)
             replies = await pipe.execute(raise_on_error=False)
         runner.bitfield = isinstance(replies[4], list)
         runner.struct = replies[5] == 1
