@@ -144,17 +144,11 @@ local function pget(t, s, a, key)
   return pnum(string.sub(s, a, a + PW - 1), key)
 end
 
--- count values from byte a (1-based) of the string s read from key, checked, in t's
--- encoding: doubles unpacked up to 64 in one call (a call per value costs 5x more)
+-- count doubles (little-endian) from byte a (1-based) of the string s, unchecked, unpacked up
+-- to 64 in one call (a call per value costs 5x more); s holds them all
 local UNPACK_FMT = {}
-local function pvalues(t, s, a, count, key)
-  local out = {}
-  if not t.bin then
-    for i = 1, count do out[i] = pget(t, s, a + (i - 1) * PW, key) end
-    return out
-  end
-  if #s < a + count * 8 - 1 then pget(t, s, #s + 1, key) end  -- (a short read: damage)
-  local done = 0
+local function unpack_doubles(s, a, count)
+  local out, done = {}, 0
   while done < count do
     local n = math.min(count - done, 64)
     local fmt = UNPACK_FMT[n]
@@ -163,33 +157,33 @@ local function pvalues(t, s, a, count, key)
       UNPACK_FMT[n] = fmt
     end
     local got = {STRUCT.unpack(fmt, s, a + done * 8)}
-    for i = 1, n do
-      local v = got[i]
-      if v ~= v or v < 0 or v > P_MAX then pcheck(v, key) end
-      out[done + i] = v
-    end
+    for i = 1, n do out[done + i] = got[i] end
     done = done + n
   end
   return out
 end
 
--- the doubles of s (little-endian, 8 bytes each; #s a multiple of 8, else nil), unpacked up
--- to 64 in one call; nil where the server has no struct library
-local function doubles(s)
-  if not STRUCT or #s % 8 ~= 0 then return nil end
-  local out, count, done = {}, #s / 8, 0
-  while done < count do
-    local n = math.min(count - done, 64)
-    local fmt = UNPACK_FMT[n]
-    if not fmt then
-      fmt = '<' .. string.rep('d', n)
-      UNPACK_FMT[n] = fmt
-    end
-    local got = {STRUCT.unpack(fmt, s, done * 8 + 1)}
-    for i = 1, n do out[done + i] = got[i] end
-    done = done + n
+-- count values from byte a (1-based) of the string s read from key, checked, in t's encoding
+local function pvalues(t, s, a, count, key)
+  if not t.bin then
+    local out = {}
+    for i = 1, count do out[i] = pget(t, s, a + (i - 1) * PW, key) end
+    return out
+  end
+  if #s < a + count * 8 - 1 then pget(t, s, #s + 1, key) end  -- (a short read: damage)
+  local out = unpack_doubles(s, a, count)
+  for i = 1, count do
+    local v = out[i]
+    if v ~= v or v < 0 or v > P_MAX then pcheck(v, key) end
   end
   return out
+end
+
+-- the doubles of s (little-endian, 8 bytes each; #s a multiple of 8, else nil); nil where
+-- the server has no struct library
+local function doubles(s)
+  if not STRUCT or #s % 8 ~= 0 then return nil end
+  return unpack_doubles(s, 1, #s / 8)
 end
 
 -- a leaf's bytes, and a node's (sum, least positive leaf), in t's encoding

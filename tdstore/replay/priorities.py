@@ -448,7 +448,7 @@ def update(store: TensorDictStore, index: Any, priority: Any, generation: Any = 
         if generation is not None:
             if gen.numel() and int(gen.max()) >= 10**_GW:
                 raise ValueError(f"{what}: generations are counts below 10**{_GW}, got {int(gen.max())}")
-            gen_f64 = ("%016d" * gen.numel() % tuple(gen.tolist())).encode()
+            gen_f64 = (f"%0{_GW}d" * gen.numel() % tuple(gen.tolist())).encode()
         args = [idx.to(torch.float64).numpy().astype("<f8").tobytes(), pri.numpy().astype("<f8").tobytes(), gen_f64, "f64"]
     else:
         gen_arg = " ".join(map(str, gen.tolist())) if generation is not None else ""
