@@ -44,7 +44,7 @@ def dead_reservation(store, n: int) -> int:
 @pytest.mark.parametrize("large", [False, True], ids=["flags-read-whole", "flags-per-row"])
 def test_sample_skips_rows_reserved_and_not_written(store, monkeypatch, large):
     if large:
-        monkeypatch.setattr(_ring, "_FLAGS_READ_MAX", 2)  # the BITFIELD path of large rings
+        monkeypatch.setattr(_ring._append_mod, "FLAGS_READ_MAX", 2)  # the BITFIELD path of large rings
     store.extend(batch(1.0, 2))  # rows 0-1
     assert dead_reservation(store, 3) == 2  # rows 2-4: reserved, never written
     store.extend(batch(2.0, 2))  # rows 5-6

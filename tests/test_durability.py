@@ -69,12 +69,12 @@ def _sample_flags_per_row(store: TensorDictStore) -> object:
     one BITFIELD of GETs, which reads (before, it was sent as a write: it waited)."""
     from tdstore.store import ring as _ring
 
-    real = _ring._FLAGS_READ_MAX
-    _ring._FLAGS_READ_MAX = 4
+    real = _ring._append_mod.FLAGS_READ_MAX
+    _ring._append_mod.FLAGS_READ_MAX = 4
     try:
         return store.sample(8)
     finally:
-        _ring._FLAGS_READ_MAX = real
+        _ring._append_mod.FLAGS_READ_MAX = real
 
 
 def test_a_bitfield_of_gets_reads_and_one_that_sets_writes():

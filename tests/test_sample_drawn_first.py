@@ -81,7 +81,7 @@ def test_a_full_ring_is_sampled_without_reading_its_flags_first(store, server, m
 @pytest.mark.parametrize("large", [False, True], ids=["flags-read-whole", "flags-per-row"])
 def test_rows_not_written_are_never_drawn(store, monkeypatch, large):
     if large:
-        monkeypatch.setattr(_ring, "_FLAGS_READ_MAX", 2)  # the BITFIELD path of large rings
+        monkeypatch.setattr(_ring._append_mod, "FLAGS_READ_MAX", 2)  # the BITFIELD path of large rings
     store.extend(rows(0, CAP))
     store.sample(1)  # (the ring is known full from here)
     assert dead_reservation(store, 3) == CAP  # rows 0-2 reserved again by an appender that died
@@ -154,7 +154,7 @@ def test_a_rate_limiter_set_elsewhere_counts_and_holds_the_next_samples(store, s
 @pytest.mark.parametrize("large", [False, True], ids=["flags-read-whole", "flags-per-row"])
 def test_damaged_flags_are_one_clear_error_and_change_nothing(store, server, monkeypatch, large):
     if large:
-        monkeypatch.setattr(_ring, "_FLAGS_READ_MAX", 2)
+        monkeypatch.setattr(_ring._append_mod, "FLAGS_READ_MAX", 2)
     store.extend(rows(0, CAP))
     store.sample(1)
     client = server.sync_client()
@@ -210,7 +210,7 @@ def test_a_row_unwritten_between_the_draw_and_the_read_is_drawn_again(store, ser
     were read without their flags: a failover to a replica that lacked the row's write gave
     back its zero bytes (tests/test_sharded_failover.py saw one)."""
     if large:
-        monkeypatch.setattr(_ring, "_FLAGS_READ_MAX", 4)  # (a ring of 8 rows: flags read per row)
+        monkeypatch.setattr(_ring._append_mod, "FLAGS_READ_MAX", 4)  # (a ring of 8 rows: flags read per row)
     store.extend(rows(1, 6))  # rows 0-5 hold y = 1..6; 6 and 7 never written
     hit = _unwrite_after_the_draw(server, store, monkeypatch)
     batch, info = store.sample(64, return_info=True, generator=torch.Generator().manual_seed(3))

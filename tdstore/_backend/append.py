@@ -575,6 +575,10 @@ def ring_flags(keys: StoreKeys, capacity: int, whole: bool) -> ReadStep[tuple[ob
     return ReadStep("snapshot", parse, commands)
 
 
+#: Rings of at most this many rows have their flags read whole by sample(); larger ones per row drawn.
+FLAGS_READ_MAX = 1 << 16
+
+
 def draw_check_prefix(keys: StoreKeys, capacity: int, rows: Sequence[int], whole: bool) -> list[Command]:
     """Read commands for the snapshot of a sample's rows drawn before their flags were read
     (``store/ring.py``): the cursor, the meta field "lim" (a rate limiter is set) and the flags,

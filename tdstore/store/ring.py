@@ -270,7 +270,7 @@ def _read_flagged(store: TensorDictStore, idx: torch.Tensor, capacity: int) -> t
     read went another way or the flags are gone: the caller reads the rows without the check,
     as where there are no flags."""
     got = _read_with_flags(store, idx, capacity)
-    if got is None or (capacity <= _FLAGS_READ_MAX and not got[3]):
+    if got is None or (capacity <= _append_mod.FLAGS_READ_MAX and not got[3]):
         return None
     return got[0], _written(store, got[3], idx, capacity, full=False)
 
@@ -301,11 +301,11 @@ def _read_with_flags(
     store: TensorDictStore, idx: torch.Tensor, capacity: int
 ) -> tuple[TensorDictBase, object, bool, object] | None:
     """Rows ``idx`` read in one snapshot with the cursor, the rate-limiter mark and the flags (of
-    the whole ring where it has at most :data:`_FLAGS_READ_MAX` rows, else of ``idx``):
+    the whole ring where it has at most ``FLAGS_READ_MAX`` rows, else of ``idx``):
     ``(batch, cursor, limited, flags)``; None when the read went another way (a small store
     under churn is read whole, without the prefix)."""
     keys = store._conn.keys
-    whole = capacity <= _FLAGS_READ_MAX
+    whole = capacity <= _append_mod.FLAGS_READ_MAX
     seen: list[list[object]] = []
     prefix = _append_mod.draw_check_prefix(keys, capacity, [] if whole else idx.tolist(), whole)
     batch = store._read_index(idx, prefix=prefix, sink=seen.append)
@@ -320,7 +320,7 @@ def _written(store: TensorDictStore, flags: object, idx: torch.Tensor, capacity:
     read. ``full``: the snapshot showed the ring full, so the flags must cover every row; else
     the rows past their end (never reserved yet) are not written."""
     keys = store._conn.keys
-    if capacity <= _FLAGS_READ_MAX:
+    if capacity <= _append_mod.FLAGS_READ_MAX:
         marks = torch.frombuffer(bytearray(_flag_bytes(store, flags)), dtype=torch.uint8)
         if marks.numel() < capacity:
             if full:
@@ -348,7 +348,7 @@ def read_flags(store: TensorDictStore) -> Flags:
     """The ring's flags, its cursor and whether it is rate-limited, in one server step."""
     conn = store._conn
     capacity = store.batch_size[0] if store.batch_dims else 0
-    whole = capacity <= _FLAGS_READ_MAX
+    whole = capacity <= _append_mod.FLAGS_READ_MAX
     cursor, lv, exists, flags, limited = conn.read_step(lambda _runner: _append_mod.ring_flags(conn.keys, capacity, whole))
     if lv is None:
         raise store._not_found()
@@ -372,7 +372,7 @@ def written_count(store: TensorDictStore, read: Flags) -> int:
     total = min(_append_mod.parse_cursor(read.cursor, store._conn.keys), capacity)
     if not read.exists:
         return total
-    if capacity > _FLAGS_READ_MAX:
+    if capacity > _append_mod.FLAGS_READ_MAX:
         return min(int(read.flags or 0), total)
     return _flag_bytes(store, read.flags)[:capacity].count(1)
 
@@ -385,7 +385,7 @@ def draw_written(
     conn = store._conn
     keys = conn.keys
     capacity = store.batch_size[0] if store.batch_dims else 0
-    large = capacity > _FLAGS_READ_MAX
+    large = capacity > _append_mod.FLAGS_READ_MAX
     cursor, exists, flags, limited = read if read is not None else read_flags(store)
     if limited and capacity:
         # (held back a while: the ring moved on meanwhile. Or the flags were read before the
@@ -442,7 +442,5 @@ def _any_written(cursor: bytes | None, exists: int, flags: bytes | int | None, l
     return not isinstance(flags, bytes) or b"\x01" in flags or bool(flags.translate(None, b"\x00\x01"))
 
 
-#: Rings of at most this many rows have their flags read whole by sample(); larger ones per row drawn.
-_FLAGS_READ_MAX = 1 << 16
 #: Draws of the rows found unflagged before sample() of a large ring gives up.
 _REDRAWS = 32
