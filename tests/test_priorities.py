@@ -19,6 +19,7 @@ import pytest
 import torch
 from fixtures import PoolSpec
 
+from tdstore._backend import append as _append
 from tdstore._backend.append import AppendPlan, Reservation
 from tdstore.errors import CorruptMetadataError
 from tdstore.replay import priorities as P
@@ -27,6 +28,16 @@ from tdstore.testing.counts import record
 #: the processes of the concurrency test: 8 appenders and 2 learners (issue 26, item 5)
 APPENDERS, LEARNERS = 8, 2
 POOL = PoolSpec(workers=APPENDERS + LEARNERS, warm_up=w.warm_up, warm_up_arg=0.5)
+
+
+@pytest.fixture(params=["flags-whole", "flags-per-row"])
+def flags_read(request, monkeypatch):
+    """How the read of a prioritized sample's rows takes their flags in its snapshot: the
+    ring's whole flags (one GETRANGE: rings of at most FLAGS_READ_MAX rows) or the drawn rows'
+    (one BITFIELD: larger rings, as here by lowering the threshold)."""
+    if request.param == "flags-per-row":
+        monkeypatch.setattr(_append, "FLAGS_READ_MAX", 2)
+    return request.param
 
 
 def _ring(make, cap: int, filled: int, **kw):
@@ -189,7 +200,7 @@ def test_sample_returns_the_rows_drawn_with_their_weights(server, make):
     assert uniform["a"].tolist() == uinfo["index"].tolist()
 
 
-def test_a_sample_is_two_steps_and_draws_again_the_rows_appended_to_in_between(server, make, monkeypatch):
+def test_a_sample_is_two_steps_and_draws_again_the_rows_appended_to_in_between(server, make, monkeypatch, flags_read):
     """The draw, then the rows with the cursor in one snapshot: no check step while no
     reservation came between; rows an append reached between the two are drawn again, so
     every row comes back with the generation of the bytes read (an append between draw and
@@ -634,7 +645,7 @@ def test_sigkill_of_appenders_and_learners_leaves_the_tree_consistent(race_serve
     record(request, kills=kills, rows_appended=store.ring_state().total, tree_problems=0)
 
 
-def test_rows_appended_to_between_the_draw_and_the_check_are_drawn_again(server, make, monkeypatch):
+def test_rows_appended_to_between_the_draw_and_the_check_are_drawn_again(server, make, monkeypatch, flags_read):
     store = _ring(make, 4, 4)
     store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
     real = P._draw
@@ -654,7 +665,7 @@ def test_rows_appended_to_between_the_draw_and_the_check_are_drawn_again(server,
     assert info["generation"].tolist() == [5 + i for i in info["index"].tolist()]
 
 
-def test_a_sample_partly_drawn_again_keeps_its_order(server, make, monkeypatch):
+def test_a_sample_partly_drawn_again_keeps_its_order(server, make, monkeypatch, flags_read):
     store = _ring(make, 8, 8)
     store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
     store.update_priority([0, 1], [5.0, 5.0])  # rows 0 and 1 drawn most
@@ -693,7 +704,7 @@ def test_generations_reads_what_the_appends_gave(server, make):
         P.generations(store, [8])
 
 
-def test_a_row_unwritten_between_the_draw_and_the_read_is_drawn_again(server, make, monkeypatch):
+def test_a_row_unwritten_between_the_draw_and_the_read_is_drawn_again(server, make, monkeypatch, flags_read):
     """The read of a prioritized sample's rows takes their flags in the same snapshot: a drawn
     row whose flag is clear there, with the cursor not past it, is drawn again, never returned.
     That is a failover's case: the promoted replica lacks the write that flagged the row (its
@@ -726,3 +737,47 @@ def test_a_row_unwritten_between_the_draw_and_the_read_is_drawn_again(server, ma
     assert hit[0] not in info["index"].tolist(), "a row unflagged in the read's snapshot was returned"
     assert batch["a"].tolist() == [11 + r for r in info["index"].tolist()]
     assert bool((batch["b"] > 0).all())
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["flags-whole", "flags-per-row"])
+def test_the_read_takes_the_flags_whole_on_a_small_ring_and_per_row_on_a_large_one(real_server, monkeypatch, large):
+    """The read of a prioritized sample's rows takes the flags in its snapshot by one GETRANGE
+    of the whole flags string on a ring of at most FLAGS_READ_MAX rows (cheaper there for the
+    server: docs/performance.md), by one BITFIELD of the drawn rows' GETs on a larger one; no
+    check step either way, and the rows come back with the generations of their bytes."""
+    if large:
+        monkeypatch.setattr(_append, "FLAGS_READ_MAX", 7)
+    from tdstore import TensorDictStore
+
+    store = TensorDictStore.from_schema(w.SCHEMA, batch_size=[8], **real_server.connection_kwargs())
+    store.extend(w.rows(list(range(8))))
+    store.enable_priorities(alpha=1.0, beta=1.0, eps=0.0)
+    store.sample(4, prioritized=True)  # (the layout is cached)
+    real_prefix = _append.draw_check_prefix
+    sent: list[tuple] = []
+
+    def spied(*args):
+        got = real_prefix(*args)
+        sent.append(tuple(got[-1][:2]))
+        return got
+
+    monkeypatch.setattr(_append, "draw_check_prefix", spied)
+    client = real_server.sync_client()
+
+    def calls() -> dict[str, int]:
+        stats = client.info("commandstats")
+        return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("bitfield", "evalsha")}
+
+    try:
+        before = calls()
+        batch, info = store.sample(16, prioritized=True, return_info=True, generator=torch.Generator().manual_seed(5))
+        after = calls()
+        assert sent == [("BITFIELD" if large else "GETRANGE", store._conn.keys.flags)]
+        assert after["bitfield"] - before["bitfield"] == (1 if large else 0)
+        assert after["evalsha"] - before["evalsha"] == 1  # the draw alone: no prio_check step
+        assert batch["a"].tolist() == info["index"].tolist()
+        assert info["generation"].tolist() == P.generations(store, info["index"]).tolist()
+    finally:
+        client.close()
+        store.clear_redis()
+        store.close()
