@@ -18,13 +18,18 @@ KEYS[6]   generations
 KEYS[7]   max priority
 
 ARGV[1]   n: the number of rows wanted
-ARGV[2..] uniforms in [0, 1), at least n of them (the extra ones replace rejected draws)
+ARGV[2..] uniforms in [0, 1), at least n of them (the extra ones replace rejected draws), as
+          text; or ARGV[2] = "f64" and ARGV[3] the uniforms as little-endian doubles, 8 bytes
+          each, back to back (needs the struct library: Redis, Valkey; a third of the text's
+          parse)
 
 Flags: no-writes
 
-Returns: {1, rows (0-based), their p as text (exact) joined by spaces, their generations
-          (16 digits each, back to back), the least positive p of the tree as text, the
-          settings JSON, lim, the ring cursor as stored (false: none)}: fewer than n rows
+Returns: {1, rows (0-based), their p, their generations (16 digits each, back to back), the
+          least positive p of the tree as text, the settings JSON, lim, the ring cursor as
+          stored (false: none)}. The p are, on a tree of doubles (the settings' "enc" is
+          "f64"), little-endian doubles back to back; on a tree of text, the text as stored
+          (exact) joined by spaces. Fewer than n rows
           when the uniforms ran out. A row drawn is not appended to later as long as the
           cursor has not reached its next position: the client reads the cursor again with
           the rows' bytes, and draws again the rows reserved in between;
@@ -47,7 +52,16 @@ return protect(function()
   local s = prio_settings(KEYS[1])
   if not s then return {0} end
   local want = tonumber(ARGV[1])
-  if want == nil or want ~= want or want < 0 or want ~= math.floor(want) or want > #ARGV - 1 then
+  local argc = #ARGV
+  local us, first, last = nil, 2, argc  -- (the uniforms: ARGV[first..last] as text, or us[first..last])
+  if ARGV[2] == 'f64' then
+    us, first = doubles(ARGV[3] or ''), 1
+    if not us then
+      return fail('TDS_BADARG', 'the uniforms in "f64" are not doubles (8 bytes each), or this server has no struct library')
+    end
+    last = #us
+  end
+  if want == nil or want ~= want or want < 0 or want ~= math.floor(want) or want > last - first + 1 then
     return fail('TDS_BADARG', 'need a number of rows and at least as many uniforms, got ' .. tostring(ARGV[1]))
   end
   local t = prio_tree(s, KEYS[4], KEYS[5], KEYS[6], KEYS[7])
@@ -65,12 +79,14 @@ return protect(function()
   if not flagged then counted = math.min(tonumber(cursor or '0') or 0, t.cap) end
   local descend = prio_descender(t, total)
   local rows, values, gens = {}, {}, {}
-  local next_u = 2
-  while #rows < want and next_u <= #ARGV do
-    local u = tonumber(ARGV[next_u])
+  local next_u = first
+  while #rows < want and next_u <= last do
+    local u
+    if us then u = us[next_u] else u = tonumber(ARGV[next_u]) end
     next_u = next_u + 1
     if u == nil or u ~= u or u < 0 or u >= 1 then
-      return fail('TDS_BADARG', 'a uniform must be in [0, 1), got ' .. tostring(ARGV[next_u - 1]))
+      local given = us and us[next_u - 1] or ARGV[next_u - 1]
+      return fail('TDS_BADARG', 'a uniform must be in [0, 1), got ' .. tostring(given))
     end
     local node, value = descend(u)
     local ok
@@ -85,5 +101,7 @@ return protect(function()
       gens[#gens + 1] = rcall('GETRANGE', t.pg, iarg(node * GW), iarg(node * GW + GW - 1))
     end
   end
-  return {1, rows, table.concat(values, ' '), table.concat(gens), string.format('%.17g', low[1]), s.raw, lim, cursor}
+  local pvals
+  if t.bin then pvals = pack_doubles(values) else pvals = table.concat(values, ' ') end
+  return {1, rows, pvals, table.concat(gens), string.format('%.17g', low[1]), s.raw, lim, cursor}
 end)

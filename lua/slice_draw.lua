@@ -168,7 +168,7 @@ return protect(function()
     return ptext(t, v, raw), v
   end
 
-  -- a descent of the tree for the mass u * total (lib/prio.lua): the row and its leaf text
+  -- a descent of the tree for the mass u * total (lib/prio.lua): the row and its leaf's value
   local descend = t and prio_descender(t, total)
 
   local starts, values, gens = {}, {}, {}
@@ -192,6 +192,7 @@ return protect(function()
         if valid(a) then keep(a) end
       else
         local row, value = descend(u)
+        if t.bin then value = string.format('%.17g', value) end  -- (the reply's text: exact)
         -- the row's latest position: the one the ring holds, if any
         local a = cursor - 1 - ((cursor - 1 - row) % cap)
         if valid(a) then keep(a, value) end

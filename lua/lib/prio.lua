@@ -163,6 +163,24 @@ local function unpack_doubles(s, a, count)
   return out
 end
 
+-- the numbers of the table vals as little-endian doubles, 8 bytes each, back to back (packed
+-- up to 64 in one call, as unpack_doubles reads them)
+local PACK_FMT = {}
+local function pack_doubles(vals)
+  local out, done, count = {}, 0, #vals
+  while done < count do
+    local n = math.min(count - done, 64)
+    local fmt = PACK_FMT[n]
+    if not fmt then
+      fmt = '<' .. string.rep('d', n)
+      PACK_FMT[n] = fmt
+    end
+    out[#out + 1] = STRUCT.pack(fmt, unpack(vals, done + 1, done + n))
+    done = done + n
+  end
+  return table.concat(out)
+end
+
 -- count values from byte a (1-based) of the string s read from key, checked, in t's encoding
 local function pvalues(t, s, a, count, key)
   if not t.bin then
@@ -397,9 +415,9 @@ prio_fix_f64 = function(t, runs, leaves, leaf_bytes)
 end
 
 -- A descent of tree t (prio_tree) for masses u * total: returns a function of u giving the
--- row drawn and its leaf's value as text (ptext: exact). Each group of children read is
--- decoded lazily (a descent reads about half of one) and kept for the later descents of the
--- same script call.
+-- row drawn and its leaf's value: the number on a tree of doubles (t.bin), else the text as
+-- stored (exact). Each group of children read is decoded lazily (a descent reads about half
+-- of one) and kept for the later descents of the same script call.
 local function prio_descender(t, total)
   local k = t.k
   local cache = {}
@@ -472,7 +490,7 @@ local function prio_descender(t, total)
         value = group[pick]
         node = node * k + pick - 1
       end
-      return node, string.format('%.17g', value)
+      return node, value
     end
   end
   return function(u)

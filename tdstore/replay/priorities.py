@@ -61,6 +61,8 @@ _GW = 16
 #: The encodings of the tree's values: little-endian doubles where the server's Lua has the
 #: struct library (Redis, Valkey, KeyDB), else text (fakeredis); the server chooses at enable.
 ENCODINGS = ("f64", "text")
+#: The largest double: a tree's values are finite.
+_P_MAX = 1.7976931348623157e308
 #: Draw steps before a sample gives up on rows that keep being appended to under it.
 _REDRAWS = 32
 
@@ -204,6 +206,7 @@ def _draw(
     conn = store._conn
     keys = conn.keys
     where = store._where()
+    binary = conn.lua_has_struct  # (the uniforms as doubles: lua/prio_draw.lua)
     rows: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     gens: list[torch.Tensor] = []
@@ -214,7 +217,9 @@ def _draw(
     in_flight: Iterator[None] | None = None  # (the waits for rows the limiter counted, not yet written)
     for _ in range(_REDRAWS):
         u = torch.rand(need + max(8, need // 4), dtype=torch.float64, generator=generator)
-        args = [str(need), *map(repr, u.tolist())]
+        args: list[str | bytes] = (
+            [str(need), "f64", u.numpy().astype("<f8").tobytes()] if binary else [str(need), *map(repr, u.tolist())]
+        )
         reply = cast("list[Any]", conn.script("prio_draw", _io.draw_keys(keys), args))
         status = int(reply[0])
         if status == 0:
@@ -231,14 +236,13 @@ def _draw(
         got = torch.tensor([int(r) for r in reply[1]], dtype=torch.int64)
         k = got.numel()
         try:
-            vals = torch.tensor([float(v) for v in bytes(reply[2]).split()], dtype=torch.float64)
+            drawn = _parse_settings(reply[5], where)
+            vals = _draw_values(reply[2], drawn.encoding, k)
             # (the least over the rounds: every row drawn is worth at least it, its weight at most 1)
             p_min = min(p_min, float(reply[4]))
-            beta = _parse_settings(reply[5], where).beta
+            beta = drawn.beta
         except ValueError as err:
             raise CorruptMetadataError(f"sample(prioritized=True) from {where}: the server's draw is damaged: {err}") from err
-        if vals.numel() != k:
-            raise CorruptMetadataError(f"sample(prioritized=True) from {where}: the server's draw is damaged")
         rows.append(got)
         values.append(vals)
         gens.append(_gens(reply[3], k, where))
@@ -253,6 +257,23 @@ def _draw(
         f"sample(prioritized=True) from {where}: kept drawing rows not written yet ({need} of {n} after "
         f"{_REDRAWS} draws); appends may be failing between their two steps"
     )
+
+
+def _draw_values(blob: Any, encoding: str, count: int) -> torch.Tensor:
+    """The p of the ``count`` rows of a draw's reply: little-endian doubles on a tree of
+    doubles (``encoding`` "f64"), else their text joined by spaces. ValueError: damaged."""
+    raw = bytes(blob)
+    if encoding == "f64":
+        if len(raw) != 8 * count:
+            raise ValueError(f"{len(raw)} bytes of values for {count} rows")
+        out = torch.from_numpy(np.frombuffer(raw, dtype="<f8").astype(np.float64))
+    else:
+        out = torch.tensor([float(v) for v in raw.split()], dtype=torch.float64)
+        if out.numel() != count:
+            raise ValueError(f"{out.numel()} values for {count} rows")
+    if not bool(((out >= 0) & (out <= _P_MAX)).all()):
+        raise ValueError("a value that is not a finite number >= 0")
+    return out
 
 
 def _draw_cursor(reply: Sequence[object], keys: StoreKeys) -> int | None:

@@ -70,6 +70,19 @@ def gens(r: ClockRedis) -> list[int]:
     return [int(raw[i : i + 16]) for i in range(0, len(raw), 16)]
 
 
+def drawn_values(r: ClockRedis, blob: bytes) -> list[float]:
+    """The p of a draw's reply: doubles on a tree of doubles, else text joined by spaces."""
+    if r.enc == "f64":  # type: ignore[attr-defined]
+        assert len(blob) % 8 == 0, blob
+        return list(struct.unpack(f"<{len(blob) // 8}d", blob))
+    return [float(v) for v in blob.split()]
+
+
+def f64_uniforms(n: int, us: list[float]) -> list:
+    """prio_draw's arguments with the uniforms as doubles (the clients' form on Redis and Valkey)."""
+    return [str(n), "f64", struct.pack(f"<{len(us)}d", *us)]
+
+
 def consistent(r: ClockRedis, cap: int = 10, k: int = 4) -> None:
     s = PrioritySettings(1.0, 1.0, 0.0, k, cap, r.enc)  # type: ignore[attr-defined]
     _leaves, problems = tree_problems(s, r.data[PL], r.data[PT])
@@ -181,7 +194,7 @@ def test_draw_follows_the_uniforms_and_rejects_rows_not_written(r: ClockRedis, l
     us = [0.0, 1.5 / 55, 10.5 / 55, 54.9 / 55]
     got = r.run("prio_draw", BUILD_KEYS, ["4", *map(repr, us)], lua_version)
     assert got[0] == 1 and got[1] == [0, 1, 4, 9]
-    assert [float(v) for v in got[2].split()] == [1, 2, 5, 10] and got[3] == b"0" * 64 and got[4] == b"1" and json.loads(got[5])["k"] == 4
+    assert drawn_values(r, got[2]) == [1, 2, 5, 10] and got[3] == b"0" * 64 and got[4] == b"1" and json.loads(got[5])["k"] == 4
     assert got[6] == 0  # (no rate limiter on the ring)
     r.data[META][b"lim"] = b"1"
     assert r.run("prio_draw", BUILD_KEYS, ["1", "0.0"], lua_version)[6] == 1  # (one: the client counts the sample)
@@ -191,6 +204,43 @@ def test_draw_follows_the_uniforms_and_rejects_rows_not_written(r: ClockRedis, l
     assert got[1] == [0, 6]  # (0.5 * 55 = 27.5: row 6 holds 21..28)
     got = r.run("prio_draw", BUILD_KEYS, ["2", repr(1.5 / 55), "0.0"], lua_version)
     assert got[1] == [0]  # (the uniforms ran out: fewer rows)
+
+
+def test_draw_in_doubles_does_what_the_text_does(lua_version: str) -> None:
+    """The uniforms as doubles (ARGV[2] "f64") draw the rows the same uniforms as text draw,
+    with the same values (exact), generations and rejections; the tree and key space unchanged."""
+    shim = ClockRedis(struct_lib=True)
+    shim.enc = "f64"  # type: ignore[attr-defined]
+    ring(shim, b"\x01\x00" + b"\x01" * 8, 10)  # row 1 in flight
+    build(shim, lua_version, alpha=0.5)
+    shim.run("prio_update", UPDATE_KEYS, [" ".join(map(str, range(10))), "1 2 3 4 5 6 7 8 9 1e-300", ""], lua_version)
+    before = shim.snapshot()
+    us = [0.0, 0.03, 0.25, 0.5, 0.999999, 0.7, 0.125, 0.3]
+    for n in (1, 4, 7, 8):
+        text = shim.run("prio_draw", BUILD_KEYS, [str(n), *map(repr, us)], lua_version)
+        binary = shim.run("prio_draw", BUILD_KEYS, f64_uniforms(n, us), lua_version)
+        assert binary == text and len(text[1]) <= n and 1 not in text[1], (text, binary)
+        assert len(drawn_values(shim, text[2])) == len(text[1])
+    assert shim.snapshot() == before
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["1", "f64", struct.pack("<d", 0.5)[:7]], "not doubles"),
+    (["1", "f64", b""], "at least as many uniforms"),
+    (["2", "f64", struct.pack("<d", 0.5)], "at least as many uniforms"),
+    (["1", "f64"], "at least as many uniforms"),
+    (f64_uniforms(1, [1.0]), "must be in [0, 1)"),
+    (f64_uniforms(1, [-0.25]), "must be in [0, 1)"),
+    (f64_uniforms(1, [float("nan")]), "must be in [0, 1)"),
+    (f64_uniforms(1, [float("inf")]), "must be in [0, 1)"),
+])
+def test_draw_in_doubles_refuses_bad_uniforms_unchanged(r: ClockRedis, lua_version: str, argv: list, why: str) -> None:
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version)
+    if r.enc == "text":  # type: ignore[attr-defined]
+        why = "no struct library"  # (a server without struct refuses the form whole)
+    err = expect_error(r, "TDS_BADARG", "prio_draw", BUILD_KEYS, argv, lua_version)  # (the key space unchanged)
+    assert why in err.message, err.message
 
 
 def test_draw_off_empty_and_bad(r: ClockRedis, lua_version: str) -> None:
