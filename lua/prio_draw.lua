@@ -7,7 +7,7 @@ passes through this script; the client then reads the rows and checks their gene
 Each uniform u of ARGV gives the mass u * (sum of p), found by a descent of the tree; a
 drawn row whose flag is clear (an append in flight, or one that died between its two steps)
 is rejected and the next uniform is used, so the rows returned are drawn in proportion to p
-among the written rows.
+among the written rows. Where every row is flagged (BITCOUNT), no flag is read per row.
 
 KEYS[1]   meta hash of the store ("lv", "prio", "lim")
 KEYS[2]   ring cursor
@@ -73,6 +73,10 @@ return protect(function()
   if not (total > 0) then return {-1, lim} end
 
   local flagged = rcall('EXISTS', KEYS[3]) == 1
+  -- every row flagged (a bit per flag byte of the ring's rows): no draw can be rejected, so no
+  -- flag is read per row (the client's read checks the flags again, in its own snapshot)
+  local all = false
+  if flagged then all = redis.pcall('BITCOUNT', KEYS[3], '0', iarg(t.cap - 1)) == t.cap end
   local cursor = redis.pcall('GET', KEYS[2])
   if type(cursor) == 'table' then cursor = false end  -- (not a string: the client checks the rows instead)
   local counted = 0
@@ -91,7 +95,7 @@ return protect(function()
     local node, value = descend(u)
     local ok
     if flagged then
-      ok = rcall('GETRANGE', KEYS[3], iarg(node), iarg(node)) == '\1'
+      ok = all or rcall('GETRANGE', KEYS[3], iarg(node), iarg(node)) == '\1'
     else
       ok = node < counted
     end

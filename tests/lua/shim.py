@@ -311,6 +311,7 @@ class LuaRedis:
             b"SETRANGE": (self._cmd_setrange, 3, 3),
             b"GETRANGE": (self._cmd_getrange, 3, 3),
             b"STRLEN": (self._cmd_strlen, 1, 1),
+            b"BITCOUNT": (self._cmd_bitcount, 1, 3),
             b"HSET": (self._cmd_hset, 3, None),
             b"HGET": (self._cmd_hget, 2, 2),
             b"HMGET": (self._cmd_hmget, 2, None),
@@ -661,6 +662,17 @@ class LuaRedis:
         if isinstance(current, VirtualString):
             return current.read(start, end + 1)
         return current[start : end + 1]
+
+    def _cmd_bitcount(self, key: bytes, *bounds: bytes) -> int:
+        """The set bits of the string, or of its bytes start..end (inclusive, as GETRANGE)."""
+        if len(bounds) == 1:
+            raise RedisCommandError("ERR syntax error")
+        current = self._string(key)
+        if current is None:
+            return 0
+        size = current.length if isinstance(current, VirtualString) else len(current)
+        raw = self._cmd_getrange(key, *bounds) if bounds else self._cmd_getrange(key, b"0", str(size - 1).encode())
+        return sum(bin(byte).count("1") for byte in raw)
 
     def _cmd_strlen(self, key: bytes) -> int:
         current = self._string(key)

@@ -206,6 +206,22 @@ def test_draw_follows_the_uniforms_and_rejects_rows_not_written(r: ClockRedis, l
     assert got[1] == [0]  # (the uniforms ran out: fewer rows)
 
 
+def test_draw_reads_no_flag_per_row_when_every_row_is_flagged(r: ClockRedis, lua_version: str) -> None:
+    """A ring whose rows are all flagged (BITCOUNT of its flag bytes = its rows) has no draw
+    to reject: the flags are not read per row. One row unflagged, they are, and it is never
+    drawn."""
+    ring(r, b"\x01" * 10, 10)
+    build(r, lua_version)
+    us = [0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95]
+    got = r.run("prio_draw", BUILD_KEYS, ["10", *map(repr, us)], lua_version)
+    assert got[1] == list(range(10))
+    assert [c for c in r.commands("GETRANGE") if c[0] == FLAGS] == []
+    r.data[FLAGS] = b"\x01" * 4 + b"\x00" + b"\x01" * 5  # row 4 in flight
+    got = r.run("prio_draw", BUILD_KEYS, ["9", *map(repr, us)], lua_version)
+    assert got[1] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert len([c for c in r.commands("GETRANGE") if c[0] == FLAGS]) == 10
+
+
 def test_draw_in_doubles_does_what_the_text_does(lua_version: str) -> None:
     """The uniforms as doubles (ARGV[2] "f64") draw the rows the same uniforms as text draw,
     with the same values (exact), generations and rejections; the tree and key space unchanged."""
