@@ -607,7 +607,8 @@ def main() -> None:
     parser.add_argument("--insert-batches", type=int, default=50, help="16-row batches per writer per run (default 50)")
     parser.add_argument("--writers", type=int, default=4, help="writer processes of case 2 (default 4)")
     parser.add_argument(
-        "--in-flight", type=int, default=1, help="samples a tdstore Prefetcher draws ahead in the prefetched cases (default 1)"
+        "--in-flight", type=int, default=2,
+        help="samples a tdstore Prefetcher draws ahead in the prefetched cases (default 2: its best here, docs/replay.md)",
     )
     parser.add_argument("--cpu-ops", type=int, default=100, help="calls per server CPU measurement (default 100)")
     parser.add_argument("--big-rows", type=int, default=1_000_000, help="large ring of the CPU scaling case (0: skip)")
