@@ -144,19 +144,24 @@ local function pget(t, s, a, key)
   return pnum(string.sub(s, a, a + PW - 1), key)
 end
 
+-- the struct format of n little-endian doubles (memoized)
+local DFMT = {}
+local function dfmt(n)
+  local fmt = DFMT[n]
+  if not fmt then
+    fmt = '<' .. string.rep('d', n)
+    DFMT[n] = fmt
+  end
+  return fmt
+end
+
 -- count doubles (little-endian) from byte a (1-based) of the string s, unchecked, unpacked up
 -- to 64 in one call (a call per value costs 5x more); s holds them all
-local UNPACK_FMT = {}
 local function unpack_doubles(s, a, count)
   local out, done = {}, 0
   while done < count do
     local n = math.min(count - done, 64)
-    local fmt = UNPACK_FMT[n]
-    if not fmt then
-      fmt = '<' .. string.rep('d', n)
-      UNPACK_FMT[n] = fmt
-    end
-    local got = {STRUCT.unpack(fmt, s, a + done * 8)}
+    local got = {STRUCT.unpack(dfmt(n), s, a + done * 8)}
     for i = 1, n do out[done + i] = got[i] end
     done = done + n
   end
@@ -165,17 +170,11 @@ end
 
 -- the numbers of the table vals as little-endian doubles, 8 bytes each, back to back (packed
 -- up to 64 in one call, as unpack_doubles reads them)
-local PACK_FMT = {}
 local function pack_doubles(vals)
   local out, done, count = {}, 0, #vals
   while done < count do
     local n = math.min(count - done, 64)
-    local fmt = PACK_FMT[n]
-    if not fmt then
-      fmt = '<' .. string.rep('d', n)
-      PACK_FMT[n] = fmt
-    end
-    out[#out + 1] = STRUCT.pack(fmt, unpack(vals, done + 1, done + n))
+    out[#out + 1] = STRUCT.pack(dfmt(n), unpack(vals, done + 1, done + n))
     done = done + n
   end
   return table.concat(out)
@@ -316,7 +315,6 @@ end
 prio_fix_f64 = function(t, runs, leaves, leaf_bytes)
   local k, sizes, offs, floor, min = t.k, t.sizes, t.offs, math.floor, math.min
   local unpack_d, pack = STRUCT.unpack, STRUCT.pack
-  local fmts = {}
   local wkey, woff, wval, nw = {}, {}, {}, 0  -- (the writes, made after every read)
   -- the runs of a level: lo[i] .. hi[i]
   local lo, hi = {}, {}
@@ -349,26 +347,9 @@ prio_fix_f64 = function(t, runs, leaves, leaf_bytes)
       local nv = count * per
       local vals
       if nv <= 64 then  -- (the usual group: one unpack)
-        local f = fmts[nv]
-        if not f then
-          f = '<' .. string.rep('d', nv)
-          fmts[nv] = f
-        end
-        vals = {unpack_d(f, raw)}
+        vals = {unpack_d(dfmt(nv), raw)}
       else
-        vals = {}
-        local done = 0
-        while done < nv do
-          local n = min(nv - done, 64)
-          local f = fmts[n]
-          if not f then
-            f = '<' .. string.rep('d', n)
-            fmts[n] = f
-          end
-          local got = {unpack_d(f, raw, done * 8 + 1)}
-          for j = 1, n do vals[done + j] = got[j] end
-          done = done + n
-        end
+        vals = unpack_doubles(raw, 1, nv)
       end
       -- (a value read is checked where it is used: a child replaced here is not read)
       local out, c, j = {}, clo, 1
