@@ -11,6 +11,7 @@ is refused as before, never read as zeros.
 from __future__ import annotations
 
 import pytest
+import redis
 import torch
 from tensordict import TensorDict
 
@@ -145,3 +146,29 @@ def test_a_reply_not_of_the_integers_asked_is_refused(reply):
     assert _bitfield_bytes([1, -1, 2**63 - 1], 8, 3, "tensordict:{x}") == (
         (1).to_bytes(8, "big") + (2**64 - 1).to_bytes(8, "big") + (2**63 - 1).to_bytes(8, "big")
     )
+
+
+def test_a_server_that_refuses_bitfield_ro_after_setup_is_read_by_the_gather(real_server):
+    """The setup found BITFIELD_RO; then an ACL took it from the handle's user (as another
+    server behind the same address would). The next read is refused for it, sent again by
+    the gather, and gives the same bytes; later reads go by the gather from the start.
+    Before, every read raised ServerPermissionError."""
+    ref = _reference(100, 5)
+    store = TensorDictStore.from_tensordict(ref, **real_server.connection_kwargs())
+    client = real_server.sync_client()
+    idx = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(6))
+    try:
+        store[idx]  # (the layout is cached, the connection set up)
+        assert store._conn.runner.bitfield
+        client.execute_command("ACL", "SETUSER", "default", "-bitfield_ro")
+        with pytest.raises(redis.exceptions.NoPermissionError):  # (the command is refused now)
+            client.execute_command("BITFIELD_RO", "x", "GET", "u8", "0")
+        for _ in range(2):
+            got = store[idx]
+            assert all(_same_bytes(got[k], ref[k][idx]) for k in ref.keys())
+        assert not store._conn.runner.bitfield
+    finally:
+        client.execute_command("ACL", "SETUSER", "default", "+bitfield_ro")
+        client.close()
+        store.clear_redis()
+        store.close()

@@ -428,7 +428,21 @@ class Connection:
         """Runs the read ``build(runner)`` (a :class:`~tdstore._backend.step.ReadStep`): on
         :meth:`direct_client` from the calling thread (the blocking driver), else, or when that
         try fails, on the IO loop (the asyncio driver, through :meth:`run`). Both send the same
-        commands; a read changes nothing, so sending it again is safe."""
+        commands; a read changes nothing, so sending it again is safe.
+
+        A read refused for its ``BITFIELD_RO`` (the setup found the command, and the server
+        lost it since: an ACL changed, another server came up behind the address) is sent
+        again without it, through the gather script, as where the setup's probe was refused."""
+        try:
+            return self._read_step_once(build)
+        except redis.exceptions.ResponseError as err:
+            runner = self._runner
+            if runner is None or not runner.bitfield or "bitfield_ro" not in str(err).lower():
+                raise
+            runner.bitfield = False
+            return self._read_step_once(build)
+
+    def _read_step_once(self, build: Callable[[ScriptRunner], _step.ReadStep[T]]) -> T:
         result = self._direct_call(lambda client: _step.run_blocking(client, self._runner, build(self._runner)))  # type: ignore[arg-type]
         if result is not _direct.NOT_DIRECT:
             return result  # type: ignore[return-value]
