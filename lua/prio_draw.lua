@@ -20,8 +20,8 @@ KEYS[7]   max priority
 ARGV[1]   n: the number of rows wanted
 ARGV[2..] uniforms in [0, 1), at least n of them (the extra ones replace rejected draws), as
           text; or ARGV[2] = "f64" and ARGV[3] the uniforms as little-endian doubles, 8 bytes
-          each, back to back (needs the struct library: Redis, Valkey; a third of the text's
-          parse)
+          each, back to back (needs the struct library: Redis, Valkey; no tonumber and no
+          argument per uniform)
 
 Flags: no-writes
 
