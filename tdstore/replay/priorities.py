@@ -259,7 +259,7 @@ def _draw(
     )
 
 
-def _draw_values(blob: Any, encoding: str, count: int) -> torch.Tensor:
+def _draw_values(blob: bytes | bytearray | memoryview, encoding: str, count: int) -> torch.Tensor:
     """The p of the ``count`` rows of a draw's reply: little-endian doubles on a tree of
     doubles (``encoding`` "f64"), else their text joined by spaces. ValueError: damaged."""
     raw = bytes(blob)
