@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 from tdstore import TensorDictStore
 from tdstore._backend import append as _append
+from tdstore._core.keys import StoreKeys
 from tdstore.store import ring as _ring
 
 CAP = 8
@@ -394,3 +395,38 @@ def test_a_damaged_counter_fails_the_append_once_and_clearly(store, server):
         client.close()
     store.clear_redis()
     assert not any(True for _ in server.sync_client().scan_iter(match=f"*{store.td_id}*"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (b"\x01\x00\x01\x01", [True, False, True, False]),  # (short: the rows past the end are not flagged)
+        (b"\x01\x00\x01\x01\x01\x01\x01\x00", [True, False, True, True]),
+        (b"", [False, False, False, False]),
+        (b"\x01\x02", None),  # (a byte other than 0 and 1: not flags)
+        ([1, 0, 1, 1], [True, False, True, True]),  # (a BITFIELD of the rows' GETs)
+        ([1, 0, 1], None),  # (not one per row)
+        ([1, 0, 2, 1], None),
+        (Exception("WRONGTYPE Operation against a key holding the wrong kind of value"), None),
+    ],
+)
+def test_rows_flagged_reads_whole_flags_or_the_rows_and_refuses_what_is_not_flags(flags, expected):
+    """One reading of the flags a sample's snapshot took (draw_check_prefix): the ring's whole
+    by GETRANGE, padded with clear rows past their end, or the drawn rows' by BITFIELD; None
+    where the reply is not flags, for the caller to refuse or to check another way."""
+    got = _append.rows_flagged(flags, torch.tensor([0, 1, 2, 6]) if isinstance(flags, bytes) else torch.tensor([0, 1, 2, 3]), CAP)
+    assert (None if got is None else got.tolist()) == expected
+
+
+def test_draw_check_prefix_reads_the_whole_flags_up_to_the_threshold_and_the_rows_above(monkeypatch):
+    """The snapshot's flags: one GETRANGE of the ring's whole flags on a ring of at most
+    FLAGS_READ_MAX rows, else one BITFIELD of the rows' GETs; the cursor and the limiter mark
+    before them either way."""
+    keys = StoreKeys("tensordict", "t")
+    rows = torch.tensor([5, 0, 5])
+    whole = _append.draw_check_prefix(keys, CAP, rows)
+    assert whole == [("GET", keys.ring), ("HGET", keys.meta, "lim"), ("GETRANGE", keys.flags, 0, CAP - 1)]
+    monkeypatch.setattr(_append, "FLAGS_READ_MAX", CAP - 1)
+    per_row = _append.draw_check_prefix(keys, CAP, rows)
+    assert per_row[:2] == whole[:2]
+    assert per_row[2] == ("BITFIELD", keys.flags, "GET", "u8", "#5", "GET", "u8", "#0", "GET", "u8", "#5")

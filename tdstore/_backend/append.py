@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.exceptions
+import torch
 
 from tdstore._backend.armed_write import ArmedSlot, _s
 from tdstore._backend.drive import Checkout, ConnOp, Discard, Exchange, Release, Usable, run_async, run_blocking
@@ -584,18 +585,37 @@ def ring_flags(keys: StoreKeys, capacity: int, whole: bool) -> ReadStep[tuple[ob
 FLAGS_READ_MAX = 1 << 17
 
 
-def draw_check_prefix(keys: StoreKeys, capacity: int, rows: Sequence[int], whole: bool) -> list[Command]:
+def draw_check_prefix(keys: StoreKeys, capacity: int, rows: torch.Tensor) -> list[Command]:
     """Read commands for the snapshot of a sample's rows drawn before their flags were read
     (``store/ring.py``): the cursor, the meta field "lim" (a rate limiter is set) and the flags,
-    of the whole ring (``whole``: one GETRANGE) or of ``rows`` (one BITFIELD)."""
-    if whole:
+    of the whole ring where it has at most :data:`FLAGS_READ_MAX` rows (one GETRANGE), else
+    of ``rows`` (one BITFIELD). :func:`rows_flagged` reads the flags' reply."""
+    if capacity <= FLAGS_READ_MAX:
         flags: Command = ("GETRANGE", keys.flags, 0, max(capacity - 1, 0))
     else:
         args: list[Arg] = []
-        for r in rows:
+        for r in rows.tolist():
             args += ["GET", "u8", f"#{r}"]
         flags = ("BITFIELD", keys.flags, *args)
     return [("GET", keys.ring), ("HGET", keys.meta, "lim"), flags]
+
+
+def rows_flagged(flags: object, rows: torch.Tensor, capacity: int) -> torch.Tensor | None:
+    """Whether each of ``rows`` is flagged as written, from the flags :func:`draw_check_prefix`
+    read: the ring's whole (bytes; the rows past their end are not flagged) or the rows' (a
+    BITFIELD's list). None where the reply is not flags: bytes other than 0 and 1, or not
+    one 0 or 1 per row."""
+    if isinstance(flags, bytes):
+        if flags.translate(None, b"\x00\x01"):
+            return None
+        marks = torch.zeros(capacity, dtype=torch.uint8)
+        if flags:
+            kept = flags[:capacity]
+            marks[: len(kept)] = torch.frombuffer(bytearray(kept), dtype=torch.uint8)
+        return marks[rows] == 1
+    if not isinstance(flags, list) or len(flags) != rows.numel() or any(f not in (0, 1) for f in flags):
+        return None
+    return torch.tensor(flags, dtype=torch.bool)
 
 
 def parse_draw_check(keys: StoreKeys, replies: Sequence[object]) -> tuple[object, bool, object]:

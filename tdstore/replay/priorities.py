@@ -314,17 +314,9 @@ def _snapshot_check(keys: StoreKeys, d: _Drawn, seen: list[list[object]], capaci
         return None
     if moved is None:
         return None
-    if isinstance(flags, bytes):  # (the ring's flags, whole: rows past their end are not flagged)
-        marks = np.frombuffer(flags, dtype=np.uint8)[:capacity]
-        if (marks > 1).any():
-            return None
-        rows = d.rows.numpy()
-        inside = rows < marks.size
-        flagged = torch.from_numpy(np.where(inside, marks[np.where(inside, rows, 0)] if marks.size else 0, 0) == 1)
-    elif not isinstance(flags, list) or len(flags) != d.rows.numel() or any(f not in (0, 1) for f in flags):
+    flagged = _append.rows_flagged(flags, d.rows, capacity)
+    if flagged is None:
         return None
-    else:
-        flagged = torch.tensor(flags, dtype=torch.bool)
     if not bool(flagged.any()):
         return None
     return moved | ~flagged
@@ -400,8 +392,7 @@ def sample(
         # that lacks the write which flagged it (its bytes there are not that row's): such a
         # row is drawn again
         seen: list[list[object]] = []
-        whole = capacity <= _append.FLAGS_READ_MAX  # (the ring's flags in one GETRANGE, else the rows')
-        prefix = _append.draw_check_prefix(keys, capacity, [] if whole else d.rows.tolist(), whole) if d.cursor is not None else ()
+        prefix = _append.draw_check_prefix(keys, capacity, d.rows) if d.cursor is not None else ()
         batch = store._read_index(d.rows, prefix=prefix, sink=seen.append)
         moved = _snapshot_check(keys, d, seen, capacity)
         if moved is not None:

@@ -305,9 +305,8 @@ def _read_with_flags(
     ``(batch, cursor, limited, flags)``; None when the read went another way (a small store
     under churn is read whole, without the prefix)."""
     keys = store._conn.keys
-    whole = capacity <= _append_mod.FLAGS_READ_MAX
     seen: list[list[object]] = []
-    prefix = _append_mod.draw_check_prefix(keys, capacity, [] if whole else idx.tolist(), whole)
+    prefix = _append_mod.draw_check_prefix(keys, capacity, idx)
     batch = store._read_index(idx, prefix=prefix, sink=seen.append)
     if not seen:
         return None
@@ -320,19 +319,15 @@ def _written(store: TensorDictStore, flags: object, idx: torch.Tensor, capacity:
     read. ``full``: the snapshot showed the ring full, so the flags must cover every row; else
     the rows past their end (never reserved yet) are not written."""
     keys = store._conn.keys
-    if capacity <= _append_mod.FLAGS_READ_MAX:
-        marks = torch.frombuffer(bytearray(_flag_bytes(store, flags)), dtype=torch.uint8)
-        if marks.numel() < capacity:
-            if full:
-                raise CorruptMetadataError(
-                    f"sample() from {store._where()}: the row flags {keys.flags} hold {marks.numel()} bytes, "
-                    f"not one per row of the ring's {capacity}"
-                )
-            marks = torch.cat([marks, torch.zeros(capacity - marks.numel(), dtype=torch.uint8)])
-        return marks[idx] == 1
-    if not isinstance(flags, list) or len(flags) != idx.numel() or any(f not in (0, 1) for f in flags):
+    if full and isinstance(flags, bytes) and len(flags) < capacity:
+        raise CorruptMetadataError(
+            f"sample() from {store._where()}: the row flags {keys.flags} hold {len(flags)} bytes, "
+            f"not one per row of the ring's {capacity}"
+        )
+    written = _append_mod.rows_flagged(flags, idx, capacity)
+    if written is None:
         raise CorruptMetadataError(f"sample() from {store._where()}: the row flags {keys.flags} hold bytes other than 0 and 1")
-    return torch.tensor(flags, dtype=torch.bool)
+    return written
 
 
 class Flags(NamedTuple):
