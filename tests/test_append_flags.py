@@ -425,8 +425,9 @@ def test_draw_check_prefix_reads_the_whole_flags_up_to_the_threshold_and_the_row
     keys = StoreKeys("tensordict", "t")
     rows = torch.tensor([5, 0, 5])
     whole = _append.draw_check_prefix(keys, CAP, rows)
-    assert whole == [("GET", keys.ring), ("HGET", keys.meta, "lim"), ("GETRANGE", keys.flags, 0, CAP - 1)]
+    bracket = [("HGET", keys.meta, "lv"), ("GET", keys.wv), ("HGETALL", keys.appends)]
+    assert whole == [("GET", keys.ring), ("HGET", keys.meta, "lim"), ("GETRANGE", keys.flags, 0, CAP - 1), *bracket]
     monkeypatch.setattr(_append, "FLAGS_READ_MAX", CAP - 1)
     per_row = _append.draw_check_prefix(keys, CAP, rows)
-    assert per_row[:2] == whole[:2]
+    assert per_row[:2] == whole[:2] and per_row[3:] == bracket
     assert per_row[2] == ("BITFIELD", keys.flags, "GET", "u8", "#5", "GET", "u8", "#0", "GET", "u8", "#5")

@@ -586,11 +586,55 @@ def ring_flags(keys: StoreKeys, capacity: int, whole: bool) -> ReadStep[tuple[ob
 FLAGS_READ_MAX = 1 << 17
 
 
+def reserved_since(rows: torch.Tensor, before: int, after: int, capacity: int) -> torch.Tensor | None:
+    """Which of ``rows`` reservations may have reached while the ring cursor went from
+    ``before`` to ``after`` (positions ``before .. after - 1``, rows ``position % capacity``);
+    None when the cursor went back (a cursor set by hand): the caller checks otherwise."""
+    if after < before:
+        return None
+    span = after - before
+    if span >= capacity:
+        return torch.ones(rows.numel(), dtype=torch.bool)
+    return torch.remainder(rows - before % capacity, capacity) < span
+
+
+def bracket_reads(keys: StoreKeys) -> list[Command]:
+    """What :func:`bracket_holds` compares, read before a sample's rows and again after them:
+    the ring cursor, the layout version, the write version and the append counters (the
+    write version less the appends counts the writes that are not appends)."""
+    return [("GET", keys.ring), ("HGET", keys.meta, "lv"), ("GET", keys.wv), ("HGETALL", keys.appends)]
+
+
+def bracket_holds(keys: StoreKeys, before: Sequence[object], after: Sequence[object]) -> bool:
+    """Whether :func:`bracket_reads` read ``before`` and then ``after`` a read of ring rows
+    show that nothing but appends wrote in between: the same layout version, no write but
+    appends (every write moves the write version, an append its counter too, in the same
+    MULTI or script), and a cursor that did not go back. An append writes only rows that
+    its reservation, or its own MULTI, moved the cursor past, and rows reserved earlier are
+    unflagged until written: the caller leaves out the rows the cursor reached between the
+    two (:func:`reserved_since`). Anything damaged, missing or unexpected: False."""
+    try:
+        (c0, lv0, wv0, a0), (c1, lv1, wv1, a1) = before, after
+        if lv0 is None or isinstance(lv0, Exception) or lv0 != lv1:
+            return False
+        counts = []
+        for wv, appends in ((wv0, a0), (wv1, a1)):
+            if isinstance(appends, list):  # (HGETALL's reply as the placed read parses it: field, value, ...)
+                appends = dict(zip(appends[::2], appends[1::2], strict=True))
+            got, raw = check_counters(keys, appends, wv)
+            counts.append(int(raw or 0) - sum(int(v) for v in got.values()))
+        return counts[0] == counts[1] and parse_cursor(c1, keys) >= parse_cursor(c0, keys)
+    except (CorruptMetadataError, TypeError, ValueError):
+        return False
+
+
 def draw_check_prefix(keys: StoreKeys, capacity: int, rows: torch.Tensor) -> list[Command]:
     """Read commands for the snapshot of a sample's rows drawn before their flags were read
     (``store/ring.py``): the cursor, the meta field "lim" (a rate limiter is set) and the flags,
     of the whole ring where it has at most :data:`FLAGS_READ_MAX` rows (one GETRANGE), else
-    of ``rows`` (one BITFIELD). :func:`rows_flagged` reads the flags' reply."""
+    of ``rows`` (one BITFIELD); then the rest of :func:`bracket_reads`, for
+    :data:`DRAW_CHECK_BRACKET`. :func:`parse_draw_check` reads the replies (and
+    :func:`rows_flagged` the flags'), with the bracket's after them."""
     if capacity <= FLAGS_READ_MAX:
         flags: Command = ("GETRANGE", keys.flags, 0, max(capacity - 1, 0))
     else:
@@ -598,7 +642,18 @@ def draw_check_prefix(keys: StoreKeys, capacity: int, rows: torch.Tensor) -> lis
         for r in rows.tolist():
             args += ["GET", "u8", f"#{r}"]
         flags = ("BITFIELD", keys.flags, *args)
-    return [("GET", keys.ring), ("HGET", keys.meta, "lim"), flags]
+    return [("GET", keys.ring), ("HGET", keys.meta, "lim"), flags, *bracket_reads(keys)[1:]]
+
+
+def draw_check_bracket(keys: StoreKeys) -> tuple[list[Command], Callable[[list[object], list[object]], bool]]:
+    """The ``bracket`` of a read whose prefix is :func:`draw_check_prefix` (see
+    ``step.with_prefix``): :func:`bracket_reads` again after the rows, and
+    :func:`bracket_holds`, which lets the rows be read outside a MULTI."""
+
+    def holds(before: list[object], after: list[object]) -> bool:
+        return bracket_holds(keys, [before[0], *before[3:6]], after)
+
+    return bracket_reads(keys), holds
 
 
 def rows_flagged(flags: object, rows: torch.Tensor, capacity: int) -> torch.Tensor | None:
@@ -618,14 +673,17 @@ def rows_flagged(flags: object, rows: torch.Tensor, capacity: int) -> torch.Tens
     return torch.tensor(flags, dtype=torch.bool)
 
 
-def parse_draw_check(keys: StoreKeys, replies: Sequence[object]) -> tuple[object, bool, object]:
-    """The replies of :func:`draw_check_prefix`: ``(cursor, limited, flags)``."""
-    cursor, lim, flags = replies
-    for reply in (cursor, lim):
+def parse_draw_check(keys: StoreKeys, replies: Sequence[object]) -> tuple[object, bool, object, object]:
+    """The replies of :func:`draw_check_prefix` (and of :func:`draw_check_bracket`'s reads
+    after the rows, when the read had them): ``(cursor, limited, flags, cursor after)``; the
+    cursor after the rows is the one before where nothing was read after them."""
+    cursor, lim, flags = replies[:3]
+    after = replies[6] if len(replies) > 6 else cursor
+    for reply in (cursor, lim, after):
         if isinstance(reply, Exception):
             raise CorruptMetadataError(f"the ring counters of the store {keys.base} cannot be read: {reply}")
     _check_flags_reply(keys, flags)
-    return cursor, lim is not None, flags
+    return cursor, lim is not None, flags, after
 
 
 async def flag_bytes(client: AsyncClient, keys: StoreKeys, rows: Sequence[int]) -> list[int]:

@@ -238,13 +238,19 @@ class _Replies:
 
 
 def exchange(
-    client: SyncClient, commands: Sequence[Command], targets: Mapping[int, memoryview], *, transaction: bool
+    client: SyncClient, commands: Sequence[Command], targets: Mapping[int, memoryview], *, transaction: bool,
+    split: tuple[int, int] | None = None,
 ) -> list[object]:
     """``commands`` in one packet (in a MULTI/EXEC with ``transaction``) on a connection of
     the blocking ``client``; their replies, errors as values, the ones received into
     ``targets[i]`` (by command index) replaced by :data:`PLACED`. What
     :func:`tdstore._backend.blocking.exchange` / ``transaction`` return otherwise, and
-    raises the same."""
+    raises the same.
+
+    ``split`` ``(head, tail)``, with ``transaction``: the first ``head`` commands in one
+    MULTI, the last ``tail`` in another, and those between them plain, all in the same
+    packet; the replies come back as one MULTI's would. (Those between are not a snapshot:
+    see ``ReadStep.split``.)"""
     connection = take_spare(client)
     try:
         if _durability.of(connection) is not None:  # (the ordinary exchange adds its WAIT)
@@ -255,22 +261,22 @@ def exchange(
         if sock is None:
             raise redis.exceptions.ConnectionError("no socket to read a placed read from")
         parse_error = _wire.error_parser(connection)
-        sent = [("MULTI",), *commands, ("EXEC",)] if transaction else list(commands)
-        _wire.send_sync(connection, _wire.packed(sent))
-        replies = _Replies(sock, parse_error)
-        if transaction:
-            if replies.skip(b"+OK\r\n" + b"+QUEUED\r\n" * len(commands)):
-                head = []
-            else:
-                head = [replies.reply() for _ in range(len(commands) + 1)]
-            result = replies.reply(targets=targets)
-            for reply in head:
-                if isinstance(reply, Exception):
-                    raise reply
-            if not isinstance(result, list) or len(result) != len(commands):
-                raise redis.exceptions.ResponseError(f"EXEC answered {result!r:.100} to a MULTI of {len(commands)} commands")
-            out = result
+        if transaction and split is not None:
+            head, tail = split
+            mid = len(commands) - head - tail
+            sent = [("MULTI",), *commands[:head], ("EXEC",), *commands[head : head + mid], ("MULTI",), *commands[head + mid :], ("EXEC",)]
+            _wire.send_sync(connection, _wire.packed(sent))
+            replies = _Replies(sock, parse_error)
+            out = _exec_reply(replies, head, {})
+            out += [replies.reply(targets.get(head + i)) for i in range(mid)]
+            out += _exec_reply(replies, tail, {})
+        elif transaction:
+            _wire.send_sync(connection, _wire.packed([("MULTI",), *commands, ("EXEC",)]))
+            replies = _Replies(sock, parse_error)
+            out = _exec_reply(replies, len(commands), targets)
         else:
+            _wire.send_sync(connection, _wire.packed(list(commands)))
+            replies = _Replies(sock, parse_error)
             out = [replies.reply(targets.get(i)) for i in range(len(commands))]
         if replies.pos != replies.end:
             raise redis.exceptions.InvalidResponse("the server sent more than the replies of a placed read")
@@ -285,3 +291,19 @@ def exchange(
         raise
     keep_spare(client, connection)
     return out
+
+
+def _exec_reply(replies: _Replies, count: int, targets: Mapping[int, memoryview]) -> list[object]:
+    """The replies of a MULTI of ``count`` commands (its OK, QUEUEDs, then EXEC's array), as
+    EXEC's items; a command refused at queueing (or an aborted EXEC) raises."""
+    if replies.skip(b"+OK\r\n" + b"+QUEUED\r\n" * count):
+        head = []
+    else:
+        head = [replies.reply() for _ in range(count + 1)]
+    result = replies.reply(targets=targets)
+    for reply in head:
+        if isinstance(reply, Exception):
+            raise reply
+    if not isinstance(result, list) or len(result) != count:
+        raise redis.exceptions.ResponseError(f"EXEC answered {result!r:.100} to a MULTI of {count} commands")
+    return result

@@ -287,29 +287,18 @@ def _draw_cursor(reply: Sequence[object], keys: StoreKeys) -> int | None:
         return None
 
 
-def _reserved_since(rows: torch.Tensor, before: int, after: int, capacity: int) -> torch.Tensor | None:
-    """Which of ``rows`` reservations may have reached while the ring cursor went from
-    ``before`` to ``after`` (positions ``before .. after - 1``, rows ``position % capacity``);
-    None when the cursor went back (a cursor set by hand): the caller checks otherwise."""
-    if after < before:
-        return None
-    span = after - before
-    if span >= capacity:
-        return torch.ones(rows.numel(), dtype=torch.bool)
-    return torch.remainder(rows - before % capacity, capacity) < span
-
-
 def _snapshot_check(keys: StoreKeys, d: _Drawn, seen: list[list[object]], capacity: int) -> torch.Tensor | None:
     """Which drawn rows the snapshot of the read (``draw_check_prefix``'s replies) shows as not
-    to be returned: reached by a reservation since the draw, or not flagged as written. None
+    to be returned: reached by a reservation from the draw to the cursor read after the rows,
+    or not flagged as written. None
     where the snapshot cannot tell (no snapshot, the cursor went back, a damaged reply, or no
     drawn row flagged, as where the flags are gone): the caller then checks the rows'
     generations and flags in a step of their own (``lua/prio_check.lua``)."""
     if not seen or d.cursor is None:
         return None
     try:
-        cursor, _limited, flags = _append.parse_draw_check(keys, seen[-1])
-        moved = _reserved_since(d.rows, d.cursor, _append.parse_cursor(cursor, keys), capacity)
+        _cursor, _limited, flags, after = _append.parse_draw_check(keys, seen[-1])
+        moved = _append.reserved_since(d.rows, d.cursor, _append.parse_cursor(after, keys), capacity)
     except CorruptMetadataError:
         return None
     if moved is None:
@@ -386,14 +375,16 @@ def sample(
     for _ in range(_REDRAWS):
         d, acquire = _draw(store, todo.numel(), generator, acquire), None  # (a sample counts once)
         p_min, beta = min(p_min, d.p_min), d.beta
-        # the rows, with the cursor and their flags in the same snapshot: a row no reservation
-        # reached since the draw still holds the generation drawn (appends move it), so no
-        # check step; and it is flagged still, unless the read went to a promoted replica
-        # that lacks the write which flagged it (its bytes there are not that row's): such a
-        # row is drawn again
+        # the rows, with the cursor and their flags read just before them (in one snapshot,
+        # or between two MULTIs that show no write but appends meanwhile) and the cursor
+        # after them: a row no reservation reached from the draw to that cursor still holds
+        # the generation drawn (appends move it), so no check step; and it is flagged still,
+        # unless the read went to a promoted replica that lacks the write which flagged it
+        # (its bytes there are not that row's): such a row is drawn again
         seen: list[list[object]] = []
         prefix = _append.draw_check_prefix(keys, capacity, d.rows) if d.cursor is not None else ()
-        batch = store._read_index(d.rows, prefix=prefix, sink=seen.append)
+        bracket = _append.draw_check_bracket(keys) if d.cursor is not None else None
+        batch = store._read_index(d.rows, prefix=prefix, sink=seen.append, bracket=bracket)
         moved = _snapshot_check(keys, d, seen, capacity)
         if moved is not None:
             ok = ~moved

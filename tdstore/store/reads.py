@@ -392,9 +392,11 @@ class StoreReads(DenseBase):
     def _read_index(
         self, index: IndexType, only: tuple[str, ...] | None = None,
         prefix: Sequence[Command] = (), sink: Callable[[list[object]], None] | None = None,
+        bracket: tuple[Sequence[Command], Callable[[list[object], list[object]], bool]] | None = None,
     ) -> TensorDictBase | torch.Tensor:
         """``self[index]`` (or, ``only``, one entry of it). ``prefix``: read commands sent first
-        in the same snapshot as the rows, their replies given to ``sink`` (see
+        in the same snapshot as the rows, their replies given to ``sink``; ``bracket``: the
+        rows may be read between two MULTIs instead of in one (see
         :func:`~tdstore._backend.step.with_prefix`; a read that ends up another way, such as
         a small store read whole under churn, does not call ``sink``)."""
         conn = self._conn
@@ -450,7 +452,7 @@ class StoreReads(DenseBase):
             place = conn.owned_replies  # (large runs received into their tensor: tdstore/_backend/placed.py)
             try:
                 lv, parts = conn.read_step(
-                    lambda r: _step.with_prefix(_run_reads.runs_step(conn.keys, r, plans, gathers, sizes, place), prefix, sink)
+                    lambda r: _step.with_prefix(_run_reads.runs_step(conn.keys, r, plans, gathers, sizes, place), prefix, sink, bracket)
                     if sink is not None
                     else _run_reads.runs_step(conn.keys, r, plans, gathers, sizes, place),
                 )

@@ -272,7 +272,7 @@ def _read_flagged(store: TensorDictStore, idx: torch.Tensor, capacity: int) -> t
     got = _read_with_flags(store, idx, capacity)
     if got is None or (capacity <= _append_mod.FLAGS_READ_MAX and not got[3]):
         return None
-    return got[0], _written(store, got[3], idx, capacity, full=False)
+    return got[0], _written(store, got[3], idx, capacity, full=False) & ~got[4]
 
 
 def read_drawn(store: TensorDictStore, idx: torch.Tensor) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor] | None:
@@ -287,31 +287,37 @@ def read_drawn(store: TensorDictStore, idx: torch.Tensor) -> tuple[TensorDictBas
     got = _read_with_flags(store, idx, capacity)
     if got is None:  # (read another way: a small store under churn is read whole)
         return None
-    batch, cursor, limited, flags = got
+    batch, cursor, limited, flags, reached = got
     if limited or _append_mod.parse_cursor(cursor, conn.keys) < capacity or not flags:
         conn.ring_full = False  # (no flags: a ring appended to before they existed, read as such)
         return None
     if isinstance(flags, list) and not any(flags):
         conn.ring_full = False
         return None  # (no row drawn is written: the flags may be gone; read them first)
-    return batch, idx, _written(store, flags, idx, capacity, full=True)
+    return batch, idx, _written(store, flags, idx, capacity, full=True) & ~reached
 
 
 def _read_with_flags(
     store: TensorDictStore, idx: torch.Tensor, capacity: int
-) -> tuple[TensorDictBase, object, bool, object] | None:
-    """Rows ``idx`` read in one snapshot with the cursor, the rate-limiter mark and the flags (of
-    the whole ring where it has at most ``FLAGS_READ_MAX`` rows, else of ``idx``):
-    ``(batch, cursor, limited, flags)``; None when the read went another way (a small store
-    under churn is read whole, without the prefix)."""
+) -> tuple[TensorDictBase, object, bool, object, torch.Tensor] | None:
+    """Rows ``idx`` read with the cursor, the rate-limiter mark and the flags (of the whole
+    ring where it has at most ``FLAGS_READ_MAX`` rows, else of ``idx``) read just before
+    them: ``(batch, cursor, limited, flags, reached)``; None when the read went another way
+    (a small store under churn is read whole, without the prefix). The rows are read in one
+    snapshot with the rest, or between two MULTIs that show that nothing but appends wrote
+    meanwhile (``_append.draw_check_bracket``); ``reached[i]`` then says whether an append
+    reserved row ``idx[i]`` meanwhile (its bytes may be torn: not to be kept)."""
     keys = store._conn.keys
     seen: list[list[object]] = []
     prefix = _append_mod.draw_check_prefix(keys, capacity, idx)
-    batch = store._read_index(idx, prefix=prefix, sink=seen.append)
+    batch = store._read_index(idx, prefix=prefix, sink=seen.append, bracket=_append_mod.draw_check_bracket(keys))
     if not seen:
         return None
-    cursor, limited, flags = _append_mod.parse_draw_check(keys, seen[-1])
-    return batch, cursor, limited, flags
+    cursor, limited, flags, after = _append_mod.parse_draw_check(keys, seen[-1])
+    reached = _append_mod.reserved_since(idx, _append_mod.parse_cursor(cursor, keys), _append_mod.parse_cursor(after, keys), capacity)
+    if reached is None:  # (the bracket held: the cursor did not go back)
+        raise CorruptMetadataError(f"sample() from {store._where()}: the ring cursor {keys.ring} went back during a read")
+    return batch, cursor, limited, flags, reached
 
 
 def _written(store: TensorDictStore, flags: object, idx: torch.Tensor, capacity: int, full: bool) -> torch.Tensor:
