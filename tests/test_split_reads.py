@@ -208,3 +208,22 @@ def test_threads_rewriting_and_appending_never_give_a_torn_row(store, spies, rea
     assert not errors, errors
     assert samples >= 10 and spies["split"] >= 10
     assert bad == 0
+
+
+@pytest.mark.parametrize("damage", ["wv", "appends"])
+def test_damaged_versions_send_the_read_again_in_one_multi(store, spies, real_server, damage):
+    """A write version or append counters that are not counts: the bracket cannot tell, and
+    the read goes again in one MULTI, whose rows are a snapshot whatever the versions hold."""
+    client = real_server.sync_client()
+    keys = store._conn.keys
+    try:
+        if damage == "wv":
+            client.set(keys.wv, b"not a count")
+        else:
+            client.hset(keys.appends, "a:", b"1.5")
+        batch = store.sample(N, generator=torch.Generator().manual_seed(4))
+        assert spies["split"] == 1 and spies["broken"] == 1 and spies["held"] == 0
+        assert torn(batch) == 0
+        assert batch["tag"].tolist() == [int(store["tag"][i]) for i in batch["tag"].tolist()]
+    finally:
+        client.close()
