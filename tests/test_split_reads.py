@@ -55,12 +55,13 @@ def store(real_server):
 @pytest.fixture
 def spies(monkeypatch):
     """Counts the split reads sent and what their brackets showed."""
-    seen = {"split": 0, "held": 0, "broken": 0}
+    seen = {"split": 0, "held": 0, "broken": 0, "exchanges": 0}
     real_exchange = _step._placed.exchange
     real_holds = _append.bracket_holds
 
     def exchange(*args, **kwargs):
         seen["split"] += kwargs.get("split") is not None
+        seen["exchanges"] += 1
         return real_exchange(*args, **kwargs)
 
     def holds(*args):
@@ -227,3 +228,42 @@ def test_damaged_versions_send_the_read_again_in_one_multi(store, spies, real_se
         assert batch["tag"].tolist() == [int(store["tag"][i]) for i in batch["tag"].tolist()]
     finally:
         client.close()
+
+
+def test_an_indexed_read_of_many_large_rows_goes_between_two_multis(store, spies):
+    """``store[idx]`` of many large rows: the layout and write versions in a MULTI before
+    and after the rows; nothing written in between, so one exchange."""
+    idx = torch.randperm(CAP, generator=torch.Generator().manual_seed(5))[:N]
+    batch = store[idx]
+    assert spies["split"] == 1 and spies["exchanges"] == 1
+    assert torn(batch) == 0 and batch["tag"].tolist() == idx.tolist()
+
+
+@pytest.mark.parametrize("write", ["rewrite", "append"])
+def test_a_write_between_an_indexed_read_reads_again_in_one_multi_then_cools(store, spies, monkeypatch, real_server, write):
+    """Any write between the two MULTIs of ``store[idx]`` (an append too: an indexed read
+    does not know which rows appends reached) sends the read again in one MULTI: the rows
+    are all from after the write, none torn. The handle's next SPLIT_COOL indexed reads go
+    in one MULTI, the one after between two again."""
+    from tdstore._backend import reads as _reads
+
+    other = TensorDictStore.from_store(td_id=store.td_id, **real_server.connection_kwargs())
+    try:
+        if write == "rewrite":
+            action = lambda: other.__setitem__(slice(None), rows(list(range(1000, 1000 + CAP))))  # noqa: E731
+        else:
+            action = lambda: other.extend(rows(list(range(1000, 1000 + CAP))))  # noqa: E731
+        done = write_between(monkeypatch, action)
+        idx = torch.randperm(CAP, generator=torch.Generator().manual_seed(6))[:N]
+        batch = store[idx]
+        assert done == [1]
+        assert spies["split"] == 1 and spies["exchanges"] == 2  # (the split read, then one MULTI)
+        assert torn(batch) == 0 and batch["tag"].tolist() == [1000 + i for i in idx.tolist()]
+        assert store._conn.split_cool == _reads.SPLIT_COOL
+        for _ in range(_reads.SPLIT_COOL):
+            store[idx]
+        assert spies["split"] == 1 and store._conn.split_cool == 0
+        store[idx]
+        assert spies["split"] == 2
+    finally:
+        other.close()

@@ -159,6 +159,9 @@ class Connection:
         #: the last read of the ring showed it full and without a rate limiter: sample() draws
         #: its rows before reading their flags (tdstore/store/ring.py)
         self.ring_full = False
+        #: reads left before an indexed read goes between two MULTIs again, after one whose
+        #: bracket showed a write (tdstore/_backend/reads.py, unwritten_bracket)
+        self.split_cool = 0
         self.max_bulk = DEFAULT_MAX_BULK
         self.max_query = DEFAULT_MAX_QUERY
 

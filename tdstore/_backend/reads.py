@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "runs_step", "read_runs", "choose_read", "choose_read_rows", "READ_ONE_MAX", "GATHER_MAX_RUN", "GATHER_MIN_RUNS", "BITFIELD_ROWS",
+    "runs_step", "read_runs", "choose_read", "choose_read_rows", "unwritten_bracket", "READ_ONE_MAX", "GATHER_MAX_RUN",
+    "GATHER_MIN_RUNS", "BITFIELD_ROWS", "SPLIT_COOL",
 ]
 
 
@@ -353,6 +354,31 @@ def _split_runs(
                 at += n
             out.append(runs)
     return lv, out
+
+
+#: Indexed reads that go in one MULTI after one read between two MULTIs
+#: (:func:`unwritten_bracket`) found a write in between: where writes keep coming, a read
+#: that has to go again costs more than the MULTI's queueing saves.
+SPLIT_COOL = 16
+
+
+def unwritten_bracket(
+    keys: StoreKeys, on_broken: Callable[[], None]
+) -> tuple[list[Command], tuple[list[Command], Callable[[list[object], list[object]], bool]]]:
+    """``(prefix, bracket)`` for ``step.with_prefix``: an indexed read of many runs that may go
+    between two MULTIs (``step.Split``), each reading the layout version and the write
+    version; it holds where both are the same after as before (every write moves the write
+    version, in its MULTI or script: no write came between), else the read goes again in
+    one MULTI and ``on_broken()`` is called."""
+    reads: list[Command] = [("HGET", keys.meta, "lv"), ("GET", keys.wv)]
+
+    def holds(before: list[object], after: list[object]) -> bool:
+        same = before == after and before[0] is not None and not any(isinstance(r, Exception) for r in before)
+        if not same:
+            on_broken()
+        return same
+
+    return reads, (reads, holds)
 
 
 #: Rows of these sizes (bytes) that would go by the gather script go by BITFIELD_RO instead,

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from tensordict.utils import DeviceType, IndexType
 
     from tdstore._backend.protocols import AsyncClient
+    from tdstore._backend.scripts import ScriptRunner
+    from tdstore._backend.step import ReadStep
     from tdstore._core.layout import Command
 
 __all__ = ["StoreReads"]
@@ -450,12 +452,20 @@ class StoreReads(DenseBase):
                     gathers.append(None)
             sizes = self._entry_sizes(layout, plan)
             place = conn.owned_replies  # (large runs received into their tensor: tdstore/_backend/placed.py)
+            def build(runner: ScriptRunner) -> ReadStep[tuple[int | None, list[list[bytes]]]]:
+                step = _run_reads.runs_step(conn.keys, runner, plans, gathers, sizes, place)
+                if sink is not None:
+                    return _step.with_prefix(step, prefix, sink, bracket)
+                if step.how != "snapshot" or step.placed is None or len(step.commands) < _step.SPLIT_MIN:
+                    return step
+                if conn.split_cool > 0:  # (a read found a write between its two MULTIs lately)
+                    conn.split_cool -= 1
+                    return step
+                head, around = _run_reads.unwritten_bracket(conn.keys, lambda: setattr(conn, "split_cool", _run_reads.SPLIT_COOL))
+                return _step.with_prefix(step, head, lambda _replies: None, around)
+
             try:
-                lv, parts = conn.read_step(
-                    lambda r: _step.with_prefix(_run_reads.runs_step(conn.keys, r, plans, gathers, sizes, place), prefix, sink, bracket)
-                    if sink is not None
-                    else _run_reads.runs_step(conn.keys, r, plans, gathers, sizes, place),
-                )
+                lv, parts = conn.read_step(build)
             except _run_reads.SizeMismatch as bad:
                 if bad.lv == layout.lv:
                     raise self._size_error(plan[bad.index], bad) from None
