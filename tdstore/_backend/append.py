@@ -633,7 +633,7 @@ def draw_check_prefix(keys: StoreKeys, capacity: int, rows: torch.Tensor) -> lis
     (``store/ring.py``): the cursor, the meta field "lim" (a rate limiter is set) and the flags,
     of the whole ring where it has at most :data:`FLAGS_READ_MAX` rows (one GETRANGE), else
     of ``rows`` (one BITFIELD); then the rest of :func:`bracket_reads`, for
-    :data:`DRAW_CHECK_BRACKET`. :func:`parse_draw_check` reads the replies (and
+    :func:`draw_check_bracket`. :func:`parse_draw_check` reads the replies (and
     :func:`rows_flagged` the flags'), with the bracket's after them."""
     if capacity <= FLAGS_READ_MAX:
         flags: Command = ("GETRANGE", keys.flags, 0, max(capacity - 1, 0))
